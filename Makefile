@@ -1,0 +1,29 @@
+# Both targets set up everything on a fresh machine: .venv is created when missing and the project
+# (with its dev extra) is installed into it. torch==2.13.0 is pinned here so pip takes the CPU wheel
+# that lies on disk on CI machines; on a CUDA machine pip picks the CUDA build of the same release.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pipeline.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) bench/schedules.py
+
+clean:
+	rm -rf $(VENV) runs

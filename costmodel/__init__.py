@@ -1,0 +1,1 @@
+"""Analytic cost model: hardware specs, per-op pricing and `predict()` (see ../shared/docs/costmodel.md)."""

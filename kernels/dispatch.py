@@ -1,0 +1,67 @@
+"""Choose the implementation of the mHC ops: fused Triton or the pure-PyTorch reference.
+
+'auto': fused on CUDA when triton imports; on CPU fused only while TRITON_INTERPRET=1 is set and the kernels
+were built for the interpreter (the variable was set when kernels.fused was first imported, as the kernel
+tests do); reference otherwise. 'fused' raises a clear error when it cannot run. triton is imported lazily, so
+`import kernels` works on machines without it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+_BACKENDS = ("auto", "reference", "fused")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _fused_module() -> ModuleType:
+    return importlib.import_module("kernels.fused")
+
+
+def resolve(backend: str, x: torch.Tensor) -> ModuleType:
+    """Return the module (kernels.reference or kernels.fused) that implements the ops for tensor x."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; choose one of {', '.join(_BACKENDS)}")
+    if backend == "reference":
+        return reference
+    fused_ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    if backend == "auto":
+        if not triton_available() or not fused_ok_dtype:
+            return reference
+        if x.is_cuda:
+            fused = _fused_module()
+            return reference if fused.INTERPRETED else fused
+        if _interpret_env():
+            fused = _fused_module()
+            return fused if fused.INTERPRETED else reference
+        return reference
+    # backend == "fused": the caller asked for it explicitly, so failing loudly beats a silent fallback.
+    if not triton_available():
+        raise ValueError("backend='fused' needs the 'triton' package; install the dev extra or use backend='auto'")
+    if not fused_ok_dtype:
+        raise ValueError(f"backend='fused' takes fp32 or bf16 streams, got {x.dtype}; use backend='reference'")
+    fused = _fused_module()
+    if x.is_cuda and fused.INTERPRETED:
+        raise ValueError("backend='fused' on CUDA, but kernels.fused was imported under TRITON_INTERPRET=1; "
+                         "unset it before the first import")
+    if not x.is_cuda and not (fused.INTERPRETED and _interpret_env()):
+        raise ValueError("backend='fused' on a CPU tensor needs TRITON_INTERPRET=1, set before kernels.fused is "
+                         "first imported and while the kernels run; or move the tensors to CUDA, or use "
+                         "backend='auto'/'reference'")
+    return fused

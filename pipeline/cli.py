@@ -1,0 +1,43 @@
+"""`mhcpipe`: one command line, one subcommand module per capability.
+
+Each module in SUBCOMMANDS defines `register(subparsers)`, which adds its parser and sets `func` to a callable
+taking the parsed args and returning an exit code. User errors (bad flags, bad files) raise `CliError` or
+`ValueError`; they are printed as one line and exit 2, never as a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = (
+    "schedules.cli",
+    "pipeline.demo",
+    "traces.cli",
+)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as `mhcpipe: error: ...` with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhcpipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in SUBCOMMANDS:
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        print(f"mhcpipe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""What each action needs and produces: the one definition of schedule semantics.
+
+The explicit dependency graph (`graph.py`), validation and the event simulator all derive their edges from
+`needs`/`produces`, so they cannot disagree about what a schedule means.
+
+Keys (all per (stage, mb) of one chunk):
+  ("F", s, m)   forward output of stage s exists on its rank
+  ("G", s, m)   input-grad of stage s exists on its rank (from I, B, or the backward half of FB)
+  ("I", s, m)   an input-grad-only backward ran (a W may follow)
+  ("XF", s, m)  forward output of stage s has arrived on the rank of the next stage (RECV_F done)
+  ("XG", s, m)  input-grad of stage s has arrived on the rank of the previous stage (RECV_B done)
+P2P actions carry the *producer's* stage: SEND_F(s, m) and RECV_F(s, m) move F(s, m)'s output.
+"""
+from __future__ import annotations
+
+from schedules.ir import Action, Kind, Schedule
+
+Key = tuple[str, int, int]
+
+
+class Topology:
+    """Stage neighbours and placement of one schedule, precomputed for fast lookups."""
+
+    __slots__ = ("stage_to_rank", "prev", "next")
+
+    def __init__(self, schedule: Schedule):
+        self.stage_to_rank = schedule.stage_to_rank
+        self.prev = schedule.prev_stage()
+        self.next = schedule.next_stage()
+
+
+def needs(a: Action, rank: int, topo: Topology) -> list[Key]:
+    kind = a.kind
+    if kind is Kind.F:
+        return _forward_needs(a.stage, a.mb, rank, topo)
+    if kind is Kind.I or kind is Kind.B:
+        return _backward_needs(a.stage, a.mb, rank, topo)
+    if kind is Kind.W:
+        return [("I", a.stage, a.mb)]
+    if kind is Kind.FB:
+        return _forward_needs(a.stage, a.mb, rank, topo) + _backward_needs(a.b_stage, a.b_mb, rank, topo)
+    if kind is Kind.SEND_F:
+        return [("F", a.stage, a.mb)]
+    if kind is Kind.SEND_B:
+        return [("G", a.stage, a.mb)]
+    return []  # RECV_*: posting needs nothing; completion is a transfer (see graph.py / simulate.py)
+
+
+def produces(a: Action) -> list[Key]:
+    kind = a.kind
+    if kind is Kind.F:
+        return [("F", a.stage, a.mb)]
+    if kind is Kind.I:
+        return [("G", a.stage, a.mb), ("I", a.stage, a.mb)]
+    if kind is Kind.B:
+        return [("G", a.stage, a.mb)]
+    if kind is Kind.FB:
+        return [("F", a.stage, a.mb), ("G", a.b_stage, a.b_mb)]
+    if kind is Kind.RECV_F:
+        return [("XF", a.stage, a.mb)]
+    if kind is Kind.RECV_B:
+        return [("XG", a.stage, a.mb)]
+    return []
+
+
+def _forward_needs(stage: int, mb: int, rank: int, topo: Topology) -> list[Key]:
+    prev = topo.prev.get(stage)
+    if prev is None:
+        return []
+    return [("F", prev, mb) if topo.stage_to_rank[prev] == rank else ("XF", prev, mb)]
+
+
+def _backward_needs(stage: int, mb: int, rank: int, topo: Topology) -> list[Key]:
+    out: list[Key] = [("F", stage, mb)]
+    nxt = topo.next.get(stage)
+    if nxt is not None:
+        out.append(("G", nxt, mb) if topo.stage_to_rank[nxt] == rank else ("XG", nxt, mb))
+    return out

@@ -1,0 +1,118 @@
+"""`mhcpipe view` and `mhcpipe compare`.
+
+    mhcpipe view TRACE [--predicted PRED] -o out.png|.svg|.html|.json
+    mhcpipe compare PRED MEAS [--baseline-pred P --baseline-meas M] [--json out.json] [--markdown out.md]
+                    [--plot overhead.png]
+
+TRACE, PRED and MEAS are any format `traces.io.load_trace` reads (our JSON, Chrome/Perfetto JSON, PyTorch profiler
+JSON[.gz], Nsight Systems SQLite, nsys stats NVTX CSV[.xz]) or a folder of per-rank files.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from traces.chrome import chrome_to_traces, is_predicted, save_chrome, validate_chrome, to_chrome
+from traces.compare import compare
+from traces.io import load_trace, sniff
+from traces.kineto import is_kineto, read_json
+from traces.report import to_markdown, to_text, write_json, write_markdown
+from traces.trace import FORMAT_NAME, Trace, TraceError
+
+VIEW_SUFFIXES = (".png", ".svg", ".html", ".json")
+
+
+def register(subparsers) -> None:
+    v = subparsers.add_parser("view", help="draw a trace (and its prediction): png, svg, html or Perfetto json",
+                              description=__doc__)
+    v.add_argument("trace", help="measured (or any) trace file, or a folder of per-rank files")
+    v.add_argument("--predicted", help="predicted trace drawn above the measured one, on the same time axis")
+    v.add_argument("-o", "--output", required=True, help="output file: .png, .svg, .html or .json (Perfetto)")
+    v.add_argument("--title", default="", help="picture title")
+    v.add_argument("--streams", default=None,
+                   help="comma-separated streams to draw (default: all, e.g. compute,hp,comm,cuda:7)")
+    v.add_argument("--rank", type=int, default=None, help="rank of a single-process trace file without rank info")
+    v.set_defaults(func=run_view)
+
+    c = subparsers.add_parser("compare", help="predicted vs measured: per-op error, makespan, bubbles, overhead",
+                              description=__doc__)
+    c.add_argument("pred", help="predicted trace")
+    c.add_argument("meas", help="measured trace (file or folder of per-rank files)")
+    c.add_argument("--baseline-pred", help="predicted trace of the baseline (no mHC) run")
+    c.add_argument("--baseline-meas", help="measured trace of the baseline (no mHC) run")
+    c.add_argument("--json", dest="json_out", help="write the comparison as JSON here")
+    c.add_argument("--markdown", dest="md_out", help="write the comparison as Markdown here")
+    c.add_argument("--plot", dest="plot_out", help="write the mHC overhead breakdown chart here (.png/.svg; needs "
+                                                   "the baseline pair)")
+    c.set_defaults(func=run_compare)
+
+
+def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
+    """All traces in a file: a Chrome file of ours may hold a predicted and a measured trace."""
+    p = Path(path)
+    if p.is_file() and sniff(p) == "json":
+        data = read_json(p)
+        if isinstance(data, dict) and data.get("format") != FORMAT_NAME and not is_kineto(data) \
+                and "traceEvents" in data:
+            return chrome_to_traces(data, source=str(p))
+    return [load_trace(p, rank=rank)]
+
+
+def run_view(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    suffix = out.suffix.lower()
+    if suffix not in VIEW_SUFFIXES:
+        raise TraceError(f"output {out.name!r}: use one of {', '.join(VIEW_SUFFIXES)}")
+    traces = _traces_in(args.trace, rank=args.rank)
+    if args.predicted:
+        pred = load_trace(args.predicted, which="predicted")
+        if not is_predicted(pred):
+            pred.meta = {**pred.meta, "source": "predicted"}
+        traces = [pred] + [t for t in traces if not is_predicted(t)]
+    traces.sort(key=lambda t: not is_predicted(t))  # predicted rows on top
+    streams = tuple(s.strip() for s in args.streams.split(",")) if args.streams else None
+    if suffix == ".json":
+        problems = validate_chrome(to_chrome(*traces))
+        if problems:
+            raise TraceError(f"internal: the Chrome export is malformed: {problems[0]}")
+        save_chrome(out, *traces)
+    elif suffix == ".html":
+        from traces.view import markdown_tables_to_html, write_html
+        comparison = ""
+        preds = [t for t in traces if is_predicted(t)]
+        meass = [t for t in traces if not is_predicted(t)]
+        if preds and meass:
+            comparison = markdown_tables_to_html(to_markdown(compare(preds[0], meass[0])))
+        write_html(out, traces, title=args.title or _title(args), comparison_html=comparison, streams=streams)
+    else:
+        from traces.view import write_picture
+        write_picture(out, traces, title=args.title or _title(args), streams=streams)
+    n = sum(len(t.spans) for t in traces)
+    print(f"wrote {out} ({n} spans, {sum(len(t.ranks) for t in traces)} rank rows)")
+    return 0
+
+
+def _title(args: argparse.Namespace) -> str:
+    return Path(args.trace).name + (f" vs prediction {Path(args.predicted).name}" if args.predicted else "")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    if bool(args.baseline_pred) != bool(args.baseline_meas):
+        raise TraceError("--baseline-pred and --baseline-meas go together: give both (the baseline run's "
+                         "prediction and measurement) or neither")
+    pred = load_trace(args.pred, which="predicted")
+    meas = load_trace(args.meas, which="measured")
+    baseline = None
+    if args.baseline_pred:
+        baseline = (load_trace(args.baseline_pred, which="predicted"), load_trace(args.baseline_meas, which="measured"))
+    comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
+    sys.stdout.write(to_text(comp))
+    if args.json_out:
+        write_json(comp, args.json_out)
+    if args.md_out:
+        write_markdown(comp, args.md_out)
+    if args.plot_out:
+        from traces.view import plot_overhead
+        plot_overhead(comp, args.plot_out)
+    return 0

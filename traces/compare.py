@@ -1,0 +1,411 @@
+"""Predicted vs measured: match spans 1:1 and report the errors (costmodel.md §4, traces.md §5).
+
+Matching: schedule spans (an op kind of traces.md §5 with a stage; mHC kernel parts like `F/s3/mb7/L12.post_res`
+count as kind `F.post_res`) are joined on (rank, kind, stage, micro-batch, FB partner, part). When the measured
+trace holds several steps (each key k times, the prediction once), every measured instance is compared with the
+prediction and the instance order (by start) is the step index. Unmatched spans on either side are listed.
+
+Per op e = (pred - meas) / meas: signed median, median |e| and p90 |e| per kind with counts. Makespan: end of the
+last minus start of the first schedule span of a step (median over measured steps, with min/max as the
+run-to-run spread); relative error in %. Per rank: busy (union of compute + hp spans), idle = makespan - busy,
+bubble fraction, exposed communication = comm time not under compute. Overhead (with a baseline pair):
+T_mHC / T_base - 1, predicted and measured each from their own baseline, difference in percentage points.
+
+Clocks: spans of different ranks are compared on their trace's time axis, which assumes one clock per trace
+(one host, or nsys/Kineto files aligned by the reader).
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+from traces.names import COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
+from traces.project import union_length
+from traces.trace import Span, Trace, TraceError
+
+Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
+MIN_SHARED_KEYS = 0.5  # below this fraction of shared keys the two traces are different schedules
+
+
+def span_key(s: Span) -> Key:
+    part = None
+    if "." in s.kind:
+        parsed = parse_name(s.label)
+        part = parsed.part if parsed is not None else s.label
+    return (s.rank, s.kind, s.stage, s.mb, s.partner, part)
+
+
+def key_label(k: Key) -> str:
+    rank, kind, stage, mb, partner, part = k
+    name = f"{kind.split('.', 1)[0]}/s{stage}/mb{mb}"
+    if partner is not None:
+        name += f"+s{partner[0]}/mb{partner[1]}"
+    if part is not None:
+        name += f"/{part}"
+    return f"rank {rank} {name}"
+
+
+def logical_stream(s: Span) -> str:
+    """compute / hp / comm for a schedule span, whatever stream the reader put it on (e.g. "cpu")."""
+    if s.stream in LOGICAL_STREAMS:
+        return s.stream
+    parsed = parse_name(s.label)
+    if parsed is not None and parsed.stream in LOGICAL_STREAMS:
+        if parsed.stream != "compute" or s.kind not in COMM_KINDS:
+            return parsed.stream
+    return "comm" if s.kind in COMM_KINDS else "compute"
+
+
+def schedule_spans(trace: Trace) -> list[int]:
+    """Indices of the spans that take part in matching (a schedule op kind with a stage)."""
+    ok: dict[str, bool] = {}
+    out = []
+    for i, s in enumerate(trace.spans):
+        if s.stage is None:
+            continue
+        v = ok.get(s.kind)
+        if v is None:
+            v = ok[s.kind] = is_schedule_span(s.kind, s.stage)
+        if v:
+            out.append(i)
+    return out
+
+
+def _groups(trace: Trace) -> dict[Key, list[int]]:
+    groups: dict[Key, list[int]] = defaultdict(list)
+    for i in schedule_spans(trace):
+        groups[span_key(trace.spans[i])].append(i)
+    for idx in groups.values():
+        idx.sort(key=lambda i: trace.spans[i].start)
+    return groups
+
+
+def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
+    """(pred index, meas index) pairs. One predicted instance pairs with every measured instance (steps)."""
+    pg, mg = _groups(pred), _groups(meas)
+    pairs = []
+    for key, pidx in pg.items():
+        midx = mg.get(key, [])
+        if len(pidx) == 1:
+            pairs.extend((pidx[0], m) for m in midx)
+        else:
+            pairs.extend(zip(pidx, midx))
+    return pairs
+
+
+def step_index(trace: Trace) -> dict[int, int]:
+    """Span index -> step (instance order of its key), for schedule spans."""
+    out = {}
+    for idx in _groups(trace).values():
+        for k, i in enumerate(idx):
+            out[i] = k
+    return out
+
+
+# ---- schedule identity -------------------------------------------------------------------------------------
+
+def schedule_descriptor(meta: dict[str, Any]) -> dict[str, Any]:
+    sched = meta.get("schedule")
+    out: dict[str, Any] = {}
+    if isinstance(sched, str):
+        out["kind"] = sched
+    elif isinstance(sched, dict):
+        for name, keys in (("kind", ("kind", "name")), ("ranks", ("ranks", "num_ranks", "pp")),
+                           ("microbatches", ("microbatches", "num_microbatches"))):
+            v = next((sched[k] for k in keys if k in sched and isinstance(sched[k], (str, int))), None)
+            if v is not None:
+                out[name] = v
+    for name, keys in (("ranks", ("num_ranks",)), ("microbatches", ("microbatches", "num_microbatches"))):
+        if name not in out:
+            v = next((meta[k] for k in keys if isinstance(meta.get(k), int)), None)
+            if v is not None:
+                out[name] = v
+    return out
+
+
+def check_same_schedule(pred: Trace, meas: Trace, pred_name: str = "PRED", meas_name: str = "MEAS") -> None:
+    ps, ms = pred.meta.get("source"), meas.meta.get("source")
+    if ps == "measured" and ms in ("predicted", "simulated"):
+        raise TraceError(f"{pred_name} is a measured trace and {meas_name} a {ms} one: the arguments are swapped "
+                         "(pass the prediction first, then the measurement)")
+    pd, md = schedule_descriptor(pred.meta), schedule_descriptor(meas.meta)
+    diffs = [f"{k} {pd[k]!r} vs {md[k]!r}" for k in pd if k in md and str(pd[k]).lower() != str(md[k]).lower()]
+    if diffs:
+        raise TraceError(f"{pred_name} and {meas_name} are traces of different schedules ({'; '.join(diffs)}); "
+                         "compare a measured run with the prediction of the same schedule")
+    pk, mk = set(_groups(pred)), set(_groups(meas))
+    for keys, name, t in ((pk, pred_name, pred), (mk, meas_name, meas)):
+        if not keys:
+            foreign = t.meta.get("foreign_ranges") or {}
+            hint = f"; it holds {len(t.spans)} spans, e.g. ranges {list(foreign)[:3]}" if t.spans else ""
+            raise TraceError(f"{name} has no schedule spans named as in traces.md §5 (e.g. F/s3/mb7){hint}; "
+                             "label ranges with the naming convention (NVTX or record_function)")
+    shared = len(pk & mk)
+    if shared < MIN_SHARED_KEYS * max(len(pk), len(mk)):
+        only_p = sorted(pk - mk, key=str)[:2]
+        only_m = sorted(mk - pk, key=str)[:2]
+        raise TraceError(f"{pred_name} and {meas_name} are traces of different schedules: only {shared} of "
+                         f"{len(pk)} predicted and {len(mk)} measured ops share (rank, kind, stage, micro-batch) "
+                         f"(e.g. only predicted: {[key_label(k) for k in only_p]}, only measured: "
+                         f"{[key_label(k) for k in only_m]})")
+
+
+# ---- statistics --------------------------------------------------------------------------------------------
+
+@dataclass
+class KindError:
+    kind: str
+    n: int
+    signed_median_pct: float
+    median_abs_pct: float
+    p90_abs_pct: float
+    pred_mean_us: float
+    meas_mean_us: float
+
+
+@dataclass
+class RankStats:
+    rank: int
+    pred_busy_us: float
+    meas_busy_us: float
+    pred_idle_us: float
+    meas_idle_us: float
+    pred_bubble_pct: float
+    meas_bubble_pct: float
+    bubble_diff_pp: float
+    pred_exposed_comm_us: float
+    meas_exposed_comm_us: float
+
+
+@dataclass
+class TimeStats:
+    """Makespan and per-rank time budget of one trace (schedule spans only); measured values are medians
+    over steps."""
+    makespan_us: float
+    makespan_min_us: float
+    makespan_max_us: float
+    steps: int
+    busy: dict[int, float]
+    idle: dict[int, float]
+    exposed_comm: dict[int, float]
+    kind_time: dict[str, float]  # per kind, summed over ranks, per step (top-level compute + hp spans)
+    rank_kind_time: dict[int, dict[str, float]] = field(default_factory=dict)  # the same per rank
+
+
+@dataclass
+class Overhead:
+    pred_pct: float
+    meas_pct: float
+    diff_pp: float
+    base_pred_makespan_us: float
+    base_meas_makespan_us: float
+    mhc_pred_makespan_us: float
+    mhc_meas_makespan_us: float
+    breakdown_pred_pp: dict[str, float]
+    breakdown_meas_pp: dict[str, float]
+
+
+@dataclass
+class Comparison:
+    pred: dict[str, Any]
+    meas: dict[str, Any]
+    matched: int
+    steps: int
+    unmatched_pred: list[str]
+    unmatched_meas: list[str]
+    kinds: list[KindError]
+    makespan_pred_us: float
+    makespan_meas_us: float
+    makespan_meas_min_us: float
+    makespan_meas_max_us: float
+    makespan_err_pct: float
+    ranks: list[RankStats]
+    overhead: Overhead | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def time_stats(trace: Trace) -> TimeStats:
+    by_step: dict[int, list[Span]] = defaultdict(list)
+    for members in _groups(trace).values():
+        for k, i in enumerate(members):
+            by_step[k].append(trace.spans[i])
+    # a step only counts when it is complete enough: at least half the spans of the first step
+    full = len(by_step.get(0, []))
+    steps = sorted(k for k, spans in by_step.items() if len(spans) >= 0.5 * full)
+    mks: list[float] = []
+    busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
+    step_kt: list[Counter[tuple[int, str]]] = []
+    ranks = sorted({s.rank for spans in by_step.values() for s in spans})
+    for k in steps:
+        spans = by_step[k]
+        t0 = min(s.start for s in spans)
+        mk = max(s.end for s in spans) - t0
+        mks.append(mk)
+        per_rank: dict[int, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        streams = [logical_stream(s) for s in spans]
+        for s, ls in zip(spans, streams):
+            per_rank[s.rank][ls].append((s.start, s.end))
+        kt: Counter[tuple[int, str]] = Counter()
+        for s in _top_level([s for s, ls in zip(spans, streams) if ls != "comm"]):
+            kt[(s.rank, s.kind)] += s.duration
+        step_kt.append(kt)
+        for r in ranks:
+            comp = per_rank[r]["compute"] + per_rank[r]["hp"]
+            b = union_length(comp)
+            busy[r].append(b)
+            idle[r].append(mk - b)
+            exposed[r].append(union_length(comp + per_rank[r]["comm"]) - b)
+    med = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
+    rank_kind: dict[int, dict[str, float]] = defaultdict(dict)
+    kind_time: dict[str, float] = defaultdict(float)
+    for rk in set().union(*step_kt) if step_kt else ():
+        v = med([kt.get(rk, 0.0) for kt in step_kt])
+        rank_kind[rk[0]][rk[1]] = v
+        kind_time[rk[1]] += v
+    return TimeStats(makespan_us=med(mks), makespan_min_us=min(mks, default=0.0), makespan_max_us=max(mks, default=0.0),
+                     steps=len(steps), busy={r: med(v) for r, v in busy.items()},
+                     idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
+                     kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks})
+
+
+def _top_level(spans: list[Span]) -> list[Span]:
+    """Spans not nested inside another span of the same rank (a part inside its op, F/B inside their FB)."""
+    out = []
+    by_rank: dict[int, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_rank[s.rank].append(s)
+    for items in by_rank.values():
+        top_end = float("-inf")
+        for s in sorted(items, key=lambda s: (s.start, -s.duration)):
+            if s.end <= top_end:
+                continue
+            out.append(s)
+            top_end = s.end
+    return out
+
+
+def _pct(x: float) -> float:
+    return float(100.0 * x)
+
+
+def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = None,
+            names: tuple[str, str] = ("PRED", "MEAS")) -> Comparison:
+    """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
+    base_meas)` also the measured vs predicted mHC overhead."""
+    check_same_schedule(pred, meas, *names)
+    pairs = match_spans(pred, meas)
+    matched_p = {p for p, _ in pairs}
+    matched_m = {m for _, m in pairs}
+    errs: dict[str, list[float]] = defaultdict(list)
+    pdur: dict[str, list[float]] = defaultdict(list)
+    mdur: dict[str, list[float]] = defaultdict(list)
+    zero_meas = 0
+    for p, m in pairs:
+        sp, sm = pred.spans[p], meas.spans[m]
+        pdur[sp.kind].append(sp.duration)
+        mdur[sp.kind].append(sm.duration)
+        if sm.duration > 0:
+            errs[sp.kind].append((sp.duration - sm.duration) / sm.duration)
+        else:
+            zero_meas += 1
+    kinds = []
+    for kind in sorted(pdur, key=_kind_order):
+        e = np.asarray(errs[kind]) if errs[kind] else np.asarray([np.nan])
+        kinds.append(KindError(kind=kind, n=len(errs[kind]), signed_median_pct=_pct(np.nanmedian(e)),
+                               median_abs_pct=_pct(np.nanmedian(np.abs(e))),
+                               p90_abs_pct=_pct(np.nanpercentile(np.abs(e), 90)),
+                               pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
+    fb_halves = _fb_halves(meas, matched_m) - matched_m
+    unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if i not in matched_p]
+    unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
+                   if i not in matched_m and i not in fb_halves]
+    ps, ms = time_stats(pred), time_stats(meas)
+    ranks = []
+    for r in sorted(set(ps.busy) | set(ms.busy)):
+        pb, mb = ps.busy.get(r, 0.0), ms.busy.get(r, 0.0)
+        pi, mi = ps.idle.get(r, ps.makespan_us), ms.idle.get(r, ms.makespan_us)
+        pbf = _pct(pi / ps.makespan_us) if ps.makespan_us else 0.0
+        mbf = _pct(mi / ms.makespan_us) if ms.makespan_us else 0.0
+        ranks.append(RankStats(rank=r, pred_busy_us=pb, meas_busy_us=mb, pred_idle_us=pi, meas_idle_us=mi,
+                               pred_bubble_pct=pbf, meas_bubble_pct=mbf, bubble_diff_pp=pbf - mbf,
+                               pred_exposed_comm_us=ps.exposed_comm.get(r, 0.0),
+                               meas_exposed_comm_us=ms.exposed_comm.get(r, 0.0)))
+    notes = []
+    if zero_meas:
+        notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
+    if fb_halves:
+        notes.append(f"{len(fb_halves)} measured F/B child ranges of overlapped FB pairs are covered by their FB span")
+    for label, t in (("measured", meas), ("predicted", pred)):
+        if t.meta.get("rank_assumed"):
+            notes.append(f"the {label} trace has no rank information; rank 0 was assumed")
+        if str(t.meta.get("projection", "")).startswith("none") and label == "measured":
+            notes.append(f"measured spans are not GPU-projected ({t.meta['projection']})")
+    comp = Comparison(
+        pred=_describe(pred), meas=_describe(meas), matched=len(pairs), steps=ms.steps,
+        unmatched_pred=unmatched_p, unmatched_meas=unmatched_m, kinds=kinds,
+        makespan_pred_us=ps.makespan_us, makespan_meas_us=ms.makespan_us, makespan_meas_min_us=ms.makespan_min_us,
+        makespan_meas_max_us=ms.makespan_max_us,
+        makespan_err_pct=_pct((ps.makespan_us - ms.makespan_us) / ms.makespan_us) if ms.makespan_us else float("nan"),
+        ranks=ranks, notes=notes)
+    if baseline is not None:
+        comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms)
+    return comp
+
+
+def overhead(base_pred: Trace, base_meas: Trace, mhc_pred: Trace, mhc_meas: Trace,
+             mhc_ps: TimeStats | None = None, mhc_ms: TimeStats | None = None) -> Overhead:
+    """overhead = T_mHC / T_base - 1 for prediction and measurement; breakdown per kind in percentage points of
+    the baseline makespan (added time per kind summed over ranks / (ranks x T_base)), plus idle."""
+    check_same_schedule(base_pred, base_meas, "--baseline-pred", "--baseline-meas")
+    bp, bm = time_stats(base_pred), time_stats(base_meas)
+    mp, mm = mhc_ps or time_stats(mhc_pred), mhc_ms or time_stats(mhc_meas)
+    for name, st in (("--baseline-pred", bp), ("--baseline-meas", bm)):
+        if st.makespan_us <= 0:
+            raise TraceError(f"{name}: the baseline trace has zero makespan; cannot compute an overhead")
+    op = mp.makespan_us / bp.makespan_us - 1
+    om = mm.makespan_us / bm.makespan_us - 1
+    return Overhead(pred_pct=_pct(op), meas_pct=_pct(om), diff_pp=_pct(op - om),
+                    base_pred_makespan_us=bp.makespan_us, base_meas_makespan_us=bm.makespan_us,
+                    mhc_pred_makespan_us=mp.makespan_us, mhc_meas_makespan_us=mm.makespan_us,
+                    breakdown_pred_pp=_breakdown(bp, mp), breakdown_meas_pp=_breakdown(bm, mm))
+
+
+def _breakdown(base: TimeStats, mhc: TimeStats) -> dict[str, float]:
+    nranks = max(len(base.busy), 1)
+    denom = nranks * base.makespan_us
+    out = {}
+    for kind in sorted(set(base.kind_time) | set(mhc.kind_time), key=_kind_order):
+        out[kind] = _pct((mhc.kind_time.get(kind, 0.0) - base.kind_time.get(kind, 0.0)) / denom)
+    out["idle"] = _pct((sum(mhc.idle.values()) - sum(base.idle.values())) / denom)
+    return out
+
+
+def _fb_halves(meas: Trace, matched: set[int]) -> set[int]:
+    """Measured F/B spans that are the children of a matched FB span on the same rank."""
+    halves: set[tuple[int, str, int, int]] = set()
+    for i in matched:
+        s = meas.spans[i]
+        if s.kind == "FB" and s.partner is not None:
+            halves.add((s.rank, "F", s.stage, s.mb))
+            halves.add((s.rank, "B", s.partner[0], s.partner[1]))
+    return {i for i in schedule_spans(meas)
+            if (meas.spans[i].rank, meas.spans[i].kind, meas.spans[i].stage, meas.spans[i].mb) in halves}
+
+
+_ORDER = {k: i for i, k in enumerate(("F", "I", "B", "W", "FB", "RC", "RG", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPT"))}
+
+
+def _kind_order(kind: Hashable) -> tuple[int, str]:
+    k = str(kind)
+    return (_ORDER.get(k.split(".", 1)[0], 99) * 2 + ("." in k), k)
+
+
+def _describe(t: Trace) -> dict[str, Any]:
+    keep = ("source", "format", "file", "schedule", "schema_version", "projection")
+    return {k: t.meta[k] for k in keep if k in t.meta} | {"spans": len(t.spans), "ranks": len(t.ranks)}

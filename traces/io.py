@@ -1,0 +1,147 @@
+"""`load_trace(path)`: read any supported trace file (or a folder of per-rank files) into a `Trace`.
+
+Formats are sniffed from the content, not the name: our JSON (`format: mhc-pipe-trace`), Chrome/Perfetto JSON
+written by us or others, PyTorch profiler (Kineto) JSON, Nsight Systems SQLite export, `nsys stats` NVTX CSV
+reports; JSON and CSV may be gzip / xz compressed. A folder loads every trace file in it and merges them
+(one file per rank, e.g. `prof_%q{RANK}.sqlite` or Kineto's per-rank JSON).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from traces.chrome import chrome_to_traces, pick
+from traces.kineto import is_kineto, kineto_to_trace, read_json
+from traces.nsys import load_nsys
+from traces.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
+from traces.trace import FORMAT_NAME, Trace, TraceError
+
+_RANK_IN_NAME = re.compile(r"(?:rank|proc|prof)[-_]?(\d+)", re.IGNORECASE)
+TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".csv", ".csv.xz", ".csv.gz", ".pt.trace.json", ".pt.trace.json.gz")
+
+
+def sniff(path: Path) -> str:
+    """One of: sqlite, json, csv."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(16)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory") from None
+    if head.startswith(b"SQLite format 3"):
+        return "sqlite"
+    if head[:6] == b"\xfd7zXZ\x00" or head[:2] == b"\x1f\x8b":
+        name = path.name.lower()
+        return "csv" if ".csv" in name else "json"
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if stripped[:1] in (b"{", b"["):
+        return "json"
+    if not head:
+        raise TraceError(f"{path}: the file is empty")
+    return "csv"
+
+
+def load_trace(path: str | Path, rank: int | None = None, which: str | None = None) -> Trace:
+    """Read a trace file or a folder of them. `rank` sets the rank of a single-process file; `which`
+    ("predicted"/"measured") picks one trace from a Chrome file that holds both."""
+    path = Path(path)
+    if path.is_dir():
+        return load_folder(path)
+    kind = sniff(path)
+    if kind == "sqlite":
+        trace = load_nsys(path, rank=rank)
+    elif kind == "csv":
+        text_head = read_text(path)[:4096]
+        if not looks_like_nsys_csv(text_head):
+            raise TraceError(f"{path}: not a recognised trace: expected JSON (ours, Chrome/Perfetto, PyTorch "
+                             "profiler), an Nsight Systems SQLite export, or an nsys stats NVTX trace CSV")
+        trace = load_nsys_csv(path, rank=rank)
+    else:
+        data = read_json(path)
+        trace = from_json_data(data, str(path), rank=rank, which=which, file_name=path.name)
+    if rank is None:
+        _rank_from_file_name(trace, path)
+    return trace
+
+
+def from_json_data(data: Any, source: str, rank: int | None = None, which: str | None = None,
+                   file_name: str = "") -> Trace:
+    if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
+        return Trace.from_dict(data, source=source)
+    if is_kineto(data):
+        return kineto_to_trace(data, source=source, rank=rank, file_name=file_name)
+    if isinstance(data, (dict, list)) and (isinstance(data, list) or "traceEvents" in data):
+        return pick(chrome_to_traces(data, source=source), which, source)
+    raise TraceError(f"{source}: JSON of unknown shape: expected our trace (format={FORMAT_NAME!r}), a "
+                     "Chrome/Perfetto trace (traceEvents) or a PyTorch profiler trace")
+
+
+def _rank_from_file_name(trace: Trace, path: Path) -> None:
+    """Single-process files that carry no rank (nsys CSV, nsys without MPI thread names, Kineto without
+    distributedInfo) take it from a `rank3` / `proc3` / `prof_3` in the file name."""
+    if len(trace.ranks) != 1 or trace.meta.get("format") not in ("nsys-sqlite", "nsys-stats-csv", "kineto-json"):
+        return
+    if trace.meta.get("format") == "kineto-json" and not trace.meta.get("rank_assumed"):
+        return
+    if trace.meta.get("rank_source") == "thread name":
+        return
+    m = _RANK_IN_NAME.search(path.name)
+    if m is None:
+        return
+    new = int(m.group(1))
+    old = trace.ranks[0]
+    if new != old:
+        from dataclasses import replace
+        trace.spans = [replace(s, rank=new) for s in trace.spans]
+    trace.meta["rank"] = new
+    trace.meta["rank_assumed"] = False
+    trace.meta["rank_source"] = f"file name {path.name}"
+
+
+def load_folder(folder: Path) -> Trace:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(TRACE_SUFFIXES))
+    if not files:
+        raise TraceError(f"{folder}: no trace files (*.json, *.json.gz, *.sqlite, *.csv[.xz]) in this folder")
+    traces = [load_trace(p) for p in files]
+    return merge_ranks(traces, [p.name for p in files], str(folder))
+
+
+def merge_ranks(traces: list[Trace], names: list[str], source: str) -> Trace:
+    """Merge per-rank traces into one. Kineto files are aligned on their absolute time origins; ranks must
+    not collide."""
+    seen: dict[int, str] = {}
+    for t, name in zip(traces, names):
+        for r in t.ranks:
+            if r in seen:
+                raise TraceError(f"{source}: rank {r} appears in both {seen[r]} and {name}; name per-rank files "
+                                 "rank<N> or record distributedInfo.rank")
+            seen[r] = name
+    origins = [t.meta.get("time_origin_us") for t in traces]
+    base = min((o for o in origins if isinstance(o, (int, float))), default=None)
+    spans = []
+    from dataclasses import replace
+    for t, o in zip(traces, origins):
+        shift = (o - base) if (base is not None and isinstance(o, (int, float))) else 0.0
+        spans.extend(replace(s, start=s.start + shift) if shift else s for s in t.spans)
+    meta = dict(traces[0].meta)
+    meta["files"] = names
+    meta.pop("file", None)
+    if base is not None:
+        meta["time_origin_us"] = base
+    return Trace(spans=spans, meta=meta)
+
+
+def counts(trace: Trace) -> dict[int, dict[str, int]]:
+    """Per rank: ranges (named spans, convention or not), kernels, memcpys, memsets."""
+    out: dict[int, dict[str, int]] = {}
+    for s in trace.spans:
+        c = out.setdefault(s.rank, {"ranges": 0, "kernels": 0, "memcpy": 0, "memset": 0})
+        if s.kind == "kernel":
+            c["kernels"] += 1
+        elif s.kind in ("memcpy", "memset"):
+            c[s.kind] += 1
+        else:
+            c["ranges"] += 1
+    return dict(sorted(out.items()))

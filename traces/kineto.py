@@ -1,0 +1,199 @@
+"""PyTorch profiler (Kineto) JSON -> `Trace` (traces.md §3). Plain or gzip-compressed (`.json.gz`).
+
+* `user_annotation` ranges (`record_function`, `ProfilerStep#K`) are projected onto GPU time through the CUDA
+  runtime / driver calls inside them on the same host thread (`args.correlation` -> kernels, memcpys, memsets;
+  the rule of traces.md §2.2). Where that finds nothing, the matching `gpu_user_annotation` (Kineto's own
+  projection, joined on `External id`) is used; ranges that launched no GPU work keep their CPU interval on
+  stream "cpu". A trace with no GPU activity at all (a CPU-only run) keeps CPU times on the logical streams.
+* Names follow traces.md §5; other names are kept as kind "range" and counted in `meta["foreign_ranges"]`.
+* Kernels / memcpys / memsets become spans on stream `cuda:<stream>`.
+* Rank: `distributedInfo.rank` (an explicit `rank` argument overrides it); a file without it is rank 0 with
+  `meta["rank_assumed"] = True`.
+
+Timestamps: Kineto microseconds minus `meta["time_origin_us"]` (the earliest event), so spans start near 0.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import zlib
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from traces.names import parse_name, range_span
+from traces.project import Launches
+from traces.trace import Span, Trace, TraceError
+
+GPU_OP_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def read_json(path: str | Path) -> Any:
+    """JSON from a plain or gzip file, with clear errors for missing, truncated or non-JSON files."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, expected a trace file") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as err:
+            raise TraceError(f"{path}: gzip stream is damaged or truncated ({err}); re-copy or re-capture the "
+                             "file") from None
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 JSON text") from None
+    except json.JSONDecodeError as err:
+        raise TraceError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); the file "
+                         "may be truncated (was the profiler stopped before it finished writing?)") from None
+
+
+def is_kineto(data: Any) -> bool:
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        return False
+    if "distributedInfo" in data or "deviceProperties" in data or "schemaVersion" in data:
+        return True
+    cats = {e.get("cat") for e in data["traceEvents"][:5000] if isinstance(e, dict)}
+    return bool(cats & {"cpu_op", "kernel", "cuda_runtime", "user_annotation", "gpu_user_annotation"})
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)) and math.isfinite(x):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            v = float(x)
+        except ValueError:
+            return None
+        return v if math.isfinite(v) else None
+    return None
+
+
+def load_kineto(path: str | Path, rank: int | None = None) -> Trace:
+    path = Path(path)
+    return kineto_to_trace(read_json(path), source=str(path), rank=rank, file_name=path.name)
+
+
+def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None, file_name: str = "") -> Trace:
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"{source}: not a PyTorch profiler trace (expected a JSON object with a traceEvents list)")
+    dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
+    file_rank = dist.get("rank")
+    rank_assumed, rank_source = False, "argument"
+    if rank is None:
+        if isinstance(file_rank, int) and not isinstance(file_rank, bool) and file_rank >= 0:
+            rank, rank_source = file_rank, "distributedInfo"
+        else:
+            rank, rank_assumed, rank_source = 0, True, "assumed"
+
+
+    gpu_ops: list[tuple[str, float, float, Any, Any, str, Any]] = []  # kind, ts, end, device, stream, name, corr
+    launches_raw: list[tuple[Any, float, float, Any]] = []
+    annotations: list[tuple[Any, float, float, str, Any]] = []  # thread, ts, end, name, external id
+    gpu_annotations: list[tuple[float, float, str, Any]] = []
+    bad = 0
+    for i, ev in enumerate(data["traceEvents"]):
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        cat = ev.get("cat")
+        if cat not in GPU_OP_KINDS and cat not in LAUNCH_CATS and cat not in ("user_annotation", "gpu_user_annotation"):
+            continue
+        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
+        if ts is None or dur is None or dur < 0:
+            bad += 1
+            continue
+        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        name = str(ev.get("name", ""))
+        if cat in GPU_OP_KINDS:
+            gpu_ops.append((GPU_OP_KINDS[cat], ts, ts + dur, args.get("device", ev.get("pid")),
+                            args.get("stream", ev.get("tid")), name, args.get("correlation")))
+        elif cat in LAUNCH_CATS:
+            launches_raw.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, args.get("correlation")))
+        elif cat == "user_annotation":
+            annotations.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, name, args.get("External id")))
+        else:
+            gpu_annotations.append((ts, ts + dur, name, args.get("External id")))
+    if not (gpu_ops or annotations or gpu_annotations):
+        raise TraceError(f"{source}: the PyTorch profiler trace holds no annotations and no GPU activity "
+                         "(was the profiler's schedule active? label spans with torch.profiler.record_function)")
+
+    times = [t for _, t, *_ in gpu_ops] + [t for _, t, *_ in annotations] + [t for t, *_ in gpu_annotations]
+    origin = math.floor(min(times))
+
+    def rel(t: float) -> float:  # microseconds since the origin, rounded to the nanosecond
+        return round(t - origin, 3)
+
+    ops_by_corr: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    for _, a, b, _, _, _, corr in gpu_ops:
+        if corr is not None:
+            ops_by_corr[corr].append((rel(a), rel(b)))
+    launches = Launches()
+    for thread, a, b, corr in launches_raw:
+        launches.add(thread, rel(a), rel(b), ops_by_corr.get(corr, []) if corr is not None else [])
+    gpu_ann_by_ext: dict[Any, tuple[float, float]] = {}
+    for a, b, _, ext in gpu_annotations:
+        if ext is not None:
+            prev = gpu_ann_by_ext.get(ext)
+            gpu_ann_by_ext[ext] = (a, b) if prev is None else (min(prev[0], a), max(prev[1], b))
+    has_gpu = bool(gpu_ops)
+
+    spans: list[Span] = []
+    foreign: Counter[str] = Counter()
+    unprojected = 0
+    used_ext: set[Any] = set()
+    for thread, a, b, name, ext in annotations:
+        parsed = parse_name(name)
+        if parsed is None:
+            foreign[name] += 1
+        proj = launches.project(thread, rel(a), rel(b)) if has_gpu else None
+        if proj is not None:
+            start, end = proj.start, proj.end
+        elif ext is not None and ext in gpu_ann_by_ext:
+            start, end = (rel(x) for x in gpu_ann_by_ext[ext])
+        else:
+            start, end = rel(a), rel(b)
+        if ext is not None:
+            used_ext.add(ext)
+        projected = proj is not None or (ext is not None and ext in gpu_ann_by_ext)
+        if projected:
+            stream = parsed.stream if parsed is not None else "gpu-ranges"
+        else:
+            stream = parsed.stream if (parsed is not None and not has_gpu) else "cpu"
+            unprojected += has_gpu
+        spans.append(range_span(rank, stream, parsed, name, start, round(end - start, 3)))
+    for a, b, name, ext in gpu_annotations:  # GPU annotations whose CPU range is not in the file
+        if ext is not None and ext in used_ext:
+            continue
+        parsed = parse_name(name)
+        if parsed is None:
+            foreign[name] += 1
+        stream = parsed.stream if parsed is not None else "gpu-ranges"
+        spans.append(range_span(rank, stream, parsed, name, rel(a), round(b - a, 3)))
+    devices = {dev for _, _, _, dev, _, _, _ in gpu_ops}
+    for kind, a, b, dev, stream_id, name, _ in gpu_ops:
+        stream = f"cuda:{stream_id}" if len(devices) <= 1 else f"cuda{dev}:{stream_id}"
+        spans.append(Span(rank, stream, kind, None, None, rel(a), round(b - a, 3), name=name))
+    spans.sort(key=lambda s: s.start)
+
+    meta: dict[str, Any] = {
+        "source": "measured", "format": "kineto-json", "file": file_name or source, "time_unit": "us",
+        "time_origin_us": origin, "time_reference": "Kineto timestamp minus time_origin_us",
+        "rank": rank, "rank_assumed": rank_assumed, "rank_source": rank_source,
+        "projection": "gpu (runtime correlation -> GPU ops)" if has_gpu else "none (no GPU ops; CPU times)",
+        "unprojected_ranges": unprojected, "skipped_events": bad,
+        "foreign_ranges": dict(foreign.most_common(50)), "foreign_range_count": sum(foreign.values()),
+    }
+    for key in ("world_size", "backend"):
+        if key in dist:
+            meta[key] = dist[key]
+    if isinstance(data.get("schemaVersion"), (int, str)):
+        meta["kineto_schema_version"] = data["schemaVersion"]
+    return Trace(spans=spans, meta=meta)

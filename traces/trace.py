@@ -1,0 +1,194 @@
+"""The `Trace` model: spans with rank, stream, op kind, stage, micro-batch, start and duration.
+
+Predicted (simulated) and measured timelines are the same type, so comparison, export and drawing share one
+code path. Times are microseconds. The JSON schema of our own files is checked with pydantic on load; in-memory
+spans are plain slotted dataclasses because simulations create 10^5-10^6 of them.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pydantic
+
+# Logical streams of one rank. "hp" is the high-priority compute stream (mHC post+res of MLP sub-layers).
+STREAMS = ("compute", "hp", "comm")
+FORMAT_NAME = "mhc-pipe-trace"
+FORMAT_VERSION = 1
+
+
+class TraceError(ValueError):
+    """A trace file or trace value is malformed; the message names the field and the fix."""
+
+
+def span_name(kind: str, stage: int | None, mb: int | None, partner: tuple[int, int] | None = None,
+              stream: str = "compute") -> str:
+    """The range name of traces.md §5, e.g. `F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`."""
+    if stage is None or mb is None:
+        name = kind
+    else:
+        name = f"{kind}/s{stage}/mb{mb}"
+        if partner is not None:
+            name += f"+s{partner[0]}/mb{partner[1]}"
+    if stream != "compute":
+        name += f"~{stream}"
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One timed operation on one rank's stream.
+
+    kind: schedule op kind (F, I, W, B, FB, SEND_F, RECV_F, SEND_B, RECV_B) or another label (RC, OPT, a kernel).
+    stage, mb: the (global stage, micro-batch) the op belongs to; for FB the forward half.
+    partner: for FB, the (stage, mb) of the backward half.
+    peer: for SEND/RECV, the other rank.
+    """
+
+    rank: int
+    stream: str
+    kind: str
+    stage: int | None
+    mb: int | None
+    start: float
+    duration: float
+    partner: tuple[int, int] | None = None
+    peer: int | None = None
+    name: str = ""
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+    @property
+    def label(self) -> str:
+        return self.name or span_name(self.kind, self.stage, self.mb, self.partner, self.stream)
+
+
+class _SpanRecord(pydantic.BaseModel):
+    """On-disk schema of one span (our JSON format)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    rank: int = pydantic.Field(ge=0, description="pipeline rank")
+    stream: str = pydantic.Field(min_length=1, description="logical stream: compute, hp or comm")
+    kind: str = pydantic.Field(min_length=1, description="op kind, e.g. F, I, W, B, FB, SEND_F")
+    stage: int | None = pydantic.Field(default=None, ge=0)
+    mb: int | None = pydantic.Field(default=None, ge=0)
+    start: float = pydantic.Field(description="start time in microseconds")
+    duration: float = pydantic.Field(ge=0, description="duration in microseconds")
+    partner: tuple[int, int] | None = None
+    peer: int | None = None
+    name: str = ""
+
+
+class _TraceFile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    format: str
+    version: int
+    meta: dict[str, Any] = {}
+    spans: list[_SpanRecord]
+
+
+@dataclass
+class Trace:
+    """A timeline of spans over ranks and streams, plus free-form metadata (source, schedule, units...)."""
+
+    spans: list[Span] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({s.rank for s in self.spans})
+
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    def makespan(self) -> float:
+        """End of the last span minus start of the first, over all ranks."""
+        if not self.spans:
+            return 0.0
+        return max(s.end for s in self.spans) - self.start()
+
+    def busy(self, stream: str = "compute") -> dict[int, float]:
+        """Per-rank time covered by spans on `stream` (overlapping spans counted once)."""
+        by_rank: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for s in self.spans:
+            if s.stream == stream:
+                by_rank[s.rank].append((s.start, s.end))
+        return {r: _union_length(iv) for r, iv in sorted(by_rank.items())}
+
+    def idle(self, stream: str = "compute") -> dict[int, float]:
+        """Per-rank bubble: the trace's makespan minus the rank's busy time on `stream`."""
+        total = self.makespan()
+        return {r: total - b for r, b in self.busy(stream).items()}
+
+    def filter(self, **equal: Any) -> list[Span]:
+        return [s for s in self.spans if all(getattr(s, k) == v for k, v in equal.items())]
+
+    # ---- our JSON ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        spans = []
+        for s in self.spans:
+            d = asdict(s)
+            if d["partner"] is not None:
+                d["partner"] = list(d["partner"])
+            spans.append(d)
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta, "spans": spans}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "Trace":
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
+                             "for Chrome/Perfetto JSON use traces.chrome.load_chrome")
+        if data.get("version") != FORMAT_VERSION:
+            raise TraceError(f"{source}: trace format version {data.get('version')!r} is not supported "
+                             f"(this build reads version {FORMAT_VERSION})")
+        try:
+            parsed = _TraceFile.model_validate(data)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise TraceError(f"{source}: field {where}: {first['msg']}") from None
+        spans = [Span(**r.model_dump()) for r in parsed.spans]
+        return cls(spans=spans, meta=dict(parsed.meta))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise TraceError(f"{path}: no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise TraceError(f"{path}: not valid JSON ({err}); the file may be truncated") from None
+        return cls.from_dict(data, source=str(path))
+
+    def merged(self, others: Iterable["Trace"]) -> "Trace":
+        spans = list(self.spans)
+        for t in others:
+            spans.extend(t.spans)
+        return Trace(spans=spans, meta=dict(self.meta))
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
