@@ -48,7 +48,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def _apply_blocks(c: int, np_: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_C). The interpreter pays per op, not per element, so it gets large tiles."""
     if INTERPRETED:
-        return 16, min(_np2(c), 512)
+        return 64, min(_np2(c), 512)
     block_c = min(_np2(c), 256)
     return max(2, 1024 // (np_ * block_c)), block_c
 
@@ -135,13 +135,18 @@ def _coeff_consts(cfg: MHCConfig, width: int):
                 EPS_ADD=cfg.eps if soft else 0.0), (cfg.eps if soft else 0.0)
 
 
+def _coeff_block_t(t: int) -> int:
+    # The interpreter's cost is per program and op, so one program covers all tokens of a test shape.
+    return min(512, max(16, _np2(t))) if INTERPRETED else 32
+
+
 def _coeffs_fwd(mix, ss, alpha, bias, cfg, width):
     t, n = mix.shape[0], cfg.n
     h_pre = torch.empty(t, n, device=mix.device, dtype=torch.float32)
     h_post = torch.empty_like(h_pre)
     h_res = torch.empty(t, n, n, device=mix.device, dtype=torch.float32)
     consts, pre_eps = _coeff_consts(cfg, width)
-    block_t = 256 if INTERPRETED else 32
+    block_t = _coeff_block_t(t)
     coeffs_fwd_kernel[(triton.cdiv(t, block_t),)](
         mix, ss, alpha, bias, h_pre, h_post, h_res, t, consts["inv_width"], consts["rms_eps"], pre_eps,
         consts["EPS_DIV"], consts["EPS_ADD"], N=n, NP=_np2(n), ITERS=cfg.sinkhorn_iters, BLOCK_T=block_t)
@@ -150,7 +155,7 @@ def _coeffs_fwd(mix, ss, alpha, bias, cfg, width):
 
 def _coeffs_bwd(mix, ss, alpha, bias, dh_pre, dh_post, dh_res, cfg, width):
     t, n, m = mix.shape[0], cfg.n, mix.shape[1]
-    block_t = 256 if INTERPRETED else 32
+    block_t = _coeff_block_t(t)
     grid = triton.cdiv(t, block_t)
     dmix = torch.empty_like(mix)
     dss = torch.empty_like(ss)

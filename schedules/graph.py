@@ -2,7 +2,8 @@
 
 Edges, from `deps.needs`/`deps.produces` and the runtime's rules:
   * program order of compute actions on a rank (one compute stream);
-  * a SEND/RECV is posted after the compute action before it in the rank's list;
+  * a SEND/RECV is posted after the compute action before it in the rank's list, and a SEND (whose
+    tensor must exist) is posted before the compute action after it;
   * data: producer of a needed key -> consumer (RECV nodes produce the XF/XG keys, i.e. stand for transfers);
   * a SEND -> its matching RECV (the transfer needs both sides);
   * per channel (src -> dst), transfers complete in the sender's order *and* in the receiver's posting order
@@ -34,6 +35,7 @@ def dependency_graph(schedule: Schedule) -> nx.DiGraph:
 
     for r, acts in enumerate(schedule.actions):
         last_compute: Node | None = None
+        pending_sends: list[Node] = []
         for i, a in enumerate(acts):
             node = (r, i)
             g.add_node(node, action=a, rank=r)
@@ -41,6 +43,7 @@ def dependency_graph(schedule: Schedule) -> nx.DiGraph:
                 if last_compute is not None:
                     g.add_edge(last_compute, node)
                 if a.kind in _SEND_TO_RECV:
+                    pending_sends.append(node)
                     msg = Action(_SEND_TO_RECV[a.kind], a.stage, a.mb, peer=r)
                     send_node[(a.peer, msg)] = node
                     sender_order[(r, a.peer)].append(msg)
@@ -50,6 +53,9 @@ def dependency_graph(schedule: Schedule) -> nx.DiGraph:
             else:
                 if last_compute is not None:
                     g.add_edge(last_compute, node)
+                for send in pending_sends:  # a SEND is posted (its tensor exists) before the next compute issues
+                    g.add_edge(send, node)
+                pending_sends = []
                 last_compute = node
             for key in produces(a):
                 producer[key] = node
@@ -84,7 +90,16 @@ def find_cycle(schedule: Schedule) -> list[Node] | None:
 
 
 def describe_cycle(schedule: Schedule, cycle: list[Node], limit: int = 16) -> str:
-    names = [f"rank {r}: {schedule.actions[r][i]} (#{i})" for r, i in cycle]
+    names = [_node_name(schedule, node) for node in cycle]
     if len(names) > limit:
         names = names[: limit // 2] + [f"... {len(names) - limit} more ..."] + names[-limit // 2:]
     return " -> ".join(names + [names[0]])
+
+
+def _node_name(schedule: Schedule, node: Node) -> str:
+    r, i = node
+    a = schedule.actions[r][i]
+    if a.kind in (Kind.RECV_F, Kind.RECV_B):  # a RECV node stands for the whole transfer
+        send = "SEND_F" if a.kind is Kind.RECV_F else "SEND_B"
+        return f"transfer {send}/s{a.stage}/mb{a.mb} rank {a.peer} -> rank {r} (RECV #{i})"
+    return f"rank {r}: {a} (#{i})"

@@ -13,9 +13,6 @@ from collections import defaultdict
 
 from schedules.ir import COMM_KINDS, Action, Kind, Schedule
 
-PREFETCH_DEPTH = 1  # receives are posted this many compute actions before their consumer
-
-
 class Links:
     """Per stage: who its P2P partners are (-1 where the neighbour is on the same rank or absent)."""
 
@@ -70,49 +67,71 @@ def incoming(a: Action, links: Links) -> list[Action]:
 
 
 def lower_comms(schedule: Schedule) -> Schedule:
-    """Insert SEND/RECV actions into a compute-only schedule."""
+    """Insert SEND/RECV actions into a compute-only schedule (the rules are in the module docstring)."""
     if schedule.lowered:
         raise ValueError("lower_comms: schedule already has SEND/RECV actions; lower a compute-only schedule")
     links = Links(schedule)
+    send_f, send_b, recv_f, recv_b = links.send_f, links.send_b, links.recv_f, links.recv_b
+    KF, KFB, KW = Kind.F, Kind.FB, Kind.W
+    C = max(1, schedule.microbatches_per_pipeline)
+    SC = schedule.num_stages * C
 
-    # Sender side first: it fixes every channel's message order.
+    # Sender side first: SENDs right after their producer; this fixes every channel's message order.
+    channel_msgs: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (src, dst) -> RECVs in send order
+    slot: dict[int, tuple[tuple[int, int], int]] = {}  # message key -> (channel, index); key as in simulate.py
     with_sends: list[list[Action]] = []
-    channel_order: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (src, dst) -> RECVs in send order
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
         for a in acts:
             out.append(a)
-            for s in outgoing(a, links):
-                out.append(s)
-                recv_kind = Kind.RECV_F if s.kind is Kind.SEND_F else Kind.RECV_B
-                channel_order[(rank, s.peer)].append(Action(recv_kind, s.stage, s.mb, -1, -1, rank))
+            kind = a[0]
+            if kind is KW:
+                continue
+            halves = ((True, a[1], a[2]), (False, a[3], a[4])) if kind is KFB else ((kind is KF, a[1], a[2]),)
+            for forward, st, mb in halves:
+                peer = send_f[st] if forward else send_b[st]
+                if peer < 0:
+                    continue
+                out.append(Action(Kind.SEND_F if forward else Kind.SEND_B, st, mb, -1, -1, peer))
+                msgs = channel_msgs[(rank, peer)]
+                slot[(0 if forward else SC) + st * C + mb] = ((rank, peer), len(msgs))
+                msgs.append(Action(Kind.RECV_F if forward else Kind.RECV_B, st, mb, -1, -1, rank))
         with_sends.append(out)
 
-    position_in_channel: list[dict[Action, int]] = [{} for _ in schedule.actions]
-    for (src, dst), msgs in channel_order.items():
-        for i, m in enumerate(msgs):
-            position_in_channel[dst][m] = i
-
+    # Receiver side: post each RECV one compute action ahead of its consumer, in channel order.
     lowered = []
     for rank, acts in enumerate(with_sends):
-        compute_positions = [i for i, a in enumerate(acts) if a.kind not in COMM_KINDS]
         posts_before: dict[int, list[Action]] = defaultdict(list)  # index in acts -> RECVs posted just before
         next_in_channel: dict[tuple[int, int], int] = defaultdict(int)
-        for k, idx in enumerate(compute_positions):
-            post_at = compute_positions[max(0, k - PREFETCH_DEPTH)]
-            for r in incoming(acts[idx], links):
-                channel = (r.peer, rank)
-                msgs = channel_order.get(channel, [])
-                want = position_in_channel[rank].get(r)
-                if want is None:
-                    raise ValueError(f"lower_comms: rank {rank} consumes {r} but rank {r.peer} never sends it; "
-                                     "the compute schedule is malformed (run schedules.validate on it)")
+        previous_compute = -1
+        for idx, a in enumerate(acts):
+            kind = a[0]
+            if kind in COMM_KINDS:
+                continue
+            post_at = idx if previous_compute < 0 else previous_compute
+            previous_compute = idx
+            if kind is KW:
+                continue
+            halves = ((True, a[1], a[2]), (False, a[3], a[4])) if kind is KFB else ((kind is KF, a[1], a[2]),)
+            for forward, st, mb in halves:
+                src = recv_f[st] if forward else recv_b[st]
+                if src is None:
+                    continue
+                found = slot.get((0 if forward else SC) + src[0] * C + mb)
+                if found is None:
+                    raise ValueError(f"lower_comms: rank {rank} consumes {'F' if forward else 'B'} of stage {src[0]} "
+                                     f"mb {mb} but rank {src[1]} never produces it; the compute schedule is "
+                                     "malformed (run schedules.validate_schedule on it)")
+                channel, want = found
+                msgs = channel_msgs[channel]
+                pending = posts_before[post_at]
                 while next_in_channel[channel] <= want:
-                    posts_before[post_at].append(msgs[next_in_channel[channel]])
+                    pending.append(msgs[next_in_channel[channel]])
                     next_in_channel[channel] += 1
         out = []
         for i, a in enumerate(acts):
-            out.extend(posts_before.get(i, ()))
+            if i in posts_before:
+                out.extend(posts_before[i])
             out.append(a)
         lowered.append(tuple(out))
     return schedule.with_actions(tuple(lowered), lowered=True)

@@ -20,7 +20,6 @@ from schedules.ir import Action, Kind, Schedule
 from traces.trace import Span, Trace
 
 _SEND_TO_RECV = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
-_COMPUTE_KINDS = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.FB})
 
 
 @dataclass
@@ -30,21 +29,23 @@ class EngineResult:
     blocked: dict[int, Action] = field(default_factory=dict)  # rank -> action it is stuck at
 
 
-_KEY_CODES = {"F": 0, "G": 1, "I": 2, "XF": 3, "XG": 4}
-_OP_COMPUTE, _OP_SEND, _OP_RECV = 0, 1, 2
+def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
+               transfer_time: Callable[[Action], float], record: bool = True) -> EngineResult:
+    """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at.
 
-
-def _compile(schedule: Schedule, compute_time: Callable[[Action], float]):
-    """Per rank, a list of integer-keyed ops. The keys of deps.py become ids code*S*C + stage*C + mb; the
-    per-stage need offsets below are deps.needs/produces specialised to one schedule (tests check they agree)."""
-    S, C = schedule.num_stages, max(1, schedule.microbatches_per_pipeline)
+    `compute_time` is called once per distinct (kind, stage[, backward stage]) and `transfer_time` once per
+    message kind: costs may depend on those, not on the micro-batch. The dependency keys of deps.py are
+    encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per stage
+    below; tests check this engine against the explicit graph built from deps.py.
+    """
+    P, S = schedule.num_ranks, schedule.num_stages
+    C = max(1, schedule.microbatches_per_pipeline)
     SC = S * C
+    F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
     where = schedule.stage_to_rank
     prev, nxt = schedule.prev_stage(), schedule.next_stage()
-    F_, G_, I_, XF_, XG_ = (code * SC for code in range(5))
-    # offset + mb = the key a forward (resp. backward) of this stage waits for; -1: nothing to wait for
-    f_need = [-1] * S
-    b_need = [-1] * S
+    f_need = [-1] * S  # key offset a forward of this stage waits for (+ mb); -1: none
+    b_need = [-1] * S  # key offset a backward of this stage waits for, besides its own forward
     for st in range(S):
         p, n = prev.get(st), nxt.get(st)
         if p is not None:
@@ -52,153 +53,157 @@ def _compile(schedule: Schedule, compute_time: Callable[[Action], float]):
         if n is not None:
             b_need[st] = (G_ if where[n] == where[st] else XG_) + n * C
 
-    channels: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    KF, KI, KW, KB, KFB = Kind.F, Kind.I, Kind.W, Kind.B, Kind.FB
+    KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
+    # channels (src, dst): messages in the sender's program order; a message is keyed by what it delivers
+    channel_of: dict[tuple[int, int], int] = {}
+    channel_ends: list[tuple[int, int]] = []
+    channel_msgs: list[list[tuple[Kind, int, int]]] = []
+    message_slot: dict[int, tuple[int, int]] = {}  # delivered key -> (channel, index)
     for src, acts in enumerate(schedule.actions):
         for a in acts:
-            recv_kind = _SEND_TO_RECV.get(a.kind)
-            if recv_kind is not None:
-                channels[(src, a.peer)].append(Action(recv_kind, a.stage, a.mb, -1, -1, src))
-    channel_list = list(channels)
-    channel_id = {ch: i for i, ch in enumerate(channel_list)}
-    slot = [{m: i for i, m in enumerate(channels[ch])} for ch in channel_list]
-    durations: dict[tuple, float] = {}
-    KF, KI, KW, KB, KFB, KSF, KSB = Kind.F, Kind.I, Kind.W, Kind.B, Kind.FB, Kind.SEND_F, Kind.SEND_B
-    programs = []
-    for r, acts in enumerate(schedule.actions):
-        ops = []
-        append = ops.append
-        for a in acts:
-            kind, st, mb = a.kind, a.stage, a.mb
-            if kind is KF or kind is KI or kind is KB or kind is KW or kind is KFB:
-                cost_key = (kind, st, a.b_stage)
-                d = durations.get(cost_key)
-                if d is None:
-                    d = durations[cost_key] = compute_time(a)
-                k = st * C + mb
-                if kind is KF:
-                    need = (f_need[st] + mb,) if f_need[st] >= 0 else ()
-                    made = (F_ + k,)
-                elif kind is KW:
-                    need, made = (I_ + k,), ()
-                elif kind is KFB:
-                    bs, bm = a.b_stage, a.b_mb
-                    need = ((f_need[st] + mb,) if f_need[st] >= 0 else ()) + (F_ + bs * C + bm,) + \
-                        ((b_need[bs] + bm,) if b_need[bs] >= 0 else ())
-                    made = (F_ + k, G_ + bs * C + bm)
-                else:
-                    need = (F_ + k, b_need[st] + mb) if b_need[st] >= 0 else (F_ + k,)
-                    made = (G_ + k, I_ + k) if kind is KI else (G_ + k,)
-                append((_OP_COMPUTE, d, need, made, a))
-            elif kind is KSF or kind is KSB:
-                ch = channel_id[(r, a.peer)]
-                recv = Action(Kind.RECV_F if kind is KSF else Kind.RECV_B, st, mb, -1, -1, r)
-                append((_OP_SEND, (F_ if kind is KSF else G_) + st * C + mb, ch, slot[ch][recv], a))
-            else:
-                ch = channel_id.get((a.peer, r))
-                index = None if ch is None else slot[ch].get(a)
-                append((_OP_RECV, ch, index, 0, a))
-        programs.append(ops)
-    messages = [channels[ch] for ch in channel_list]
-    message_keys = [[(XF_ if m.kind is Kind.RECV_F else XG_) + m.stage * C + m.mb for m in msgs] for msgs in messages]
-    return programs, channel_list, messages, message_keys, 5 * SC
+            kind = a[0]
+            if kind is KSF or kind is KSB:
+                ch = channel_of.get((src, a[5]))
+                if ch is None:
+                    ch = channel_of[(src, a[5])] = len(channel_ends)
+                    channel_ends.append((src, a[5]))
+                    channel_msgs.append([])
+                key = (XF_ if kind is KSF else XG_) + a[1] * C + a[2]
+                message_slot[key] = (ch, len(channel_msgs[ch]))
+                channel_msgs[ch].append((KRF if kind is KSF else KRB, a[1], a[2]))
+    num_channels = len(channel_ends)
+    send_ready = [[None] * len(m) for m in channel_msgs]
+    recv_post = [[None] * len(m) for m in channel_msgs]
+    chan_next = [0] * num_channels
+    chan_end = [0.0] * num_channels
+    send_count = [0] * num_channels
+    xfer_time: dict[Kind, float] = {}
 
-
-def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
-               transfer_time: Callable[[Action], float], record: bool = True) -> EngineResult:
-    """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at."""
-    programs, channel_list, messages, message_keys, num_keys = _compile(schedule, compute_time)
-    P = schedule.num_ranks
-    send_ready = [[None] * len(m) for m in messages]
-    recv_post = [[None] * len(m) for m in messages]
-    chan_next = [0] * len(messages)
-    chan_end = [0.0] * len(messages)
-    transfer_cache: dict[Kind, float] = {}
-
-    done: list[float | None] = [None] * num_keys
+    dur = {k: [None] * S for k in (KF, KI, KW, KB)}
+    dur_fb: dict[int, float] = {}
+    done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
     ptr = [0] * P
     free = [0.0] * P
     ready = deque(range(P))
     queued = [True] * P
     spans: list[Span] = []
+    span = Span
 
-    def finish(key: int, t: float) -> None:
-        done[key] = t
-        parked = waiters.pop(key, None)
-        if parked:
-            for r in parked:
-                if not queued[r]:
-                    queued[r] = True
-                    ready.append(r)
+    def wake(key: int) -> None:
+        for r in waiters.pop(key):
+            if not queued[r]:
+                queued[r] = True
+                ready.append(r)
 
     def resolve(ch: int) -> None:
-        msgs, keys, sr, rp = messages[ch], message_keys[ch], send_ready[ch], recv_post[ch]
+        msgs, sr, rp = channel_msgs[ch], send_ready[ch], recv_post[ch]
         i, prev_end, n = chan_next[ch], chan_end[ch], len(msgs)
-        while i < n and sr[i] is not None and rp[i] is not None:
-            m = msgs[i]
-            start = max(sr[i], rp[i], prev_end)
-            d = transfer_cache.get(m.kind)
+        while i < n:
+            s_t, r_t = sr[i], rp[i]
+            if s_t is None or r_t is None:
+                break
+            kind, st, mb = msgs[i]
+            start = s_t if s_t > r_t else r_t
+            if prev_end > start:
+                start = prev_end
+            d = xfer_time.get(kind)
             if d is None:
-                d = transfer_cache[m.kind] = transfer_time(m)
+                d = xfer_time[kind] = transfer_time(Action(kind, st, mb, -1, -1, channel_ends[ch][0]))
             prev_end = start + d
             if record:
-                src, dst = channel_list[ch]
-                send_kind = "SEND_F" if m.kind is Kind.RECV_F else "SEND_B"
-                spans.append(Span(src, "comm", send_kind, m.stage, m.mb, start, d, peer=dst))
-                spans.append(Span(dst, "comm", m.kind.value, m.stage, m.mb, start, d, peer=src))
-            finish(keys[i], prev_end)
+                src, dst = channel_ends[ch]
+                spans.append(span(src, "comm", "SEND_F" if kind is KRF else "SEND_B", st, mb, start, d, None, dst))
+                spans.append(span(dst, "comm", kind.value, st, mb, start, d, None, src))
+            key = (XF_ if kind is KRF else XG_) + st * C + mb
+            done[key] = prev_end
+            if key in waiters:
+                wake(key)
             i += 1
         chan_next[ch], chan_end[ch] = i, prev_end
 
     while ready:
         r = ready.popleft()
         queued[r] = False
-        ops = programs[r]
-        i = ptr[r]
-        n = len(ops)
-        t_free = free[r]
+        acts = schedule.actions[r]
+        i, n, t_free = ptr[r], len(acts), free[r]
         while i < n:
-            op = ops[i]
-            code = op[0]
-            if code == _OP_COMPUTE:
-                t = t_free
-                missing = -1
-                for key in op[2]:
-                    v = done[key]
-                    if v is None:
-                        missing = key
-                        break
-                    if v > t:
-                        t = v
-                if missing >= 0:
-                    waiters.setdefault(missing, []).append(r)
-                    break
-                t_free = t + op[1]
-                if record:
-                    a = op[4]
-                    partner = (a.b_stage, a.b_mb) if a.kind is Kind.FB else None
-                    spans.append(Span(r, "compute", a.kind.value, a.stage, a.mb, t, op[1], partner=partner))
-                for key in op[3]:
-                    finish(key, t_free)
-            elif code == _OP_SEND:
-                v = done[op[1]]
+            a = acts[i]
+            kind, st, mb = a[0], a[1], a[2]
+            if kind is KRF or kind is KRB:  # post the receive and move on
+                slot = message_slot.get((XF_ if kind is KRF else XG_) + st * C + mb)
+                if slot is None:
+                    ptr[r], free[r] = i, t_free
+                    return EngineResult(False, spans, {r: a})
+                recv_post[slot[0]][slot[1]] = t_free
+                resolve(slot[0])
+                i += 1
+                continue
+            if kind is KSF or kind is KSB:
+                key = (F_ if kind is KSF else G_) + st * C + mb
+                v = done[key]
                 if v is None:
-                    waiters.setdefault(op[1], []).append(r)
+                    waiters.setdefault(key, []).append(r)
                     break
-                send_ready[op[2]][op[3]] = v if v > t_free else t_free
-                resolve(op[2])
+                ch = channel_of[(r, a[5])]
+                send_ready[ch][send_count[ch]] = v if v > t_free else t_free
+                send_count[ch] += 1
+                resolve(ch)
+                i += 1
+                continue
+            k = st * C + mb
+            if kind is KF:
+                off = f_need[st]
+                needs = (off + mb,) if off >= 0 else ()
+                made = (F_ + k,)
+                table = dur[KF]
+            elif kind is KW:
+                needs, made, table = (I_ + k,), (), dur[KW]
+            elif kind is KFB:
+                bs, bm = a[3], a[4]
+                off, boff = f_need[st], b_need[bs]
+                needs = ((off + mb,) if off >= 0 else ()) + (F_ + bs * C + bm,) + ((boff + bm,) if boff >= 0 else ())
+                made = (F_ + k, G_ + bs * C + bm)
+                table = None
+            else:  # I or B
+                off = b_need[st]
+                needs = (F_ + k, off + mb) if off >= 0 else (F_ + k,)
+                made = (G_ + k, I_ + k) if kind is KI else (G_ + k,)
+                table = dur[kind]
+            t = t_free
+            blocked = False
+            for key in needs:
+                v = done[key]
+                if v is None:
+                    waiters.setdefault(key, []).append(r)
+                    blocked = True
+                    break
+                if v > t:
+                    t = v
+            if blocked:
+                break
+            if table is None:
+                d = dur_fb.get(st * S + a[3])
+                if d is None:
+                    d = dur_fb[st * S + a[3]] = compute_time(a)
             else:
-                if op[2] is None:
-                    free[r], ptr[r] = t_free, i
-                    return EngineResult(False, spans, {r: op[4]})
-                recv_post[op[1]][op[2]] = t_free
-                resolve(op[1])
+                d = table[st]
+                if d is None:
+                    d = table[st] = compute_time(a)
+            t_free = t + d
+            if record:
+                spans.append(span(r, "compute", kind.value, st, mb, t, d, (a[3], a[4]) if table is None else None))
+            for key in made:
+                done[key] = t_free
+                if key in waiters:
+                    wake(key)
             i += 1
-        ptr[r] = i
-        free[r] = t_free
+        ptr[r], free[r] = i, t_free
 
-    blocked = {r: programs[r][ptr[r]][4] for r in range(P) if ptr[r] < len(programs[r])}
-    return EngineResult(not blocked, spans, blocked)
+    actions = schedule.actions
+    blocked_at = {r: actions[r][ptr[r]] for r in range(P) if ptr[r] < len(actions[r])}
+    return EngineResult(not blocked_at, spans, blocked_at)
 
 
 @dataclass
@@ -228,15 +233,19 @@ def peak_live_activations(schedule: Schedule) -> dict[int, int]:
     """Per rank, the most chunk activations alive at once in program order: alive from the start of a chunk's F
     to the end of its B or I (an overlapped F&B holds its forward's activation before freeing the backward's)."""
     peaks = {}
+    KF, KFB, KI, KB = Kind.F, Kind.FB, Kind.I, Kind.B
     for r, acts in enumerate(schedule.actions):
         live = peak = 0
         for a in acts:
-            for part in a.parts():
-                if part.kind is Kind.F:
-                    live += 1
-                    peak = max(peak, live)
-                elif part.kind in (Kind.I, Kind.B):
+            kind = a[0]
+            if kind is KF or kind is KFB:
+                live += 1
+                if live > peak:
+                    peak = live
+                if kind is KFB:
                     live -= 1
+            elif kind is KI or kind is KB:
+                live -= 1
         peaks[r] = peak
     return peaks
 

@@ -2,6 +2,11 @@
 
 Times are microseconds (float) everywhere in this package; a simulated trace with unit costs simply uses
 "1 unit = 1 us".
+
+Modules: `trace` (the model, our JSON), `names` (range names of traces.md §5), `io.load_trace` (any format, by
+content), `chrome` (Chrome/Perfetto JSON in and out), `nsys` (Nsight Systems SQLite export), `nsys_csv` (`nsys
+stats` NVTX CSV), `kineto` (PyTorch profiler JSON), `project` (CPU range -> GPU projection), `compare` and
+`report` (predicted vs measured), `view` and `plot` (pictures), `cli` (`mhcpipe view`, `mhcpipe compare`).
 """
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 

@@ -72,7 +72,8 @@ def chrome_events(trace: Trace, overlay: dict[int, dict[str, float]] | None = No
     events: list[dict[str, Any]] = []
     for rank in trace.ranks:
         pid = _pid(trace, rank)
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{source} rank {rank}"}})
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": f"{source} rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         events.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
                        "args": {"labels": f"{source}; distributedInfo.rank={rank}"}})
@@ -257,8 +258,9 @@ def _span_from_event(ev: dict[str, Any], rank: int, ts: float, dur: float,
         peer = args.get("peer")
     else:
         parsed = parse_name(name)
-        if parsed is None:
-            kind, stage, mb, partner, peer = (str(ev.get("cat") or RANGE_KIND) if not ours else RANGE_KIND), None, None, None, None
+        if parsed is None:  # a foreign slice: its category (e.g. "kernel") is the best kind we have
+            kind = str(ev.get("cat") or RANGE_KIND) if not ours else RANGE_KIND
+            stage, mb, partner, peer = None, None, None, None
         else:
             kind, stage, mb, partner, peer = parsed.kind, parsed.stage, parsed.mb, parsed.partner, None
             if not args.get("stream"):

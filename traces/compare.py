@@ -16,6 +16,7 @@ Clocks: spans of different ranks are compared on their trace's time axis, which 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
@@ -145,12 +146,11 @@ def check_same_schedule(pred: Trace, meas: Trace, pred_name: str = "PRED", meas_
                              "label ranges with the naming convention (NVTX or record_function)")
     shared = len(pk & mk)
     if shared < MIN_SHARED_KEYS * max(len(pk), len(mk)):
-        only_p = sorted(pk - mk, key=str)[:2]
-        only_m = sorted(mk - pk, key=str)[:2]
+        examples = [f"only in {name}: {', '.join(key_label(k) for k in sorted(keys, key=str)[:2])}"
+                    for name, keys in ((pred_name, pk - mk), (meas_name, mk - pk)) if keys]
         raise TraceError(f"{pred_name} and {meas_name} are traces of different schedules: only {shared} of "
                          f"{len(pk)} predicted and {len(mk)} measured ops share (rank, kind, stage, micro-batch) "
-                         f"(e.g. only predicted: {[key_label(k) for k in only_p]}, only measured: "
-                         f"{[key_label(k) for k in only_m]})")
+                         f"(e.g. {'; '.join(examples)}); compare a run with the prediction of the same schedule")
 
 
 # ---- statistics --------------------------------------------------------------------------------------------
@@ -251,10 +251,7 @@ def time_stats(trace: Trace) -> TimeStats:
         streams = [logical_stream(s) for s in spans]
         for s, ls in zip(spans, streams):
             per_rank[s.rank][ls].append((s.start, s.end))
-        kt: Counter[tuple[int, str]] = Counter()
-        for s in _top_level([s for s, ls in zip(spans, streams) if ls != "comm"]):
-            kt[(s.rank, s.kind)] += s.duration
-        step_kt.append(kt)
+        step_kt.append(_kind_times([(s, ls) for s, ls in zip(spans, streams) if ls != "comm"]))
         for r in ranks:
             comp = per_rank[r]["compute"] + per_rank[r]["hp"]
             b = union_length(comp)
@@ -272,6 +269,30 @@ def time_stats(trace: Trace) -> TimeStats:
                      steps=len(steps), busy={r: med(v) for r, v in busy.items()},
                      idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
                      kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks})
+
+
+def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
+    """(rank, kind) -> time of top-level spans, with mHC kernel parts that run inside their op on the same
+    stream (e.g. `F/s3/mb7/L12.pre` inside `F/s3/mb7`) carved out of the op and counted as their own kind."""
+    kt: Counter[tuple[int, str]] = Counter()
+    top = _top_level([s for s, _ in spans])
+    for s in top:
+        kt[(s.rank, s.kind)] += s.duration
+    top_ids = {id(s) for s in top}
+    enclosing: dict[tuple[int, str], list[Span]] = defaultdict(list)
+    for s, ls in spans:
+        if id(s) in top_ids:
+            enclosing[(s.rank, ls)].append(s)
+    starts = {k: [s.start for s in v] for k, v in enclosing.items()}
+    for s, ls in spans:
+        if "." not in s.kind or id(s) in top_ids:
+            continue
+        cands = enclosing.get((s.rank, ls), [])
+        j = bisect_right(starts.get((s.rank, ls), []), s.start) - 1
+        if j >= 0 and cands[j].end >= s.end and "." not in cands[j].kind:
+            kt[(s.rank, s.kind)] += s.duration
+            kt[(s.rank, cands[j].kind)] -= s.duration
+    return kt
 
 
 def _top_level(spans: list[Span]) -> list[Span]:
@@ -398,7 +419,8 @@ def _fb_halves(meas: Trace, matched: set[int]) -> set[int]:
             if (meas.spans[i].rank, meas.spans[i].kind, meas.spans[i].stage, meas.spans[i].mb) in halves}
 
 
-_ORDER = {k: i for i, k in enumerate(("F", "I", "B", "W", "FB", "RC", "RG", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPT"))}
+_ORDER = {k: i for i, k in enumerate(("F", "I", "B", "W", "FB", "RC", "RG", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                                      "OPT"))}
 
 
 def _kind_order(kind: Hashable) -> tuple[int, str]:

@@ -32,7 +32,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from traces.chrome import assign_lanes, is_predicted  # noqa: E402
 from traces.compare import Comparison, TimeStats, _kind_order, schedule_spans, time_stats  # noqa: E402
-from traces.names import COMM_KINDS, RANGE_KIND, STEP_KIND  # noqa: E402
+from traces.names import RANGE_KIND, STEP_KIND  # noqa: E402
 from traces.plot import KIND_COLORS  # noqa: E402
 from traces.trace import Trace, TraceError  # noqa: E402
 
@@ -268,7 +268,9 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     ax.set_yticks(np.arange(len(bars)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("time per step (us): busy by kind, exposed communication, idle (hatched); bar length = makespan")
+    per_step = any(schedule_spans(t) for t in traces)
+    ax.set_xlabel(("time per step (us): busy by kind, exposed communication, idle (hatched); bar length = makespan"
+                   if per_step else "time over the whole trace (us): busy by kind (union per rank), idle (hatched)"))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
@@ -373,7 +375,7 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     png = base64.b64encode(buf.getvalue()).decode("ascii")
-    legend = "".join(f'<span class="sw" style="background:{COLORS[k] if k in COLORS else "#ccc"}"></span>{html.escape(lbl)} '
+    legend = "".join(f'<span class="sw" style="background:{COLORS.get(k, "#ccc")}"></span>{html.escape(lbl)} '
                      for k, lbl in (("F", "F"), ("B", "B / F&B 2nd half"), ("I", "I"), ("W", "W"), ("SEND_F", "P2P"),
                                     ("RC", "recompute / mHC"), (STEP_KIND, "step"), (RANGE_KIND, "other range"),
                                     ("kernel", "kernel"), ("nccl", "NCCL"), ("memcpy", "memcpy")))
@@ -391,12 +393,13 @@ def markdown_tables_to_html(md: str) -> str:
     for line in md.splitlines():
         if line.startswith("|"):
             cells = [c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")]
-            if all(set(c) <= set("-: ") for c in cells):
-                continue
-            tag = "th" if not in_table else "td"
+            is_header = not in_table
             if not in_table:
                 out.append("<table>")
                 in_table = True
+            if all(c == "" for c in cells) or (all(set(c) <= set("-: ") for c in cells) and any("-" in c for c in cells)):
+                continue  # blank header row or the |---| separator
+            tag = "th" if is_header else "td"
             out.append("<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>")
             continue
         if in_table:

@@ -1,5 +1,6 @@
 """Shared helpers for the traces tests: a small 1F1B pipeline simulator (independent of `schedules/`, so these
-tests pin the trace code alone) and the location of the shared third-party trace files."""
+tests pin the trace code alone) and the location of the shared third-party trace files. Imported by name (not a
+conftest.py, so other test folders can keep their own conftest without a module-name clash)."""
 from __future__ import annotations
 
 from pathlib import Path

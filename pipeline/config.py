@@ -1,0 +1,194 @@
+"""Run configuration: model, parallel layout, recompute and training settings (pydantic, YAML in configs/).
+
+Shape letters: T tokens per micro-batch (micro-batch size x sequence length), n residual streams, C hidden,
+L_b Transformer blocks, P pipeline ranks, M micro-batches. Invalid values fail at load time with the field's
+name and the fix. The same `RunConfig` drives the runtime (`pipeline`) and the cost model (`costmodel`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kernels.config import MHCConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+ScheduleKind = Literal["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"]
+
+
+class MoEConfig(BaseModel):
+    """Mixture of experts in the MLP sub-layer (DeepSeek style: routed top-k plus always-on shared experts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_experts: int = Field(ge=1, description="routed experts")
+    top_k: int = Field(ge=1, description="routed experts active per token")
+    num_shared: int = Field(0, ge=0, description="shared experts every token uses")
+    expert_hidden: int = Field(ge=1, description="FFN hidden size of one expert")
+    first_dense_blocks: int = Field(0, ge=0, description="leading blocks with a dense MLP instead of MoE")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> "MoEConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """A decoder-only Transformer whose sub-layers (attention, MLP/MoE) sit in the chosen residual variant."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("custom", description="preset name, for reports")
+    vocab_size: int = Field(ge=2, description="vocabulary size")
+    num_blocks: int = Field(ge=1, description="Transformer blocks L_b (each = attention + MLP sub-layer)")
+    hidden: int = Field(ge=1, description="hidden size C of one residual stream")
+    num_heads: int = Field(ge=1, description="attention heads")
+    head_dim: int = Field(ge=1, description="dimension per head (q/k/v width = num_heads x head_dim)")
+    mlp_hidden: int = Field(ge=1, description="SwiGLU hidden size of a dense MLP")
+    moe: MoEConfig | None = Field(None, description="MoE settings; None = dense MLP in every block")
+    residual: MHCConfig = Field(default_factory=lambda: MHCConfig(variant="mhc", n=4),
+                                description="residual variant and its settings (kernels.MHCConfig)")
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.num_blocks
+
+
+class ParallelConfig(BaseModel):
+    """Pipeline layout and batch shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    schedule: ScheduleKind = Field("dualpipev", description="pipeline schedule")
+    ranks: int = Field(ge=1, description="pipeline ranks P")
+    microbatches: int = Field(ge=1, description="micro-batches M per step")
+    microbatch_size: int = Field(1, ge=1, description="sequences per micro-batch")
+    seq_len: int = Field(ge=1, description="tokens per sequence")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel degree EP (MoE all-to-all), 1 = none")
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.microbatch_size * self.seq_len
+
+    @property
+    def num_stages(self) -> int:
+        """Stages of one pipeline: 2P for DualPipeV (V placement), P otherwise (DualPipe per direction)."""
+        return 2 * self.ranks if self.schedule == "dualpipev" else self.ranks
+
+
+class RecomputeConfig(BaseModel):
+    """mHC recompute (mHC §4.3.2): discard mHC intermediates after F, rebuild them in backward per block."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["off", "block", "auto"] = Field(
+        "off", description="'off'; 'block' with block_size sub-layers; 'auto' = Eq. 20 limited to the stage")
+    block_size: int | None = Field(None, ge=1, description="sub-layers per recompute block (mode 'block')")
+
+    @model_validator(mode="after")
+    def _block(self) -> "RecomputeConfig":
+        if self.mode == "block" and self.block_size is None:
+            raise ValueError("recompute.block_size is required when recompute.mode is 'block'")
+        return self
+
+
+class TrainConfig(BaseModel):
+    """Training loop settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(3, ge=1, description="optimizer steps")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    seed: int = Field(0, description="seed for parameters and synthetic data")
+    data: str = Field("synthetic", description="'synthetic' (seeded random tokens) or a path to a token file")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="activation dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
+    timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
+
+
+class RunConfig(BaseModel):
+    """Everything one run needs."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelConfig
+    parallel: ParallelConfig
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _layout(self) -> "RunConfig":
+        stages = self.parallel.num_stages
+        if self.model.num_blocks < stages:
+            raise ValueError(f"model.num_blocks={self.model.num_blocks} cannot fill {stages} pipeline stages "
+                             f"(parallel.schedule={self.parallel.schedule}, parallel.ranks={self.parallel.ranks}); "
+                             "use fewer ranks or more blocks")
+        from schedules.build import build
+
+        try:  # the generator owns the M/P rules and their messages
+            build(self.parallel.schedule, self.parallel.ranks, self.parallel.microbatches)
+        except ValueError as err:
+            raise ValueError(f"parallel: {err}") from None
+        moe = self.model.moe
+        if moe is not None and moe.num_experts % self.parallel.expert_parallel:
+            raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel} must divide "
+                             f"model.moe.num_experts={moe.num_experts}")
+        return self
+
+    def with_residual(self, variant: str, n: int) -> "RunConfig":
+        """The same run with another residual variant (e.g. the n=1 baseline of an mHC run)."""
+        residual = self.model.residual.model_copy(update={"variant": variant, "n": n})
+        MHCConfig.model_validate(residual.model_dump())
+        return self.model_copy(update={"model": self.model.model_copy(update={"residual": residual})})
+
+
+def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:
+    """Blocks of each stage, as even as possible; the first `num_blocks % num_stages` stages take one extra
+    block (e.g. 30 blocks on 8 stages: 4,4,4,4,4,4,3,3)."""
+    if num_blocks < num_stages:
+        raise ValueError(f"{num_blocks} blocks cannot fill {num_stages} stages")
+    base, extra = divmod(num_blocks, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_config(source: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Load a RunConfig from a YAML path or a preset name (a file in configs/), with optional nested overrides
+    such as {"parallel": {"ranks": 8}}. Errors name the field: `parallel.ranks: Input should be ...`."""
+    import yaml
+
+    path = Path(source)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{source}.yaml"
+        if not path.exists():
+            raise ValueError(f"unknown preset {str(source)!r}; choose one of {', '.join(presets())} or give a YAML path")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such config file") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping with model/parallel/recompute/train sections")
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {})
+        if isinstance(values, dict):
+            data[section].update(values)
+        else:
+            data[section] = values
+    return parse_config(data, str(path))
+
+
+def parse_config(data: dict, source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ValueError(f"{source}: {where}: {first['msg']}") from None

@@ -1,0 +1,88 @@
+"""Simulation: the closed-form bubbles and peak activations of schedules.md §7 at unit costs, and the
+simulator's response to costs (P2P time, per-stage durations)."""
+import pytest
+
+from schedules import Durations, build, simulate
+from schedules.formulas import bubble_formula
+
+UNIT = Durations(F=1, I=1, W=1)  # B = 2, F&B = 3, as DeepSeek's figures
+
+
+@pytest.mark.parametrize("P", [2, 4, 8, 16])
+@pytest.mark.parametrize("kind, Ms", [("1f1b", lambda P: (P, 2 * P + 3)), ("zb1p", lambda P: (P, 3 * P)),
+                                      ("dualpipe", lambda P: (2 * P, 2 * P + 6)),
+                                      ("dualpipev", lambda P: (2 * P, 2 * P + 5))])
+def test_bubble_matches_formula_at_unit_costs(kind, Ms, P):
+    for M in Ms(P):
+        r = simulate(build(kind, P, M), UNIT)
+        expected = {"1f1b": (P - 1) * 3, "zb1p": (P - 1) * 1,
+                    "dualpipe": (P / 2 - 1) * 2, "dualpipev": (P - 1) * 2}[kind]
+        assert set(r.idle.values()) == {expected}, (kind, P, M, r.idle)
+        assert bubble_formula(build(kind, P, M), UNIT)[1] == expected
+
+
+@pytest.mark.parametrize("P, M", [(2, 4), (4, 10), (8, 20), (16, 32)])
+def test_dualpipe_makespans(P, M):
+    """schedules.md §8.6: makespan 3M + N - 2 (DualPipe), 6M + 2(N - 1) (DualPipeV)."""
+    assert simulate(build("dualpipe", P, M), UNIT).makespan == 3 * M + P - 2
+    assert simulate(build("dualpipev", P, M), UNIT).makespan == 6 * M + 2 * (P - 1)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_peak_activations(P):
+    for M in (2 * P, 4 * P):
+        assert max(simulate(build("1f1b", P, M), UNIT).peak_activations.values()) <= P
+        assert max(simulate(build("zb1p", P, M), UNIT).peak_activations.values()) <= P
+        # DualPipe: PP+1 = P+1 chunks on every rank; DualPipeV: 2P+1 half-stage chunks = P + 1/2 stages
+        assert set(simulate(build("dualpipe", P, M), UNIT).peak_activations.values()) == {P + 1}
+        assert set(simulate(build("dualpipev", P, M), UNIT).peak_activations.values()) == {2 * P + 1}
+    assert max(simulate(build("gpipe", P, 3 * P), UNIT).peak_activations.values()) == 3 * P
+
+
+def test_trace_contents():
+    s = build("dualpipev", 4, 10)
+    r = simulate(s, UNIT)
+    compute = [x for x in r.trace.spans if x.stream == "compute"]
+    assert len(compute) == sum(len(a) for a in s.actions)
+    assert r.trace.meta["source"] == "simulated"
+    # compute spans never overlap on a rank
+    for rank in range(4):
+        spans = sorted((x.start, x.end) for x in compute if x.rank == rank)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+    # every SEND has a RECV span with the same interval on the peer (P2P pairs)
+    sends = {(x.kind[-1], x.stage, x.mb, x.peer): x for x in r.trace.spans if x.kind.startswith("SEND")}
+    recvs = {(x.kind[-1], x.stage, x.mb, x.rank): x for x in r.trace.spans if x.kind.startswith("RECV")}
+    assert sends.keys() == recvs.keys() and sends
+    # V placement: 2 * (P - 1) boundaries per micro-batch and direction, F and B
+    assert len(sends) == 2 * 2 * (4 - 1) * 10
+
+
+def test_p2p_time_costs_makespan_monotonically():
+    s = build("1f1b", 4, 8)
+    spans = [simulate(s, Durations(p2p_latency=lat)).makespan for lat in (0, 0.5, 1, 2)]
+    assert spans == sorted(spans) and spans[-1] > spans[0]
+    # alpha-beta: 84 MB over 3800 bytes/us = 22.1 us per message
+    slow = simulate(s, Durations(F=10, I=10, W=10, p2p_bandwidth=3800, message_bytes=84e6))
+    msg = next(x for x in slow.trace.spans if x.kind == "SEND_F")
+    assert msg.duration == pytest.approx(84e6 / 3800)
+
+
+def test_per_stage_durations_stretch_the_slow_stage():
+    s = build("1f1b", 4, 8)
+    base = simulate(s, UNIT)
+    slow = simulate(s, Durations(F=1, I=1, W=1, per_stage={2: {"F": 3}}))
+    f2 = [x for x in slow.trace.spans if x.kind == "F" and x.stage == 2]
+    assert {x.duration for x in f2} == {3}
+    assert slow.makespan > base.makespan
+    # the slow stage bounds the steady state: M forwards of 3 + M backwards of 2
+    assert slow.makespan >= 8 * (3 + 2)
+
+
+def test_durations_parse():
+    d = Durations.parse("F=1,B=2,W=1")
+    assert (d.F, d.I, d.W) == (1, 1, 1)
+    d = Durations.parse("F=2,I=3,W=1,FB=6")
+    assert d.FB == 6
+    for bad in ("F", "X=1", "F=a", "F=-1", "B=1,W=2"):
+        with pytest.raises(ValueError, match="--cost"):
+            Durations.parse(bad)

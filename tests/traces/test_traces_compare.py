@@ -1,0 +1,161 @@
+"""compare(): hand-computed per-op errors, makespan error, idle and exposed communication per rank, the mHC
+overhead in percentage points, steps, FB pairs and parts; different schedules are refused; the reports."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from traces.compare import compare
+from traces.report import to_json, to_markdown, to_text
+from traces.trace import Span, Trace, TraceError
+from traces_testlib import one_f_one_b
+
+SCHED = {"kind": "1f1b", "ranks": 2, "microbatches": 1}
+
+
+def pred_trace() -> Trace:
+    return Trace(spans=[
+        Span(0, "compute", "F", 0, 0, 0, 10), Span(0, "comm", "SEND_F", 0, 0, 10, 1, peer=1),
+        Span(1, "comm", "RECV_F", 0, 0, 10, 1, peer=0), Span(1, "compute", "F", 1, 0, 11, 10),
+        Span(1, "compute", "B", 1, 0, 21, 10), Span(0, "compute", "B", 0, 0, 31, 20),
+    ], meta={"source": "simulated", "schedule": SCHED})
+
+
+def meas_trace() -> Trace:
+    return Trace(spans=[
+        Span(0, "compute", "F", 0, 0, 0, 12.5), Span(0, "comm", "SEND_F", 0, 0, 12.5, 1.5),
+        Span(1, "comm", "RECV_F", 0, 0, 12.5, 1.5), Span(1, "compute", "F", 1, 0, 14, 10),
+        Span(1, "compute", "B", 1, 0, 24, 8), Span(0, "compute", "B", 0, 0, 34, 20),
+    ], meta={"source": "measured"})
+
+
+def test_hand_computed_errors_makespan_idle_and_exposed_comm():
+    c = compare(pred_trace(), meas_trace())
+    assert c.matched == 6 and c.steps == 1 and c.unmatched_pred == [] and c.unmatched_meas == []
+    k = {x.kind: x for x in c.kinds}
+    assert [x.kind for x in c.kinds] == ["F", "B", "SEND_F", "RECV_F"]
+    # F: e = (10 - 12.5) / 12.5 = -20 % on rank 0 and 0 % on rank 1
+    assert (k["F"].n, k["F"].signed_median_pct, k["F"].median_abs_pct) == (2, pytest.approx(-10), pytest.approx(10))
+    assert k["F"].p90_abs_pct == pytest.approx(18)  # linear interpolation between 0 and 20 at 90 %
+    # B: e = (10 - 8) / 8 = +25 % on rank 1, 0 % on rank 0
+    assert k["B"].signed_median_pct == pytest.approx(12.5) and k["B"].p90_abs_pct == pytest.approx(22.5)
+    assert k["SEND_F"].signed_median_pct == pytest.approx(-100 / 3)
+    assert k["B"].pred_mean_us == 15 and k["B"].meas_mean_us == 14
+    assert (c.makespan_pred_us, c.makespan_meas_us) == (51, 54)
+    assert c.makespan_err_pct == pytest.approx(100 * (51 - 54) / 54)
+    r0, r1 = c.ranks
+    assert (r0.pred_busy_us, r0.meas_busy_us, r0.pred_idle_us, r0.meas_idle_us) == (30, 32.5, 21, 21.5)
+    assert (r1.pred_busy_us, r1.meas_busy_us, r1.pred_idle_us, r1.meas_idle_us) == (20, 18, 31, 36)
+    assert r0.pred_bubble_pct == pytest.approx(100 * 21 / 51) and r0.meas_bubble_pct == pytest.approx(100 * 21.5 / 54)
+    assert r0.bubble_diff_pp == pytest.approx(100 * (21 / 51 - 21.5 / 54))
+    assert (r0.pred_exposed_comm_us, r0.meas_exposed_comm_us) == (1, 1.5)
+
+
+def test_exposed_comm_counts_only_time_not_under_compute():
+    pred = pred_trace()
+    longer_send = Span(0, "comm", "SEND_F", 0, 0, 10, 4)
+    meas = Trace(spans=[s if s.kind != "SEND_F" else longer_send for s in meas_trace().spans],
+                 meta={"source": "measured"})
+    c = compare(pred, meas)
+    assert c.ranks[0].meas_exposed_comm_us == pytest.approx(1.5)  # [10, 14] minus F's [0, 12.5]
+
+
+def test_mhc_overhead_in_percentage_points():
+    # 2 ranks, 1 micro-batch, no transfer time: makespan = 2 F + 2 B
+    mhc_pred, base_pred = one_f_one_b(2, 1, f=10, b=20, comm=0), one_f_one_b(2, 1, f=9, b=18, comm=0)
+    mhc_meas = one_f_one_b(2, 1, f=11, b=21, comm=0, source="measured")
+    base_meas = one_f_one_b(2, 1, f=10, b=19, comm=0, source="measured")
+    c = compare(mhc_pred, mhc_meas, baseline=(base_pred, base_meas))
+    o = c.overhead
+    assert (o.mhc_pred_makespan_us, o.base_pred_makespan_us) == (60, 54)
+    assert (o.mhc_meas_makespan_us, o.base_meas_makespan_us) == (64, 58)
+    assert o.pred_pct == pytest.approx(100 * (60 / 54 - 1)) and o.meas_pct == pytest.approx(100 * (64 / 58 - 1))
+    assert o.diff_pp == pytest.approx(100 * (60 / 54 - 64 / 58))
+    # added time per kind over (2 ranks x 54 us): F +2, B +4, idle +6 -> the parts add up to the overhead
+    assert o.breakdown_pred_pp == pytest.approx({"F": 100 * 2 / 108, "B": 100 * 4 / 108, "idle": 100 * 6 / 108})
+    assert sum(o.breakdown_pred_pp.values()) == pytest.approx(o.pred_pct)
+    assert sum(o.breakdown_meas_pp.values()) == pytest.approx(o.meas_pct)
+    text = to_text(c)
+    assert f"{o.diff_pp:+.2f} pp" in text
+
+
+def test_measured_steps_are_each_compared_and_spread_reported():
+    pred = one_f_one_b(3, 4)
+    meas = one_f_one_b(3, 4, f=lambda r, m: 10 + r, b=20, source="measured", steps=3, origin=123)
+    c = compare(pred, meas)
+    assert c.steps == 3 and c.matched == 3 * len(pred.spans)
+    assert c.makespan_meas_min_us == c.makespan_meas_max_us == c.makespan_meas_us
+    f = next(k for k in c.kinds if k.kind == "F")
+    assert f.n == 3 * 12 and f.median_abs_pct == pytest.approx(100 * 1 / 11)  # ranks 0, 1, 2 -> 0, 1/11, 2/12
+
+
+def test_fb_pairs_match_with_partner_and_children_are_not_unmatched():
+    pred = Trace(spans=[Span(0, "compute", "FB", 0, 1, 0, 30, partner=(1, 0)), Span(0, "compute", "W", 1, 0, 30, 5),
+                        Span(0, "hp", "F.post_res", 0, 1, 2, 1, name="F/s0/mb1/L3.post_res~hp")],
+                 meta={"source": "simulated"})
+    meas = Trace(spans=[Span(0, "compute", "FB", 0, 1, 0, 33, partner=(1, 0)), Span(0, "compute", "F", 0, 1, 0, 20),
+                        Span(0, "compute", "B", 1, 0, 10, 23), Span(0, "compute", "W", 1, 0, 33, 5),
+                        Span(0, "hp", "F.post_res", 0, 1, 3, 2, name="F/s0/mb1/L3.post_res~hp"),
+                        Span(0, "hp", "F.post_res", 0, 1, 6, 2, name="F/s0/mb1/L4.post_res~hp")],
+                 meta={"source": "measured"})
+    c = compare(pred, meas)
+    kinds = {k.kind: k for k in c.kinds}
+    assert kinds["FB"].signed_median_pct == pytest.approx(100 * (30 - 33) / 33)
+    assert kinds["F.post_res"].n == 1 and kinds["F.post_res"].signed_median_pct == pytest.approx(-50)
+    assert c.unmatched_meas == ["rank 0 F/s0/mb1/L4.post_res"]
+    assert any("child ranges of overlapped FB pairs" in n for n in c.notes)
+    wrong_partner = Trace(spans=[Span(0, "compute", "FB", 0, 1, 0, 30, partner=(1, 1)),
+                                 Span(0, "compute", "W", 1, 0, 30, 5)], meta={"source": "measured"})
+    c2 = compare(Trace(spans=pred.spans[:2], meta=pred.meta), wrong_partner)
+    assert c2.unmatched_pred == ["rank 0 FB/s0/mb1+s1/mb0"] and c2.unmatched_meas == ["rank 0 FB/s0/mb1+s1/mb1"]
+
+
+def test_different_schedules_are_refused():
+    pred = one_f_one_b(2, 4)
+    other_kind = one_f_one_b(2, 4, kind="gpipe", source="simulated")
+    other_kind.meta["source"] = "measured"
+    with pytest.raises(TraceError, match=r"different schedules \(kind '1f1b' vs 'gpipe'\)"):
+        compare(pred, other_kind)
+    more_ranks = one_f_one_b(4, 4)
+    more_ranks.meta["source"] = "measured"
+    with pytest.raises(TraceError, match="ranks 2 vs 4"):
+        compare(pred, more_ranks)
+    # no schedule metadata on the measured side: the (rank, kind, stage, mb) keys differ wholesale
+    wholesale = one_f_one_b(3, 6, source="measured")
+    with pytest.raises(TraceError,
+                       match=r"only 32 of 32 predicted and 84 measured ops share .*only in MEAS: rank 0 B/s0/mb4"):
+        compare(pred, wholesale)
+
+
+def test_swapped_and_unnamed_inputs_are_refused():
+    with pytest.raises(TraceError, match="arguments are swapped"):
+        compare(meas_trace(), pred_trace())
+    kernels_only = Trace(spans=[Span(0, "cuda:7", "kernel", None, None, 0, 5, name="gemm")],
+                         meta={"source": "measured", "foreign_ranges": {"## forward ##": 1}})
+    with pytest.raises(TraceError, match=r"MEAS has no schedule spans named as in traces.md §5.*## forward ##"):
+        compare(pred_trace(), kernels_only)
+
+
+def test_reports_markdown_and_json():
+    c = compare(pred_trace(), meas_trace(), baseline=(pred_trace(), meas_trace()))
+    md = to_markdown(c)
+    assert "| F | 2 | -10.0 | 10.0 | 18.0 | 10.00 | 11.25 |" in md
+    assert "## mHC overhead = T_mHC / T_base - 1" in md and "+0.00 pp" in md
+    d = json.loads(json.dumps(to_json(c), allow_nan=False))
+    assert d["units"]["overhead_diff"] == "percentage points"
+    assert d["overhead"]["diff_pp"] == 0 and d["makespan_pred_us"] == 51
+    assert [k["kind"] for k in d["kinds"]] == ["F", "B", "SEND_F", "RECV_F"]
+    assert not any(isinstance(v, float) and math.isnan(v) for v in d["kinds"][0].values())
+
+
+def test_time_budget_carves_mhc_parts_out_of_their_op():
+    from traces.compare import time_stats
+    t = Trace(spans=[Span(0, "compute", "F", 0, 0, 0, 10), Span(0, "compute", "F.pre", 0, 0, 2, 2,
+                                                                  name="F/s0/mb0/L0.pre"),
+                     Span(0, "hp", "F.post_res", 0, 0, 8, 3, name="F/s0/mb0/L0.post_res~hp"),  # other stream
+                     Span(0, "compute", "B", 0, 0, 12, 10)], meta={"source": "simulated"})
+    st = time_stats(t)
+    assert st.rank_kind_time[0] == {"F": 8, "F.pre": 2, "F.post_res": 3, "B": 10}  # post_res outlasts F
+    assert st.busy[0] == 21 and st.idle[0] == 1  # hp extends compute by 1 us: [0, 11] and [12, 22]
