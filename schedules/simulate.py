@@ -27,6 +27,8 @@ class EngineResult:
     completed: bool
     spans: list[Span]
     blocked: dict[int, Action] = field(default_factory=dict)  # rank -> action it is stuck at
+    busy: list[float] = field(default_factory=list)  # per rank, summed compute durations
+    end: list[float] = field(default_factory=list)  # per rank, end of its last compute action
 
 
 def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
@@ -86,6 +88,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     waiters: dict[int, list[int]] = {}
     ptr = [0] * P
     free = [0.0] * P
+    busy = [0.0] * P
     ready = deque(range(P))
     queued = [True] * P
     spans: list[Span] = []
@@ -115,7 +118,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             if record:
                 src, dst = channel_ends[ch]
                 spans.append(span(src, "comm", "SEND_F" if kind is KRF else "SEND_B", st, mb, start, d, None, dst))
-                spans.append(span(dst, "comm", kind.value, st, mb, start, d, None, src))
+                spans.append(span(dst, "comm", kind._value_, st, mb, start, d, None, src))
             key = (XF_ if kind is KRF else XG_) + st * C + mb
             done[key] = prev_end
             if key in waiters:
@@ -136,8 +139,10 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 if slot is None:
                     ptr[r], free[r] = i, t_free
                     return EngineResult(False, spans, {r: a})
-                recv_post[slot[0]][slot[1]] = t_free
-                resolve(slot[0])
+                ch, index = slot
+                recv_post[ch][index] = t_free
+                if index == chan_next[ch]:  # only the channel's head message can start a transfer
+                    resolve(ch)
                 i += 1
                 continue
             if kind is KSF or kind is KSB:
@@ -147,9 +152,11 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     waiters.setdefault(key, []).append(r)
                     break
                 ch = channel_of[(r, a[5])]
-                send_ready[ch][send_count[ch]] = v if v > t_free else t_free
-                send_count[ch] += 1
-                resolve(ch)
+                index = send_count[ch]
+                send_ready[ch][index] = v if v > t_free else t_free
+                send_count[ch] = index + 1
+                if index == chan_next[ch]:
+                    resolve(ch)
                 i += 1
                 continue
             k = st * C + mb
@@ -192,8 +199,9 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 if d is None:
                     d = table[st] = compute_time(a)
             t_free = t + d
+            busy[r] += d
             if record:
-                spans.append(span(r, "compute", kind.value, st, mb, t, d, (a[3], a[4]) if table is None else None))
+                spans.append(span(r, "compute", kind._value_, st, mb, t, d, (a[3], a[4]) if table is None else None))
             for key in made:
                 done[key] = t_free
                 if key in waiters:
@@ -203,7 +211,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
 
     actions = schedule.actions
     blocked_at = {r: actions[r][ptr[r]] for r in range(P) if ptr[r] < len(actions[r])}
-    return EngineResult(not blocked_at, spans, blocked_at)
+    return EngineResult(not blocked_at, spans, blocked_at, busy, free)
 
 
 @dataclass
@@ -271,8 +279,7 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
             "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
                          "microbatches": schedule.num_microbatches}}
     trace = Trace(spans=result.spans, meta=meta)
-    busy = trace.busy("compute")
-    makespan = trace.makespan()
-    idle = {r: makespan - busy.get(r, 0.0) for r in range(schedule.num_ranks)}
-    busy = {r: busy.get(r, 0.0) for r in range(schedule.num_ranks)}
+    makespan = max(result.end, default=0.0)
+    busy = dict(enumerate(result.busy))
+    idle = {r: makespan - b for r, b in busy.items()}
     return SimResult(trace, makespan, busy, idle, peak_live_activations(schedule))

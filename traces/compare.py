@@ -362,6 +362,10 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
     if fb_halves:
         notes.append(f"{len(fb_halves)} measured F/B child ranges of overlapped FB pairs are covered by their FB span")
+    units = {label: t.meta.get("time_unit", "us") for label, t in (("predicted", pred), ("measured", meas))}
+    if len(set(units.values())) > 1:
+        notes.append(f"time units differ (predicted in {units['predicted']!r}, measured in {units['measured']!r}): "
+                     "per-op errors and the makespan error compare unlike units; predict in microseconds")
     for label, t in (("measured", meas), ("predicted", pred)):
         if t.meta.get("rank_assumed"):
             notes.append(f"the {label} trace has no rank information; rank 0 was assumed")

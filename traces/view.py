@@ -262,7 +262,8 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     lefts = np.zeros(len(bars))
     for k in kinds:
         vals = np.asarray([b.get(k, 0.0) for b in bars])
-        ax.barh(np.arange(len(bars)), vals, left=lefts, color=color_of(k) if k not in COLORS else COLORS[k],
+        color = "#a8a04a" if k == "FB" else color_of(k)  # F&B pairs: a mix of F orange and B green
+        ax.barh(np.arange(len(bars)), vals, left=lefts, color=color,
                 edgecolor="black", linewidth=0.3, label=k, hatch="//" if k == "idle" else None)
         lefts += vals
     ax.set_yticks(np.arange(len(bars)))

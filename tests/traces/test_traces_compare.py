@@ -159,3 +159,32 @@ def test_time_budget_carves_mhc_parts_out_of_their_op():
     st = time_stats(t)
     assert st.rank_kind_time[0] == {"F": 8, "F.pre": 2, "F.post_res": 3, "B": 10}  # post_res outlasts F
     assert st.busy[0] == 21 and st.idle[0] == 1  # hp extends compute by 1 us: [0, 11] and [12, 22]
+
+
+def test_units_that_differ_are_noted():
+    pred = pred_trace()
+    pred.meta["time_unit"] = "cost units"
+    assert any("time units differ" in n for n in compare(pred, meas_trace()).notes)
+
+
+def test_simulated_dualpipev_from_schedules_round_trips_and_matches_itself():
+    """Integration with the schedule simulator: its FB spans (with partner) and P2P spans survive Chrome export,
+    and a measurement equal to the prediction (shifted clock, one op 10 % slower) matches 1:1."""
+    from dataclasses import replace
+
+    from schedules import Durations, build, simulate
+    from traces.chrome import chrome_to_traces, to_chrome, validate_chrome
+
+    pred = simulate(build("dualpipev", 4, 8), Durations(F=10, I=10, W=8, p2p_latency=0.5)).trace
+    assert any(s.kind == "FB" and s.partner is not None for s in pred.spans)
+    data = to_chrome(pred)
+    assert validate_chrome(data) == []
+    assert chrome_to_traces(data)[0].spans == pred.spans
+    slow = next(i for i, s in enumerate(pred.spans) if s.kind == "FB")
+    meas_spans = [replace(s, start=s.start + 5000) for s in pred.spans]
+    meas_spans[slow] = replace(meas_spans[slow], duration=pred.spans[slow].duration * 1.1)
+    c = compare(pred, Trace(spans=meas_spans, meta={"source": "measured"}))
+    assert c.matched == len(pred.spans) and not c.unmatched_pred and not c.unmatched_meas
+    fb = next(k for k in c.kinds if k.kind == "FB")
+    assert fb.pred_mean_us == 28 and fb.meas_mean_us == pytest.approx(28 + 2.8 / fb.n)  # F + I + W, one 10 % slower
+    assert all(k.median_abs_pct == 0 for k in c.kinds) and c.makespan_err_pct <= 0
