@@ -337,10 +337,11 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
             zero_meas += 1
     kinds = []
     for kind in sorted(pdur, key=_kind_order):
-        e = np.asarray(errs[kind]) if errs[kind] else np.asarray([np.nan])
-        kinds.append(KindError(kind=kind, n=len(errs[kind]), signed_median_pct=_pct(np.nanmedian(e)),
-                               median_abs_pct=_pct(np.nanmedian(np.abs(e))),
-                               p90_abs_pct=_pct(np.nanpercentile(np.abs(e), 90)),
+        e = np.asarray(errs[kind])
+        # a kind whose measured spans all have zero length (e.g. free simulated P2P) has no relative error
+        stats = (np.median(e), np.median(np.abs(e)), np.percentile(np.abs(e), 90)) if e.size else (np.nan,) * 3
+        kinds.append(KindError(kind=kind, n=len(errs[kind]), signed_median_pct=_pct(stats[0]),
+                               median_abs_pct=_pct(stats[1]), p90_abs_pct=_pct(stats[2]),
                                pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
     fb_halves = _fb_halves(meas, matched_m) - matched_m
     unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if i not in matched_p]

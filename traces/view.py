@@ -270,8 +270,9 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     per_step = any(schedule_spans(t) for t in traces)
-    ax.set_xlabel(("time per step (us): busy by kind, exposed communication, idle (hatched); bar length = makespan"
-                   if per_step else "time over the whole trace (us): busy by kind (union per rank), idle (hatched)"))
+    unit = traces[0].meta.get("time_unit", "us") if traces else "us"
+    ax.set_xlabel((f"time per step ({unit}): busy by kind, exposed communication, idle (hatched); bar length = makespan"
+                   if per_step else f"time over the whole trace ({unit}): busy by kind (union per rank), idle (hatched)"))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
@@ -299,7 +300,8 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
             ax.axhline(i - 0.5, color="black", lw=1.2)
         elif lay.rows[i].rank != lay.rows[i - 1].rank:
             ax.axhline(i - 0.5, color="#999999", lw=0.5)
-    ax.set_xlabel("time (us) since each trace's first schedule op (its first span if it has none)")
+    unit = traces[0].meta.get("time_unit", "us") if traces else "us"
+    ax.set_xlabel(f"time ({unit}) since each trace's first schedule op (its first span if it has none)")
     ax.legend(handles=_legend_handles(lay), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=6, fontsize=7,
               frameon=False)
     if title:
