@@ -159,37 +159,55 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     resolve(ch)
                 i += 1
                 continue
+            # up to three keys to wait for (n1..n3, -1 = none) and two to publish (m1, m2); scalars, not
+            # tuples: this loop runs once per action
             k = st * C + mb
+            n2 = n3 = m2 = -1
             if kind is KF:
                 off = f_need[st]
-                needs = (off + mb,) if off >= 0 else ()
-                made = (F_ + k,)
+                n1 = off + mb if off >= 0 else -1
+                m1 = F_ + k
                 table = dur[KF]
             elif kind is KW:
-                needs, made, table = (I_ + k,), (), dur[KW]
+                n1, m1, table = I_ + k, -1, dur[KW]
             elif kind is KFB:
                 bs, bm = a[3], a[4]
                 off, boff = f_need[st], b_need[bs]
-                needs = ((off + mb,) if off >= 0 else ()) + (F_ + bs * C + bm,) + ((boff + bm,) if boff >= 0 else ())
-                made = (F_ + k, G_ + bs * C + bm)
+                n1 = off + mb if off >= 0 else -1
+                n2 = F_ + bs * C + bm
+                n3 = boff + bm if boff >= 0 else -1
+                m1, m2 = F_ + k, G_ + bs * C + bm
                 table = None
             else:  # I or B
                 off = b_need[st]
-                needs = (F_ + k, off + mb) if off >= 0 else (F_ + k,)
-                made = (G_ + k, I_ + k) if kind is KI else (G_ + k,)
+                n1 = F_ + k
+                n2 = off + mb if off >= 0 else -1
+                m1 = G_ + k
+                if kind is KI:
+                    m2 = I_ + k
                 table = dur[kind]
             t = t_free
-            blocked = False
-            for key in needs:
-                v = done[key]
+            if n1 >= 0:
+                v = done[n1]
                 if v is None:
-                    waiters.setdefault(key, []).append(r)
-                    blocked = True
+                    waiters.setdefault(n1, []).append(r)
                     break
                 if v > t:
                     t = v
-            if blocked:
-                break
+            if n2 >= 0:
+                v = done[n2]
+                if v is None:
+                    waiters.setdefault(n2, []).append(r)
+                    break
+                if v > t:
+                    t = v
+            if n3 >= 0:
+                v = done[n3]
+                if v is None:
+                    waiters.setdefault(n3, []).append(r)
+                    break
+                if v > t:
+                    t = v
             if table is None:
                 d = dur_fb.get(st * S + a[3])
                 if d is None:
@@ -202,10 +220,14 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             busy[r] += d
             if record:
                 spans.append(span(r, "compute", kind._value_, st, mb, t, d, (a[3], a[4]) if table is None else None))
-            for key in made:
-                done[key] = t_free
-                if key in waiters:
-                    wake(key)
+            if m1 >= 0:
+                done[m1] = t_free
+                if m1 in waiters:
+                    wake(m1)
+            if m2 >= 0:
+                done[m2] = t_free
+                if m2 in waiters:
+                    wake(m2)
             i += 1
         ptr[r], free[r] = i, t_free
 

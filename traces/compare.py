@@ -24,7 +24,7 @@ from typing import Any, Hashable
 import numpy as np
 
 from traces.names import COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
-from traces.project import union_length
+from traces.trace import union_length
 from traces.trace import Span, Trace, TraceError
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]

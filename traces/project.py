@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable
 
 import numpy as np
+
+from traces.trace import union_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +71,3 @@ class Launches:
         ops = [iv for i in idx for iv in self._ops[thread][i]]
         return Projection(start=float(g0[idx].min()), end=float(g1[idx].max()), num_ops=int(n[idx].sum()),
                           busy=union_length(ops))
-
-
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted(intervals):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total

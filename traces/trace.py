@@ -121,7 +121,7 @@ class Trace:
         for s in self.spans:
             if s.stream == stream:
                 by_rank[s.rank].append((s.start, s.end))
-        return {r: _union_length(iv) for r, iv in sorted(by_rank.items())}
+        return {r: union_length(iv) for r, iv in sorted(by_rank.items())}
 
     def idle(self, stream: str = "compute") -> dict[int, float]:
         """Per-rank bubble: the trace's makespan minus the rank's busy time on `stream`."""
@@ -182,7 +182,8 @@ class Trace:
         return Trace(spans=spans, meta=dict(self.meta))
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping (start, end) intervals."""
     total, cur_start, cur_end = 0.0, None, None
     for a, b in sorted(intervals):
         if cur_end is None or a > cur_end:

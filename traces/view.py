@@ -231,7 +231,7 @@ def breakdown(trace: Trace, stats: TimeStats | None = None) -> tuple[list[int], 
                 for k in kinds:
                     parts[k][j] *= st.busy.get(r, 0.0) / busy_parts
         return ranks, parts
-    from traces.project import union_length
+    from traces.trace import union_length
     mk = trace.makespan()
     per_kind: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in trace.spans:
