@@ -1,0 +1,169 @@
+"""`mhcpipe predict`: what mHC will cost before launch (time, overhead %, breakdown, memory, L_r).
+
+Examples:
+  mhcpipe predict --preset paper-27b --hardware h800 --pp 6 --schedule dualpipe --ep 8
+  mhcpipe predict --preset paper-27b --hardware h800 --pp 8 --uneven --json out.json --trace-out pred.json
+  mhcpipe predict --preset paper-27b --hardware h800 --variant xhc --n 16 --k 4
+  mhcpipe predict --preset paper-27b --hardware h800 --sweep n=1..8 -o overhead_n.png
+  mhcpipe predict --preset paper-27b --hardware h800 --sweep bw=12.5,25,50,100,200 -o overhead_bw.png
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from costmodel.hardware import hardware_names
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="predict mHC's time, memory and traffic overhead before launch",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="config preset in configs/ (tiny, paper-3b, paper-9b, paper-27b, v4-flash, v4-pro)")
+    src.add_argument("--config", help="path to a RunConfig YAML")
+    p.add_argument("--hardware", default="h800", help=f"one of {', '.join(hardware_names())}, or a profile .json")
+    p.add_argument("--pp", type=int, help="pipeline ranks P")
+    p.add_argument("--schedule", help="gpipe, 1f1b, zb1p, dualpipe, dualpipev")
+    p.add_argument("--ep", type=int, help="expert-parallel degree")
+    p.add_argument("--microbatches", type=int, help="micro-batches M per step")
+    p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "xhc"], help="residual variant to price")
+    p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
+    p.add_argument("--k", type=int, help="xhc: active streams k")
+    p.add_argument("--unfused", action="store_true", help="price the unfused mHC kernels (mHC Table 2 I/O)")
+    p.add_argument("--recompute", help="off | auto | an integer block size L_r (sub-layers)")
+    p.add_argument("--fb-mode", default="streams", choices=["streams", "serial", "max"],
+                   help="F&B step: kernels on streams (default), serial F+B, or max(F, B)")
+    p.add_argument("--no-hp", action="store_true", help="MLP post+res on the normal stream (no high-priority stream)")
+    p.add_argument("--sigma", type=float, help="compute slowdown under all-to-all (default: the hardware's)")
+    p.add_argument("--uneven", action="store_true", help="allow stages with different block counts")
+    p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+    p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
+    p.add_argument("--sweep", help="n=1..8 | n=1,2,4 | bw=12.5,25,50 (PP link GB/s): plot overhead curves")
+    p.add_argument("-o", "--output", metavar="FILE.png", help="sweep picture (default predict_sweep.png)")
+    p.set_defaults(func=run)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    par: dict = {}
+    for flag, field in (("pp", "ranks"), ("schedule", "schedule"), ("ep", "expert_parallel"),
+                        ("microbatches", "microbatches")):
+        v = getattr(args, flag)
+        if v is not None:
+            par[field] = v
+    out: dict = {"parallel": par} if par else {}
+    if args.recompute is not None:
+        r = args.recompute.strip().lower()
+        if r in ("off", "auto"):
+            out["recompute"] = {"mode": r, "block_size": None}
+        else:
+            try:
+                size = int(r)
+            except ValueError:
+                raise ValueError(f"--recompute: {args.recompute!r} is not off, auto or an integer block size") from None
+            if size < 1:
+                raise ValueError(f"--recompute: block size must be >= 1, got {size}")
+            out["recompute"] = {"mode": "block", "block_size": size}
+    return out
+
+
+def load(args: argparse.Namespace):
+    from pipeline.config import load_config
+
+    source = args.config or args.preset
+    if source is None:
+        raise ValueError("give --preset NAME or --config FILE.yaml")
+    cfg = load_config(source, _overrides(args))
+    return cfg
+
+
+def _parse_sweep(text: str) -> tuple[str, list[float]]:
+    key, sep, values = text.partition("=")
+    key = key.strip().lower()
+    if not sep or key not in ("n", "bw"):
+        raise ValueError(f"--sweep {text!r}: write n=1..8, n=1,2,4 or bw=12.5,25,50 (GB/s)")
+    try:
+        if ".." in values:
+            lo, hi = values.split("..")
+            vals = [float(v) for v in range(int(lo), int(hi) + 1)]
+        else:
+            vals = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep {text!r}: values must be numbers") from None
+    if not vals or min(vals) <= 0:
+        raise ValueError(f"--sweep {text!r}: need positive values")
+    return key, vals
+
+
+def run(args: argparse.Namespace) -> int:
+    from costmodel.hardware import get_hardware
+    from costmodel.predict import Options, predict, residual_spec_of
+    from costmodel.report import format_table, write_json
+
+    cfg = load(args)
+    hw = get_hardware(args.hardware)
+    opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven)
+    spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)
+    if args.sweep:
+        return _sweep(cfg, hw, spec, opts, args)
+    pred = predict(cfg, hw, spec, opts)
+    print(format_table(pred))
+    if args.json:
+        print(f"wrote {write_json(pred, args.json)}")
+    if args.trace_out:
+        out = Path(args.trace_out)
+        pred.mhc.trace.save(out)
+        base = out.with_name(out.stem + ".baseline" + out.suffix)
+        pred.baseline.trace.save(base)
+        print(f"wrote {out} (mHC) and {base} (baseline)")
+    return 0
+
+
+def _sweep(cfg, hw, spec, opts, args) -> int:
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from costmodel.mhc_cost import ResidualSpec
+    from costmodel.predict import Options, predict
+
+    key, values = _parse_sweep(args.sweep)
+    rows = []
+    for v in values:
+        if key == "n":
+            n = int(v)
+            s = ResidualSpec("residual", 1) if n == 1 and spec.variant != "xhc" else dataclasses.replace(
+                spec, n=n, variant=spec.variant if spec.variant != "residual" else "mhc",
+                k=min(spec.k, n) if spec.k else None)
+            pred = predict(cfg, hw, s, opts)
+        else:
+            pred = predict(cfg, hw, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9))
+        b = pred.summary["breakdown_pp"]
+        rows.append((v, pred.summary["overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
+                     pred.summary["memory_gib"]["mhc"]))
+    label = "n (residual streams)" if key == "n" else "PP link bandwidth (GB/s per direction)"
+    print(f"{label:<40} overhead   kernels  recompute  boundary   memory")
+    for v, o, k, r, e, m in rows:
+        print(f"{v:<40g} {o:7.2f}%  {k:+7.2f}  {r:+8.2f}  {e:+8.2f}  {m:6.1f} GiB")
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [r[0] for r in rows]
+    ax.plot(xs, [r[1] for r in rows], "o-", label="total overhead")
+    ax.plot(xs, [r[2] for r in rows], "s--", label="kernel traffic")
+    ax.plot(xs, [r[3] for r in rows], "^--", label="recompute")
+    ax.plot(xs, [r[4] for r in rows], "v--", label="n-fold boundary traffic")
+    if key == "bw":
+        ax.set_xscale("log")
+    ax.set_xlabel(label)
+    ax.set_ylabel("% of baseline iteration")
+    ax.set_title(f"{cfg.model.name} on {hw.name}: predicted mHC overhead")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(args.output or "predict_sweep.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return 0

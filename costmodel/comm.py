@@ -1,0 +1,41 @@
+"""Communication, alpha-beta (costmodel.md §2.3-2.4): stage-boundary P2P and expert-parallel all-to-all.
+
+    t_p2p      = alpha + S / (bw * eta)
+    t_all2all  = (k-1) * alpha + (k-1)/k * S / (bw * eta)    (S = bytes one rank sends, itself included;
+                                                             nccl-tests busbw factor (k-1)/k)
+Placement (which fabric a transfer crosses) follows the layout: `gpus_per_node` GPUs share NVLink. An EP group
+of k <= gpus_per_node ranks stays inside a node; a larger one sends (k - g)/k of its bytes over the network
+and (g - 1)/k over NVLink, concurrently (the slower one sets the time). A pipeline boundary is inter-node when
+one stage's EP group fills a node (EP >= gpus_per_node) or the PP x EP ranks do not fit in one node.
+"""
+from __future__ import annotations
+
+from costmodel.hardware import HardwareSpec, Link
+
+
+def boundary_bytes(tokens: int, width: int, hidden: int, dtype_bytes: int) -> float:
+    """S_boundary = T * n * C * dtype bytes per micro-batch, stage boundary and direction."""
+    return float(tokens * width * hidden * dtype_bytes)
+
+
+def pp_link(hw: HardwareSpec, pp: int, ep: int) -> Link:
+    if ep >= hw.gpus_per_node or pp * ep > hw.gpus_per_node:
+        return hw.inter
+    return hw.intra
+
+
+def p2p_us(link: Link, nbytes: float) -> float:
+    return link.time_us(nbytes)
+
+
+def all_to_all_us(hw: HardwareSpec, ep: int, nbytes: float) -> float:
+    """Time of one all-to-all in which every rank of an EP group of `ep` sends `nbytes` in total."""
+    if ep <= 1 or nbytes <= 0:
+        return 0.0
+    g = hw.gpus_per_node
+    if ep <= g:
+        link = hw.intra
+        return (ep - 1) * link.latency_us + (ep - 1) / ep * nbytes / (link.bandwidth * link.efficiency) * 1e6
+    intra = (g - 1) * hw.intra.latency_us + (g - 1) / ep * nbytes / (hw.intra.bandwidth * hw.intra.efficiency) * 1e6
+    inter = (ep - g) * hw.inter.latency_us + (ep - g) / ep * nbytes / (hw.inter.bandwidth * hw.inter.efficiency) * 1e6
+    return max(intra, inter)

@@ -1,0 +1,241 @@
+"""Hardware specs: peak rates from vendor datasheets, size-dependent efficiency curves (Calculon-style), links.
+
+A kernel's time is a roofline with efficiencies (costmodel.md §2.1):
+
+    t = max(FLOPs / (peak * eta_c(FLOPs)), bytes / (hbm_bw * eta_m(bytes))) + t_launch
+
+`eta_c` and `eta_m` are piecewise-linear over op size (Calculon `systems/*.json`: matrix and vector curves over
+GFLOP, memory curve over MB; linear interpolation between points, flat outside). One curve per op class:
+tensor-core matmul, vector/elementwise, memory copy.
+
+Sources of the numbers (all dense, no sparsity):
+* H800 SXM5: bf16 989.4 TFLOP/s, tf32 494.7, fp32 66.9 (same SXM5 die as H100); HBM3 80 GB at 3.35 TB/s;
+  NVLink 400 GB/s bidirectional = 200 GB/s per direction, of which DeepSeek-V3 (arXiv 2412.19437 §3.2.2)
+  reports ~160 GB/s achievable (efficiency 0.8); InfiniBand 400 Gb/s = 50 GB/s per GPU (same section).
+* H100 SXM5 (NVIDIA H100 datasheet): bf16 989.4, tf32 494.7, fp32 66.9 TFLOP/s; 80 GB HBM3 3.35 TB/s; NVLink 4
+  900 GB/s bidirectional = 450 GB/s per direction; 132 SMs.
+* H200 SXM (NVIDIA H200 datasheet): same compute as H100; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
+  Measured on the project's H200 (gpu.md §3): bf16 8192^3 GEMM ~790 TFLOP/s (eta 0.80) and device copy ~4.3 TB/s
+  (eta 0.90): these are the ceilings of the Hopper curves below.
+* B200 (NVIDIA HGX B200 datasheet, per GPU = 1/8 of the HGX board): bf16 2.25 PFLOP/s dense (36 PF sparse / 8 / 2),
+  tf32 1.1 PFLOP/s dense, fp32 75 TFLOP/s; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s bidirectional = 900 GB/s
+  per direction; 148 SMs; ConnectX-7 400 Gb/s per GPU.
+* A100 SXM 80GB (NVIDIA A100 datasheet): bf16 312, tf32 156, fp32 19.5 TFLOP/s; HBM2e 2.039 TB/s; NVLink 3
+  600 GB/s bidirectional = 300 GB/s per direction; 108 SMs; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s.
+* Curves: Calculon `systems/a100_80g.json` / `h100_80g_nvl8.json` (calculon-ai/calculon): matrix
+  {0: 0.1, 1: 0.6, 16: 0.9, 128: 0.95} over GFLOP, vector {0: 0.1, 1: 0.5, 16: 0.95}, HBM {0: 0.3, 1: 0.6,
+  10: 0.75, 100: 0.9} over MB. For Hopper/Blackwell the matrix curve is scaled so its top is the measured 0.80
+  (Calculon's 0.95 was tuned on A100 and is not reached by cuBLAS on H200, gpu.md).
+* Links: Calculon latencies 1 us (NVLink) and 2 us (IB) and IB efficiency 0.9; NVLink efficiency 0.6 on
+  H100/H200/B200/A100 (Calculon), 0.8 on H800 (DeepSeek-V3's 160 of 200 GB/s).
+* Interference sigma = 0.15: DeepSeek-V3 gives 20 of 132 SMs to communication (0.152), the same value as Calculon's
+  NVLink `processor_usage` 0.15. It is the fraction by which compute slows while an all-to-all runs under it.
+* Kernel issue gap (t_launch) 2 us per GPU kernel: an assumption (typical back-to-back CUDA kernel gap without
+  graphs); calibrate it from tiny kernels on the target (costmodel.md §3). `local` measures its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "runs" / "hardware"
+GB = 1e9
+TB = 1e12
+GIB = 2**30  # "80 GB" HBM parts expose ~80 GiB (H100 80GB: 81559 MiB; H200: 143771 MiB ~ 140 GiB)
+
+
+class Curve(BaseModel):
+    """Piecewise-linear efficiency over op size (size unit in `unit`), flat beyond the end points."""
+
+    model_config = ConfigDict(extra="forbid")
+    unit: Literal["GFLOP", "MB"] = "GFLOP"
+    points: list[tuple[float, float]] = Field(min_length=1, description="(size, efficiency), ascending size")
+
+    @pydantic.field_validator("points")
+    @classmethod
+    def _sorted(cls, pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        pts = sorted((float(s), float(e)) for s, e in pts)
+        for s, e in pts:
+            if not 0 < e <= 1.0 + 1e-9 or s < 0:
+                raise ValueError(f"efficiency point ({s}, {e}): need size >= 0 and 0 < efficiency <= 1")
+        return pts
+
+    def __call__(self, size: float) -> float:
+        pts = self.points
+        if size <= pts[0][0]:
+            return pts[0][1]
+        for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+            if size <= s1:
+                return e0 + (e1 - e0) * (size - s0) / (s1 - s0)
+        return pts[-1][1]
+
+    def scaled(self, top: float) -> "Curve":
+        """The same shape with its largest efficiency set to `top`."""
+        peak = max(e for _, e in self.points)
+        return Curve(unit=self.unit, points=[(s, e * top / peak) for s, e in self.points])
+
+
+class Link(BaseModel):
+    """One fabric, alpha-beta: t = latency + bytes / (bandwidth * efficiency). Bandwidth per direction."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    bandwidth: float = Field(gt=0, description="bytes/s per direction per GPU")
+    latency_us: float = Field(ge=0, description="alpha in microseconds")
+    efficiency: float = Field(1.0, gt=0, le=1.0, description="achievable fraction of `bandwidth` for large messages")
+
+    def time_us(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_us + nbytes / (self.bandwidth * self.efficiency) * 1e6
+
+    def with_bandwidth(self, bandwidth: float) -> "Link":
+        return self.model_copy(update={"bandwidth": bandwidth})
+
+
+class HardwareSpec(BaseModel):
+    """One accelerator model (or this machine, `local`). Rates in FLOP/s and bytes/s; times in microseconds."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = ""
+    peak_flops: dict[str, float] = Field(description="dense tensor-core FLOP/s by dtype: bf16, tf32, fp32")
+    vector_flops: float = Field(gt=0, description="non-tensor (CUDA-core) FLOP/s for elementwise math")
+    hbm_bandwidth: float = Field(gt=0, description="memory bandwidth, bytes/s")
+    memory_bytes: float = Field(gt=0, description="device memory capacity, bytes")
+    sms: int = Field(1, ge=1, description="streaming multiprocessors (cores for `local`)")
+    matrix_eff: Curve
+    vector_eff: Curve
+    memory_eff: Curve
+    launch_us: float = Field(2.0, ge=0, description="per-kernel issue gap, forward (us)")
+    bwd_launch_us: float | None = Field(None, ge=0, description="per-kernel cost in backward; default launch_us")
+    intra: Link = Field(description="intra-node P2P (NVLink / shared memory)")
+    inter: Link = Field(description="inter-node P2P (InfiniBand / network)")
+    gpus_per_node: int = Field(8, ge=1)
+    interference: float = Field(0.15, ge=0, description="sigma: compute slowdown while an all-to-all runs under it")
+    host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")
+    meta: dict = Field(default_factory=dict, description="source, calibration date, versions...")
+
+    # ---- kernel pricing -----------------------------------------------------------------------------
+    def peak(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype in ("float32", "fp32"):
+            return self.peak_flops.get("fp32", self.vector_flops)
+        if dtype in ("bfloat16", "bf16", "float16", "fp16"):
+            return self.peak_flops.get("bf16", self.vector_flops)
+        raise ValueError(f"{self.name}: no peak rate for dtype {dtype!r}; known {', '.join(self.peak_flops)}")
+
+    def matmul_us(self, flops: float, nbytes: float, dtype: str = "bf16") -> float:
+        """Tensor-core GEMM (or attention core): roofline of the matrix and memory curves, without launch."""
+        t_c = flops / (self.peak(dtype) * self.matrix_eff(flops / GB)) if flops > 0 else 0.0
+        return max(t_c * 1e6, self.memory_us(nbytes))
+
+    def vector_us(self, flops: float, nbytes: float) -> float:
+        """Elementwise / reduction kernel: vector-unit curve vs memory curve, without launch."""
+        t_c = flops / (self.vector_flops * self.vector_eff(flops / GB)) * 1e6 if flops > 0 else 0.0
+        return max(t_c, self.memory_us(nbytes))
+
+    def memory_us(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.hbm_bandwidth * self.memory_eff(nbytes / 1e6)) * 1e6
+
+    @property
+    def backward_launch_us(self) -> float:
+        return self.launch_us if self.bwd_launch_us is None else self.bwd_launch_us
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.model_dump(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareSpec":
+        path = Path(path)
+        try:
+            return cls.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such hardware profile") from None
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(f"{path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+# ---- curves (Calculon, see module docstring) --------------------------------------------------------------
+CALCULON_MATRIX = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.6), (16, 0.9), (128, 0.95)])
+CALCULON_VECTOR = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.5), (16, 0.95)])
+CALCULON_HBM = Curve(unit="MB", points=[(0, 0.3), (1, 0.6), (10, 0.75), (100, 0.9)])
+HOPPER_MATRIX = CALCULON_MATRIX.scaled(790 / 989.4)  # measured H200 GEMM ceiling (gpu.md §3)
+HOPPER_HBM = CALCULON_HBM.scaled(4.3 / 4.8)  # measured H200 copy ceiling (gpu.md §3), ~0.90 as Calculon's
+
+IB_400G = Link(name="InfiniBand NDR 400Gb/s", bandwidth=50 * GB, latency_us=2.0, efficiency=0.9)
+
+
+def _nvlink(bidirectional_gbs: float, efficiency: float) -> Link:
+    return Link(name=f"NVLink {bidirectional_gbs:g} GB/s", bandwidth=bidirectional_gbs / 2 * GB, latency_us=1.0,
+                efficiency=efficiency)
+
+
+def _hopper(name: str, description: str, hbm_tbs: float, mem_gb: float, nvlink_gbs: float, nvlink_eff: float):
+    return HardwareSpec(
+        name=name, description=description,
+        peak_flops={"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, vector_flops=66.9e12,
+        hbm_bandwidth=hbm_tbs * TB, memory_bytes=mem_gb * GIB, sms=132,
+        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
+        intra=_nvlink(nvlink_gbs, nvlink_eff), inter=IB_400G, meta={"source": "vendor datasheets, see hardware.py"})
+
+
+BUILTIN: dict[str, HardwareSpec] = {
+    "h800": _hopper("h800", "NVIDIA H800 SXM5 80GB, NVLink 400 GB/s, IB 400 Gb/s per GPU", 3.35, 80, 400, 0.8),
+    "h100": _hopper("h100", "NVIDIA H100 SXM5 80GB, NVLink 900 GB/s, IB 400 Gb/s per GPU", 3.35, 80, 900, 0.6),
+    "h200": _hopper("h200", "NVIDIA H200 SXM 141GB, NVLink 900 GB/s, IB 400 Gb/s per GPU", 4.8, 140, 900, 0.6),
+    "b200": HardwareSpec(
+        name="b200", description="NVIDIA B200 (HGX) 180GB, NVLink 1.8 TB/s, IB 400 Gb/s per GPU",
+        peak_flops={"bf16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}, vector_flops=75e12,
+        hbm_bandwidth=8 * TB, memory_bytes=180 * GIB, sms=148,
+        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
+        intra=_nvlink(1800, 0.6), inter=IB_400G, meta={"source": "HGX B200 datasheet; curves assumed Hopper-like"}),
+    "a100": HardwareSpec(
+        name="a100", description="NVIDIA A100 SXM 80GB, NVLink 600 GB/s, IB HDR 200 Gb/s per GPU",
+        peak_flops={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, vector_flops=19.5e12,
+        hbm_bandwidth=2.039 * TB, memory_bytes=80 * GIB, sms=108,
+        matrix_eff=CALCULON_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=CALCULON_HBM,
+        intra=_nvlink(600, 0.6), inter=Link(name="InfiniBand HDR 200Gb/s", bandwidth=25 * GB, latency_us=2.0,
+                                            efficiency=0.9),
+        meta={"source": "A100 datasheet; Calculon a100_80g.json curves"}),
+}
+
+
+def local_profile_path() -> Path:
+    """Where `local` lives: $MHCPIPE_LOCAL_PROFILE, else runs/hardware/local.json under the repository."""
+    env = os.environ.get("MHCPIPE_LOCAL_PROFILE")
+    return Path(env) if env else PROFILE_DIR / "local.json"
+
+
+def hardware_names() -> list[str]:
+    return sorted(BUILTIN) + ["local"]
+
+
+def get_hardware(name: str | Path) -> HardwareSpec:
+    """A built-in spec by name, `local` (the calibrated profile of this machine), or a profile JSON path."""
+    key = str(name).lower()
+    if key in BUILTIN:
+        return BUILTIN[key]
+    if key == "local":
+        path = local_profile_path()
+        if not path.exists():
+            raise ValueError(f"hardware 'local' is not calibrated yet ({path} missing); run "
+                             "`python -m costmodel.calibrate` (or bench/predict_local.py) first")
+        return HardwareSpec.load(path)
+    path = Path(str(name))
+    if path.suffix == ".json":
+        return HardwareSpec.load(path)
+    raise ValueError(f"unknown hardware {str(name)!r}; choose one of {', '.join(hardware_names())} "
+                     "or give a profile .json")

@@ -1,0 +1,250 @@
+"""Per-op work of one Transformer block: FLOPs and bytes of every kernel, for the F, I and W passes.
+
+Shape letters: T tokens per micro-batch (micro-batch size x sequence), C hidden, q = heads x head_dim (q/k/v width),
+H dense SwiGLU hidden, E routed experts, k top-k, He expert hidden, V vocabulary, d bytes per activation element.
+
+Conventions (costmodel.md §2.1):
+* GEMM (MxK)(KxN): 2MKN FLOPs, d(MK + KN + MN) bytes. A linear layer's backward is two GEMMs of the forward's
+  size: the input-grad (dgrad) belongs to I, the weight-grad (wgrad) to W.
+* Attention core (FlashAttention-style, causal): forward 2 * b * s^2 * q FLOPs (QK^T and PV, halved by the causal
+  mask), backward 2.5x the forward (FlashAttention-2: five matmuls against two, one of them the recomputed
+  scores); bytes = reading q, k, v and writing o (forward), plus do, dq, dk, dv (backward). No T x T matrix.
+* SwiGLU: gate+up GEMM (C -> 2H), silu(g) * u elementwise, down GEMM (H -> C): 6 T C H FLOPs forward.
+* MoE (DeepSeek style): router GEMM C -> E, top-k, permute, expert-parallel dispatch (all-to-all when EP > 1),
+  grouped expert GEMMs over T k token copies, combine, unpermute; shared experts are dense SwiGLUs that may run
+  while the dispatch is in flight (their own dependency on the router input, not on the dispatch).
+  Per-expert GEMM size for the efficiency curve: T k EP / E tokens (balanced routing).
+* RMSNorm: one kernel reading and writing T C (forward), reading x, dy and writing dx (backward).
+The residual connection itself (plain add, or the mHC kernels around the sub-layer) is priced in mhc_cost.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipeline.config import RunConfig
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel (or one eager op) to price.
+
+    cls: "matrix" (tensor-core GEMM or attention core), "vector" (elementwise/reduction), "memory" (pure copy),
+    "a2a" (expert-parallel all-to-all: bytes per rank), "sync" (launch cost only).
+    group: what it belongs to for the breakdown: model, mhc, recompute, a2a, embed, head.
+    stream: compute, hp (high-priority compute) or comm. deps: offsets (negative) of the ops in the same chain it
+    waits for; (-1,) = the previous op.
+    """
+
+    name: str
+    cls: str
+    flops: float = 0.0
+    nbytes: float = 0.0
+    dtype: str = "bf16"
+    launches: int = 1
+    group: str = "model"
+    stream: str = "compute"
+    deps: tuple[int, ...] = (-1,)
+    preemptible: bool = True
+
+    def scaled(self, factor: float) -> "Kernel":
+        return replace(self, flops=self.flops * factor, nbytes=self.nbytes * factor)
+
+
+def gemm(name: str, m: float, k: float, n: float, d: int, dtype: str, **kw) -> Kernel:
+    """(m x k)(k x n). Large cuBLAS GEMMs do not yield SMs to a high-priority stream (gpu.md §6)."""
+    return Kernel(name, "matrix", 2.0 * m * k * n, d * (m * k + k * n + m * n), dtype, preemptible=False, **kw)
+
+
+def vec(name: str, nbytes: float, flops: float = 0.0, launches: int = 1, **kw) -> Kernel:
+    return Kernel(name, "vector", flops, nbytes, launches=launches, **kw)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the per-op formulas need from a RunConfig."""
+
+    T: int
+    seq: int
+    mbs: int
+    C: int
+    q: int
+    H: int
+    V: int
+    d: int
+    dtype: str  # "bf16" or "fp32": which peak the GEMMs run at
+    moe: tuple[int, int, int, int] | None  # (E, top_k, shared, He)
+    first_dense: int
+    ep: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> "Shape":
+        m, p = cfg.model, cfg.parallel
+        d = DTYPE_BYTES[cfg.train.dtype]
+        moe = None if m.moe is None else (m.moe.num_experts, m.moe.top_k, m.moe.num_shared, m.moe.expert_hidden)
+        return cls(T=p.tokens_per_microbatch, seq=p.seq_len, mbs=p.microbatch_size, C=m.hidden,
+                   q=m.num_heads * m.head_dim, H=m.mlp_hidden, V=m.vocab_size, d=d,
+                   dtype="fp32" if d == 4 else "bf16", moe=moe,
+                   first_dense=0 if m.moe is None else m.moe.first_dense_blocks, ep=p.expert_parallel)
+
+
+@dataclass
+class SubLayerWork:
+    """Kernels of one sub-layer (attention or MLP), per pass, in execution order."""
+
+    kind: str  # "attn" | "mlp" | "moe"
+    F: list[Kernel] = field(default_factory=list)
+    I: list[Kernel] = field(default_factory=list)  # noqa: E741
+    W: list[Kernel] = field(default_factory=list)
+
+
+def attention(s: Shape) -> SubLayerWork:
+    T, C, q, d, dt = s.T, s.C, s.q, s.d, s.dtype
+    core_f = 2.0 * s.mbs * s.seq * s.seq * q
+    io = d * 4 * T * q
+    w = SubLayerWork("attn")
+    w.F = [vec("attn.norm", d * 2 * T * C, 4 * T * C),
+           gemm("attn.qkv", T, C, 3 * q, d, dt),
+           vec("attn.rope", d * 4 * T * q, 6 * T * q),
+           Kernel("attn.core", "matrix", core_f, io, dt),
+           gemm("attn.out", T, q, C, d, dt)]
+    w.I = [gemm("attn.out.dgrad", T, C, q, d, dt),
+           Kernel("attn.core.bwd", "matrix", 2.5 * core_f, 2 * io, dt),
+           vec("attn.rope.bwd", d * 4 * T * q, 6 * T * q),
+           gemm("attn.qkv.dgrad", T, 3 * q, C, d, dt),
+           vec("attn.norm.bwd", d * 3 * T * C, 6 * T * C)]
+    w.W = [gemm("attn.out.wgrad", q, T, C, d, dt),
+           gemm("attn.qkv.wgrad", C, T, 3 * q, d, dt)]
+    return w
+
+
+def dense_mlp(s: Shape, hidden: int | None = None, prefix: str = "mlp") -> SubLayerWork:
+    T, C, H, d, dt = s.T, s.C, hidden or s.H, s.d, s.dtype
+    w = SubLayerWork("mlp")
+    w.F = [vec(f"{prefix}.norm", d * 2 * T * C, 4 * T * C),
+           gemm(f"{prefix}.gate_up", T, C, 2 * H, d, dt),
+           vec(f"{prefix}.act", d * 3 * T * H, 4 * T * H),
+           gemm(f"{prefix}.down", T, H, C, d, dt)]
+    w.I = [gemm(f"{prefix}.down.dgrad", T, C, H, d, dt),
+           vec(f"{prefix}.act.bwd", d * 5 * T * H, 8 * T * H),
+           gemm(f"{prefix}.gate_up.dgrad", T, 2 * H, C, d, dt),
+           vec(f"{prefix}.norm.bwd", d * 3 * T * C, 6 * T * C)]
+    w.W = [gemm(f"{prefix}.down.wgrad", H, T, C, d, dt),
+           gemm(f"{prefix}.gate_up.wgrad", C, T, 2 * H, d, dt)]
+    return w
+
+
+def _experts(name: str, tokens: float, C: int, He: int, m_e: float, d: int, dt: str, factor: float = 1.0) -> Kernel:
+    """Grouped SwiGLU expert GEMMs over `tokens` token copies; efficiency from one expert's GEMM size (m_e tokens)."""
+    flops = 6.0 * tokens * C * He * factor
+    nbytes = d * (3 * tokens * C + 3 * tokens * He + 3 * C * He * max(1.0, tokens / max(m_e, 1.0)))
+    return Kernel(name, "matrix", flops, nbytes * factor, dt, preemptible=False)
+
+
+def _chain(items: list[tuple[Kernel, tuple[int, ...] | None]]) -> list[Kernel]:
+    """Kernels with absolute dependency indices (None = previous op) -> relative `deps`."""
+    out = []
+    for i, (kern, deps) in enumerate(items):
+        out.append(kern if deps is None else replace(kern, deps=tuple(j - i for j in deps)))
+    return out
+
+
+def moe(s: Shape) -> SubLayerWork:
+    E, k, ns, He = s.moe
+    T, C, d, dt, ep = s.T, s.C, s.d, s.dtype, s.ep
+    copies = T * k
+    m_e = copies * ep / E  # tokens one local expert sees
+    a2a_bytes = d * copies * C  # token copies leaving (and arriving at) one rank, per direction
+    shared = dense_mlp(s, ns * He, "moe.shared") if ns else SubLayerWork("mlp")
+    a2a = ep > 1
+    comm = dict(group="a2a", stream="comm")
+    # forward: norm, router, top-k, permute, [dispatch], shared experts (need only the normed input, so they
+    # run under the dispatch), routed experts, [combine], unpermute (+ shared output)
+    f: list[tuple[Kernel, tuple[int, ...] | None]] = [
+        (vec("moe.norm", d * 2 * T * C, 4 * T * C), None), (gemm("moe.router", T, C, E, d, dt), None),
+        (vec("moe.topk", 4 * 2 * T * E, 8 * T * E), None), (Kernel("moe.permute", "memory", 0, 2 * a2a_bytes), None)]
+    if a2a:
+        f.append((Kernel("moe.dispatch", "a2a", 0, a2a_bytes, **comm), None))
+    routed_in = len(f) - 1
+    sh = []
+    for j, kern in enumerate(shared.F[1:]):
+        sh.append(len(f))
+        f.append((kern, (0,) if j == 0 else None))
+    f.append((_experts("moe.experts", copies, C, He, m_e, d, dt), (routed_in,)))
+    if a2a:
+        f.append((Kernel("moe.combine", "a2a", 0, a2a_bytes, **comm), None))
+    f.append((Kernel("moe.unpermute", "memory", 0, 2 * a2a_bytes + d * T * C),
+              (len(f) - 1,) + ((sh[-1],) if sh else ())))
+    # backward (I): unpermute.bwd, [combine.bwd], shared dgrad (under the combine), experts dgrad,
+    # [dispatch.bwd], permute.bwd, top-k.bwd, router dgrad, norm.bwd (+ shared input-grad)
+    b: list[tuple[Kernel, tuple[int, ...] | None]] = [
+        (Kernel("moe.unpermute.bwd", "memory", 0, 2 * a2a_bytes + d * T * C), None)]
+    if a2a:
+        b.append((Kernel("moe.combine.bwd", "a2a", 0, a2a_bytes, **comm), None))
+    routed_grad = len(b) - 1
+    sh = []
+    for j, kern in enumerate(shared.I[:-1]):
+        sh.append(len(b))
+        b.append((kern, (0,) if j == 0 else None))
+    b.append((_experts("moe.experts.dgrad", copies, C, He, m_e, d, dt), (routed_grad,)))
+    if a2a:
+        b.append((Kernel("moe.dispatch.bwd", "a2a", 0, a2a_bytes, **comm), None))
+    b += [(Kernel("moe.permute.bwd", "memory", 0, 2 * a2a_bytes), None),
+          (vec("moe.topk.bwd", 4 * 3 * T * E, 8 * T * E), None), (gemm("moe.router.dgrad", T, E, C, d, dt), None)]
+    b.append((vec("moe.norm.bwd", d * 3 * T * C, 6 * T * C), (len(b) - 1,) + ((sh[-1],) if sh else ())))
+    w = SubLayerWork("moe", F=_chain(f), I=_chain(b))
+    w.W = [_experts("moe.experts.wgrad", copies, C, He, m_e, d, dt), gemm("moe.router.wgrad", C, T, E, d, dt)]
+    w.W += shared.W
+    return w
+
+
+def block_work(s: Shape, block: int) -> tuple[SubLayerWork, SubLayerWork]:
+    """(attention, MLP-or-MoE) work of Transformer block `block` (0-based; the first `first_dense` are dense)."""
+    mlp = dense_mlp(s) if s.moe is None or block < s.first_dense else moe(s)
+    return attention(s), mlp
+
+
+def embedding(s: Shape) -> SubLayerWork:
+    """Token embedding on a pipeline's first stage: a gather forward, a scatter-add into the table in W."""
+    d, T, C = s.d, s.T, s.C
+    w = SubLayerWork("embed")
+    w.F = [Kernel("embed.gather", "memory", 0, d * 2 * T * C, group="embed")]
+    w.W = [Kernel("embed.scatter_add", "memory", 0, d * 3 * T * C, group="embed")]
+    return w
+
+
+def head(s: Shape) -> SubLayerWork:
+    """Final norm, LM head GEMM and cross-entropy (fp32 logits) on a pipeline's last stage."""
+    d, T, C, V, dt = s.d, s.T, s.C, s.V, s.dtype
+    w = SubLayerWork("head")
+    w.F = [vec("head.norm", d * 2 * T * C, 4 * T * C, group="head"),
+           gemm("head.logits", T, C, V, d, dt, group="head"),
+           vec("head.xent", 4 * 2 * T * V + d * T * V, 5 * T * V, group="head")]
+    w.I = [vec("head.xent.bwd", 4 * T * V + d * T * V, 3 * T * V, group="head"),
+           gemm("head.dgrad", T, V, C, d, dt, group="head"),
+           vec("head.norm.bwd", d * 3 * T * C, 6 * T * C, group="head")]
+    w.W = [gemm("head.wgrad", C, T, V, d, dt, group="head")]
+    return w
+
+
+def block_params(cfg: RunConfig, block: int, ep: int) -> float:
+    """Parameters of one block held by one rank (routed experts split over EP)."""
+    m = cfg.model
+    C, q = m.hidden, m.num_heads * m.head_dim
+    attn = 4 * C * q + C
+    if m.moe is None or block < m.moe.first_dense_blocks:
+        return attn + 3 * C * m.mlp_hidden + C
+    e = m.moe
+    return attn + C + C * e.num_experts + 3 * C * e.expert_hidden * (e.num_experts / ep + e.num_shared)
+
+
+def forward_flops_per_token(cfg: RunConfig) -> float:
+    """Model forward FLOPs per token (all blocks + head), for reports (training ~ 3x)."""
+    s = Shape.of(cfg)
+    total = 0.0
+    for b in range(cfg.model.num_blocks):
+        for w in block_work(s, b):
+            total += sum(k.flops for k in w.F if k.cls == "matrix")
+    total += sum(k.flops for k in head(s).F if k.cls == "matrix")
+    return total / s.T

@@ -1,0 +1,348 @@
+"""`predict(run_config, hardware)`: price every schedule action for the baseline (n = 1) and for mHC, simulate
+both, and explain the difference.
+
+Steps:
+1. Build the schedule (schedules.build) and map stages to blocks: every pipeline chain splits the L_b blocks
+   into consecutive stages (pipeline.config.stage_blocks); the chain's first stage adds the embedding (and the
+   mHC expand), its last the head, loss (and the contract). Uneven splits are an error unless allowed.
+2. Price each action as a small stream simulation of its kernels (overlap.py): per-op roofline with efficiency
+   curves (hardware.py, ops.py), mHC kernels by bytes (mhc_cost.py), all-to-all by alpha-beta (comm.py).
+   F, I, W, B and the overlapped F&B step are priced separately, per stage (stages differ at the ends).
+3. Stage-boundary messages cost alpha + T n C d / (bw eta) on the PP link (comm.py).
+4. Simulate (schedules.simulate): compute spans per rank, transfers on their own channel; exposed
+   communication and bubbles come out of the simulation.
+5. Attribute the overhead by a ladder of counterfactual simulations that adds one mechanism at a time:
+   baseline -> + mHC kernels (no recompute, boundary at baseline width) -> + recompute -> + n-fold boundary
+   traffic (the full mHC run). The steps sum exactly to the overhead. The change of the mean idle time per rank
+   (bubble) is reported alongside; it is part of those steps, not an extra term.
+
+`local` hardware (CPU ranks sharing `host_cores` cores): compute durations are stretched by
+max(1, busy ranks / cores), the average concurrency of the previous simulation (three fixed-point rounds).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodel import comm
+from costmodel.hardware import HardwareSpec, get_hardware
+from costmodel.memory import RankMemory, StageMemory, rank_memory, stage_memory
+from costmodel.mhc_cost import ResidualSpec, recompute_kernel, residual_kernels, stack_ends
+from costmodel.ops import DTYPE_BYTES, Kernel, Shape, block_work, embedding, head
+from costmodel.overlap import OverlapResult, TimedOp, overlap
+from pipeline.config import RunConfig, stage_blocks
+from schedules.build import build
+from schedules.ir import Action, Kind, Schedule
+from schedules.simulate import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Options:
+    """Modelling switches. fb_mode: how an F&B step is priced (overlap.MODES). hp_stream: MLP-side post+res on the
+    high-priority stream. sigma: interference (None = the hardware's). pp_bandwidth: override of the PP link
+    bandwidth in bytes/s (sweeps). allow_uneven: accept stages with different block counts."""
+
+    fb_mode: str = "streams"
+    hp_stream: bool = True
+    sigma: float | None = None
+    pp_bandwidth: float | None = None
+    allow_uneven: bool = False
+    unit_costs: bool = False  # self-check (costmodel.md §2.6): F = I = W = 1, B = 2, F&B = 3, free P2P
+
+
+def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> dict[int, tuple[range, bool, bool]]:
+    """stage -> (blocks, is first of its pipeline, is last)."""
+    out: dict[int, tuple[range, bool, bool]] = {}
+    nb = cfg.model.num_blocks
+    for chain in schedule.pipelines:
+        S = len(chain)
+        if nb < S:
+            raise ValueError(f"{nb} blocks cannot fill {S} pipeline stages ({schedule.kind}, {schedule.num_ranks} "
+                             "ranks); use fewer ranks")
+        if nb % S and not allow_uneven:
+            sizes = [len(r) for r in stage_blocks(nb, S)]
+            divisors = [p for p in range(1, nb + 1) if nb % p == 0]
+            raise ValueError(f"{nb} blocks do not divide evenly into {S} stages (would be {sizes}); choose a layout "
+                             f"whose stage count divides {nb} (stages per pipeline: {divisors}) or allow uneven "
+                             "stages (--uneven)")
+        for pos, (st, blocks) in enumerate(zip(chain, stage_blocks(nb, S))):
+            out[st] = (blocks, pos == 0, pos == S - 1)
+    return out
+
+
+class Pricer:
+    """Per-action durations for one residual variant."""
+
+    def __init__(self, cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, layout: dict, options: Options,
+                 *, recompute: bool = True, boundary_width: int | None = None):
+        self.cfg, self.hw, self.spec, self.layout, self.opt = cfg, hw, spec, layout, options
+        self.shape = Shape.of(cfg)
+        self.recompute = recompute
+        self.width = spec.width if boundary_width is None else boundary_width
+        self.sigma = hw.interference if options.sigma is None else options.sigma
+        link = comm.pp_link(hw, cfg.parallel.ranks, cfg.parallel.expert_parallel)
+        if options.pp_bandwidth is not None:
+            link = link.with_bandwidth(options.pp_bandwidth)
+        self.link = link
+        self.slowdown = 1.0
+        self.results: dict[tuple, OverlapResult] = {}
+        self.stage_mem: dict[int, StageMemory] = {
+            st: stage_memory(cfg, spec, st, blocks, first, last, recompute) for st, (blocks, first, last) in layout.items()}
+
+    # ---- kernels -> timed ops ---------------------------------------------------------------------------
+    def kernel_us(self, k: Kernel, backward: bool) -> float:
+        hw = self.hw
+        launch = (hw.backward_launch_us if backward else hw.launch_us) * k.launches
+        if k.cls == "a2a":
+            return comm.all_to_all_us(hw, self.shape.ep, k.nbytes)
+        if k.cls == "matrix":
+            return hw.matmul_us(k.flops, k.nbytes, k.dtype) + launch
+        if k.cls == "vector":
+            return hw.vector_us(k.flops, k.nbytes) + launch
+        if k.cls == "memory":
+            return hw.memory_us(k.nbytes) + launch
+        return launch
+
+    def _ops(self, kernels: list[Kernel], backward: bool) -> list[TimedOp]:
+        return [TimedOp(k.name, k.group, k.stream, self.kernel_us(k, backward), k.deps, k.preemptible)
+                for k in kernels]
+
+    def _sublayers(self, stage: int):
+        blocks, first, last = self.layout[stage]
+        s, spec, hp = self.shape, self.spec, self.opt.hp_stream
+        for b in blocks:
+            for work in block_work(s, b):
+                before, after, bwd = residual_kernels(spec, s.T, s.C, s.d, work.kind != "attn", hp)
+                yield work, before, after, bwd
+
+    def forward_kernels(self, stage: int) -> list[Kernel]:
+        blocks, first, last = self.layout[stage]
+        s = self.shape
+        expand, contract = stack_ends(self.spec, s.T, s.C, s.d)
+        out: list[Kernel] = []
+        if first:
+            out += embedding(s).F + expand
+        for work, before, after, _ in self._sublayers(stage):
+            out += before + work.F + after
+        if last:
+            out += contract + head(s).F
+        return out
+
+    def backward_ops(self, stage: int, with_w: bool, with_i: bool = True) -> list[TimedOp]:
+        """The I chain (with_w=False), the W chain (with_i=False) or the full backward B (both)."""
+        blocks, first, last = self.layout[stage]
+        s, spec = self.shape, self.spec
+        L = 2 * len(blocks)
+        L_r = self.stage_mem[stage].recompute_block if self.recompute else None
+        expand, contract = stack_ends(spec, s.T, s.C, s.d)
+        subs = list(self._sublayers(stage))
+        ops: list[TimedOp] = []
+
+        def add(kernels: list[Kernel], anchor: int | None = None) -> None:
+            timed = self._ops(kernels, backward=True)
+            if anchor is not None:  # W kernels wait only for the sub-layer's first I kernel
+                timed = [TimedOp(o.name, o.group, o.stream, o.duration, (anchor - len(ops) - j,) if anchor >= 0 else (),
+                                 o.preemptible) for j, o in enumerate(timed)]
+            ops.extend(timed)
+
+        if last:
+            h = head(s)
+            if with_i:
+                add(h.I + [kk.scaled(1.0) for kk in contract])
+            if with_w:
+                add(h.W, len(ops) - len(h.I) - len(contract) if with_i else -1)
+        for idx in range(len(subs) - 1, -1, -1):
+            work, before, after, bwd = subs[idx]
+            if with_i and L_r and (idx == L - 1 or (idx + 1) % L_r == 0):
+                rc = recompute_kernel(spec, s.T, s.C, s.d, idx - (idx // L_r) * L_r + 1)
+                if rc is not None:  # entering a recompute block from its end: rebuild its mHC intermediates
+                    add([rc])
+            start = len(ops)
+            if with_i:
+                split = 0 if spec.is_baseline else len(after)
+                add(bwd[:split] + work.I + bwd[split:])
+            if with_w:
+                add(work.W, start if with_i else -1)
+        if first:
+            e = embedding(s)
+            if with_i:
+                add(expand)
+            if with_w:
+                add(e.W, len(ops) - 1 if with_i and ops else -1)
+        return ops
+
+    # ---- schedule callbacks -----------------------------------------------------------------------------
+    def _run(self, key: tuple, chains: list[list[TimedOp]], fb: bool) -> float:
+        mode = self.opt.fb_mode if fb else ("serial" if self.opt.fb_mode == "serial" else "streams")
+        res = overlap(chains, mode, self.sigma, self.opt.hp_stream)
+        self.results[key] = res
+        return res.makespan * self.slowdown
+
+    def compute_time(self, a: Action) -> float:
+        k = a.kind
+        if self.opt.unit_costs:
+            return {Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0, Kind.B: 2.0, Kind.FB: 3.0}[k]
+        if k is Kind.F:
+            return self._run(("F", a.stage), [self._ops(self.forward_kernels(a.stage), False)], False)
+        if k is Kind.I:
+            return self._run(("I", a.stage), [self.backward_ops(a.stage, with_w=False)], False)
+        if k is Kind.W:
+            return self._run(("W", a.stage), [self.backward_ops(a.stage, with_w=True, with_i=False)], False)
+        if k is Kind.B:
+            return self._run(("B", a.stage), [self.backward_ops(a.stage, with_w=True)], False)
+        if k is Kind.FB:
+            chains = [self._ops(self.forward_kernels(a.stage), False), self.backward_ops(a.b_stage, with_w=True)]
+            return self._run(("FB", a.stage, a.b_stage), chains, True)
+        raise ValueError(f"cannot price action kind {k}")
+
+    @property
+    def message_bytes(self) -> float:
+        return comm.boundary_bytes(self.shape.T, self.width, self.shape.C, self.shape.d)
+
+    def transfer_time(self, a: Action) -> float:
+        if self.opt.unit_costs:
+            return 0.0
+        return comm.p2p_us(self.link, self.message_bytes)
+
+    def simulate(self, schedule: Schedule) -> SimResult:
+        result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+        cores = self.hw.host_cores
+        if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
+            concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
+            self.slowdown = max(1.0, concurrency / cores)
+            if self.slowdown > 1.0:
+                result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+        return result
+
+
+@dataclass
+class Prediction:
+    """What `predict` returns: both simulations (with their traces), the ladder, memory and a summary dict."""
+
+    config: RunConfig
+    hardware: HardwareSpec
+    spec: ResidualSpec
+    schedule: Schedule
+    baseline: SimResult
+    mhc: SimResult
+    ladder: dict[str, float]
+    pricers: dict[str, Pricer]
+    memory: dict[str, list[RankMemory]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def traces(self):
+        return {"baseline": self.baseline.trace, "mhc": self.mhc.trace}
+
+
+def _exposed_comm(result: SimResult) -> float:
+    """Mean over ranks of comm time not covered by compute."""
+    from traces.project import union_length
+
+    per: dict[int, dict[str, list]] = {}
+    for s in result.trace.spans:
+        per.setdefault(s.rank, {"compute": [], "comm": []})
+        per[s.rank]["comm" if s.stream == "comm" else "compute"].append((s.start, s.end))
+    vals = [union_length(v["compute"] + v["comm"]) - union_length(v["compute"]) for v in per.values()]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def residual_spec_of(cfg: RunConfig, variant: str | None = None, n: int | None = None, k: int | None = None,
+                     fused: bool = True) -> ResidualSpec:
+    r = cfg.model.residual
+    v = variant or r.variant
+    n = n if n is not None else r.n
+    if v != "xhc" and n == 1:
+        v = "residual"
+    return ResidualSpec(v, n, k, fused, r.sinkhorn_iters)
+
+
+def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | None = None,
+            options: Options | None = None, *, ladder: bool = True) -> Prediction:
+    hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
+    options = options or Options()
+    spec = spec or residual_spec_of(cfg)
+    p = cfg.parallel
+    schedule = build(p.schedule, p.ranks, p.microbatches)
+    layout = resolve_layout(cfg, schedule, options.allow_uneven)
+    base_spec = ResidualSpec.baseline()
+    pricers = {"baseline": Pricer(cfg, hw, base_spec, layout, options)}
+    pricers["mhc"] = Pricer(cfg, hw, spec, layout, options)
+    sims = {name: pr.simulate(schedule) for name, pr in pricers.items()}
+    T_base, T_mhc = sims["baseline"].makespan, sims["mhc"].makespan
+    steps = {"baseline": T_base}
+    if ladder and not spec.is_baseline:
+        for name, kw in (("kernels", dict(recompute=False, boundary_width=1)),
+                         ("recompute", dict(recompute=True, boundary_width=1))):
+            pr = Pricer(cfg, hw, spec, layout, options, **kw)
+            pricers[name] = pr
+            steps[name] = pr.simulate(schedule).makespan
+    else:
+        steps["kernels"] = steps["recompute"] = T_mhc
+    steps["mhc"] = T_mhc
+    memory = {}
+    peaks = sims["mhc"].peak_activations
+    for name in ("baseline", "mhc"):
+        pr = pricers[name]
+        memory[name] = [rank_memory(cfg, pr.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r])
+                        for r in range(schedule.num_ranks)]
+    norc = {st: stage_memory(cfg, spec, st, *layout[st], recompute=False) for st in layout}
+    memory["mhc_no_recompute"] = [rank_memory(cfg, spec, norc, schedule.stages_of(r), r, peaks[r])
+                                  for r in range(schedule.num_ranks)]
+    pred = Prediction(cfg, hw, spec, schedule, sims["baseline"], sims["mhc"], steps, pricers, memory)
+    for name, sim in sims.items():
+        sim.trace.meta.update({"source": "predicted", "hardware": hw.name, "residual": pricers[name].spec.label(),
+                               "config": cfg.model.name})
+    pred.summary = summarize(pred)
+    return pred
+
+
+def _kind_means(pr: Pricer) -> dict[str, float]:
+    out: dict[str, list[float]] = {}
+    for key, res in pr.results.items():
+        out.setdefault(key[0], []).append(res.makespan * pr.slowdown)
+    return {k: statistics.fmean(v) for k, v in out.items()}
+
+
+def summarize(pred: Prediction) -> dict[str, Any]:
+    base, mhc = pred.baseline, pred.mhc
+    Tb, Tm = base.makespan, mhc.makespan
+    st = pred.ladder
+    pct = lambda x: 100.0 * x / Tb if Tb else 0.0  # noqa: E731
+    mean_idle = lambda s: statistics.fmean(s.idle.values())  # noqa: E731
+    pb, pm = pred.pricers["baseline"], pred.pricers["mhc"]
+    fb_b = [r.makespan for k, r in pb.results.items() if k[0] == "FB"]  # empty with unit costs
+    fb_m = [r.makespan for k, r in pm.results.items() if k[0] == "FB"]
+    mem = {name: max(r.total_bytes for r in ranks) for name, ranks in pred.memory.items()}
+    hw = pred.hardware
+    warnings = []
+    for name, v in mem.items():
+        if v > hw.memory_bytes:
+            warnings.append(f"{name}: peak {v / 2**30:.1f} GiB per rank exceeds the {hw.name}'s "
+                            f"{hw.memory_bytes / 2**30:.0f} GiB")
+    L_r = sorted({m.recompute_block for m in pm.stage_mem.values() if m.recompute_block})
+    cfg = pred.config
+    return {
+        "config": cfg.model.name, "hardware": hw.name, "residual": pred.spec.label(),
+        "schedule": {"kind": pred.schedule.kind, "ranks": pred.schedule.num_ranks,
+                     "microbatches": pred.schedule.num_microbatches, "ep": cfg.parallel.expert_parallel,
+                     "tokens_per_microbatch": cfg.parallel.tokens_per_microbatch},
+        "iteration_us": {"baseline": Tb, "mhc": Tm},
+        "overhead_pct": 100.0 * (Tm / Tb - 1.0) if Tb else 0.0,
+        "fb_step_overhead_pct": (100.0 * (statistics.median(fb_m) / statistics.median(fb_b) - 1.0)
+                                 if fb_b and fb_m else None),
+        "breakdown_pp": {"kernel_traffic": pct(st["kernels"] - st["baseline"]),
+                         "recompute": pct(st["recompute"] - st["kernels"]),
+                         "exposed_comm": pct(st["mhc"] - st["recompute"])},
+        "bubble": {"baseline_pct": 100 * base.bubble_fraction, "mhc_pct": 100 * mhc.bubble_fraction,
+                   "change_pp": pct(mean_idle(mhc) - mean_idle(base))},
+        "exposed_comm_us": {"baseline": _exposed_comm(base), "mhc": _exposed_comm(mhc)},
+        "boundary": {"link": pm.link.name, "bytes_baseline": pb.message_bytes, "bytes_mhc": pm.message_bytes,
+                     "us_baseline": pb.transfer_time(None), "us_mhc": pm.transfer_time(None)},
+        "op_us": {"baseline": _kind_means(pb), "mhc": _kind_means(pm)},
+        "memory_gib": {k: v / 2**30 for k, v in mem.items()},
+        "recompute_block": L_r,
+        "recompute_mode": cfg.recompute.mode,
+        "warnings": warnings,
+    }

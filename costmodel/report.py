@@ -1,0 +1,73 @@
+"""The readable table `mhcpipe predict` prints, and the JSON it writes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from costmodel.predict import Prediction
+
+KIND_ORDER = ("F", "I", "W", "B", "FB")
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:,.2f} ms"
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:,.1f} MB"
+
+
+def format_table(pred: Prediction) -> str:
+    s = pred.summary
+    sch = s["schedule"]
+    lines = [
+        f"mhcpipe predict: {s['config']} on {s['hardware']} ({pred.hardware.description or pred.hardware.name})",
+        f"  layout: {sch['kind']}, PP={sch['ranks']}, M={sch['microbatches']}, EP={sch['ep']}, "
+        f"T={sch['tokens_per_microbatch']} tokens/micro-batch; residual {s['residual']} vs residual (n=1)",
+        "",
+        f"  {'':<34}{'baseline':>14}{'mHC':>14}{'delta':>12}",
+    ]
+    ib, im = s["iteration_us"]["baseline"], s["iteration_us"]["mhc"]
+    lines.append(f"  {'iteration (makespan)':<34}{_ms(ib):>14}{_ms(im):>14}{100 * (im / ib - 1):>11.2f}%")
+    ob, om = s["op_us"]["baseline"], s["op_us"]["mhc"]
+    for k in KIND_ORDER:
+        if k in ob:
+            lines.append(f"  {'mean ' + k + ' action':<34}{_ms(ob[k]):>14}{_ms(om[k]):>14}"
+                         f"{100 * (om[k] / ob[k] - 1) if ob[k] else 0:>11.2f}%")
+    bd = s["boundary"]
+    lines.append(f"  {'stage-boundary message':<34}{_mb(bd['bytes_baseline']):>14}{_mb(bd['bytes_mhc']):>14}"
+                 f"{bd['bytes_mhc'] / bd['bytes_baseline']:>11.1f}x")
+    lines.append(f"  {'  time per message (' + bd['link'][:12] + ')':<34}{_ms(bd['us_baseline']):>14}"
+                 f"{_ms(bd['us_mhc']):>14}")
+    ec = s["exposed_comm_us"]
+    lines.append(f"  {'exposed P2P per rank (mean)':<34}{_ms(ec['baseline']):>14}{_ms(ec['mhc']):>14}")
+    bub = s["bubble"]
+    lines.append(f"  {'bubble (idle share of rank-time)':<34}{bub['baseline_pct']:>13.1f}%{bub['mhc_pct']:>13.1f}%")
+    mem = s["memory_gib"]
+    lines.append(f"  {'peak memory per rank':<34}{mem['baseline']:>10.1f} GiB{mem['mhc']:>10.1f} GiB"
+                 f"   (no recompute: {mem['mhc_no_recompute']:.1f} GiB; device {pred.hardware.memory_bytes / 2**30:.0f} GiB)")
+    lr = s["recompute_block"]
+    lines.append(f"  {'recompute block L_r (sub-layers)':<34}{'':>14}{(', '.join(map(str, lr)) or 'off'):>14}"
+                 f"   (mode {s['recompute_mode']}; Eq. 20 within the stage)")
+    lines.append("")
+    lines.append(f"  mHC overhead: {s['overhead_pct']:.2f}% of the iteration"
+                 + (f"; {s['fb_step_overhead_pct']:.2f}% of the overlapped F&B step" if s["fb_step_overhead_pct"]
+                    is not None else ""))
+    b = s["breakdown_pp"]
+    lines.append(f"    = kernel traffic {b['kernel_traffic']:+.2f} pp + recompute {b['recompute']:+.2f} pp "
+                 f"+ n-fold boundary traffic {b['exposed_comm']:+.2f} pp")
+    lines.append(f"    (bubble change {bub['change_pp']:+.2f} pp of the iteration is part of these terms)")
+    for w in s["warnings"]:
+        lines.append(f"  WARNING: {w}")
+    return "\n".join(lines)
+
+
+def write_json(pred: Prediction, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = dict(pred.summary)
+    data["memory_per_rank"] = {name: [vars(r) | {"total_bytes": r.total_bytes} for r in ranks]
+                               for name, ranks in pred.memory.items()}
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return path

@@ -1,0 +1,110 @@
+"""Bad input, the CLI, hardware specs, calibration, overlap mechanics and trace naming."""
+import json
+
+import pytest
+
+from costmodel.calibrate import calibrate_local, fit_from_trace, measure_p2p
+from costmodel.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardware_names
+from costmodel.overlap import TimedOp, overlap
+from costmodel.predict import Options, predict
+from pipeline.cli import main
+from pipeline.config import load_config
+from traces.compare import compare
+
+
+def test_unknown_hardware_lists_names():
+    with pytest.raises(ValueError) as err:
+        get_hardware("h900")
+    for name in ("h800", "h100", "h200", "b200", "a100", "local"):
+        assert name in str(err.value)
+
+
+def test_uneven_layers_rejected_unless_allowed():
+    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 16}})
+    with pytest.raises(ValueError, match="do not divide evenly.*--uneven"):
+        predict(cfg, "h800")
+    pred = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
+    assert pred.summary["overhead_pct"] > 0
+
+
+def test_cli_errors_are_one_line(capsys):
+    for argv, words in ((["predict", "--preset", "nope"], "choose one of"),
+                        (["predict", "--preset", "tiny", "--hardware", "x"], "h800"),
+                        (["predict", "--preset", "paper-27b", "--microbatches", "4"], "at least 12"),
+                        (["predict", "--preset", "paper-27b", "--pp", "8"], "--uneven"),
+                        (["predict", "--preset", "paper-27b", "--variant", "xhc", "--n", "16"], "k")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+
+
+def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    trace = tmp_path / "t.json"
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--json", str(out),
+                 "--trace-out", str(trace)]) == 0
+    text = capsys.readouterr().out
+    assert "mHC overhead" in text and "kernel traffic" in text and "recompute block" in text
+    data = json.loads(out.read_text())
+    assert data["overhead_pct"] > 0 and "memory_per_rank" in data
+    assert trace.exists() and (tmp_path / "t.baseline.json").exists()
+    png = tmp_path / "s.png"
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--sweep", "n=1..3",
+                 "-o", str(png)]) == 0
+    assert png.stat().st_size > 1000
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--sweep", "bw=10,100",
+                 "-o", str(png)]) == 0
+
+
+def test_predicted_trace_matches_schedule_names(small_cfg):
+    pred = predict(small_cfg, "h800", ladder=False)
+    kinds = {s.kind for s in pred.mhc.trace.spans}
+    assert {"F", "FB", "SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= kinds
+    assert pred.mhc.trace.meta["schedule"]["kind"] == "dualpipe"
+    cmp = compare(pred.mhc.trace, pred.mhc.trace)
+    assert not cmp.unmatched_pred and all(k.median_abs_pct == 0 for k in cmp.kinds)
+    fits = fit_from_trace(pred.mhc.trace, pred.baseline.trace)
+    assert fits["F"] > 1.0  # mHC forward is slower than the baseline's
+
+
+def test_datasheet_values_and_curves():
+    assert BUILTIN["h800"].peak_flops["bf16"] == 989.4e12 and BUILTIN["h200"].hbm_bandwidth == 4.8e12
+    assert BUILTIN["b200"].peak_flops["bf16"] == 2.25e15 and BUILTIN["a100"].peak_flops["bf16"] == 312e12
+    assert abs(BUILTIN["h200"].matrix_eff(1e6) - 790 / 989.4) < 1e-9  # measured ceiling (gpu.md)
+    c = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.6), (16, 0.9)])
+    assert c(0.5) == pytest.approx(0.35) and c(100) == 0.9
+    assert set(hardware_names()) >= {"h800", "h100", "h200", "b200", "a100", "local"}
+
+
+def test_overlap_hides_all_to_all_and_interference_costs():
+    chain = [TimedOp("a", "model", "compute", 10), TimedOp("x", "a2a", "comm", 8),
+             TimedOp("b", "model", "compute", 10)]
+    serial = overlap([chain, chain], "serial")
+    streams = overlap([chain, chain], "streams")
+    assert serial.makespan == 56 and streams.makespan < serial.makespan
+    assert overlap([chain, chain], "streams", sigma=0.5).makespan > streams.makespan
+
+
+def test_hp_stream_preempts():
+    # chain 0 ends in an hp kernel that feeds a send; chain 1 is a long preemptible kernel
+    c0 = [TimedOp("f", "model", "compute", 5), TimedOp("post", "mhc", "hp", 1), TimedOp("send", "a2a", "comm", 10)]
+    c1 = [TimedOp("long", "model", "compute", 20)]
+    with_hp = overlap([c0, c1], "streams", hp=True)
+    without = overlap([c0, c1], "streams", hp=False)
+    assert with_hp.makespan <= without.makespan
+
+
+def test_local_calibration_quick(tmp_path, monkeypatch):
+    spec = calibrate_local(quick=True, p2p=False)
+    assert spec.name == "local" and spec.peak_flops["fp32"] > 1e8 and spec.hbm_bandwidth > 1e8
+    assert spec.launch_us > 0 and spec.host_cores >= 1
+    back = HardwareSpec.load(spec.save(tmp_path / "local.json"))
+    assert back == spec
+    monkeypatch.setenv("MHCPIPE_LOCAL_PROFILE", str(tmp_path / "local.json"))
+    pred = predict(load_config("tiny"), "local", ladder=False)
+    assert pred.baseline.makespan > 0 and pred.summary["overhead_pct"] > 0
+
+
+def test_local_p2p_sweep():
+    alpha, bw, rows = measure_p2p([4096, 1 << 20], repeats=2)
+    assert alpha > 0 and bw > 1e6 and len(rows) == 2
