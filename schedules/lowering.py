@@ -9,7 +9,6 @@ Placement rules (our asynchronous runtime, schedules.md §6):
 """
 from __future__ import annotations
 
-from collections import defaultdict
 
 from schedules.ir import COMM_KINDS, Action, Kind, Schedule
 
@@ -73,12 +72,28 @@ def lower_comms(schedule: Schedule) -> Schedule:
     links = Links(schedule)
     send_f, send_b, recv_f, recv_b = links.send_f, links.send_b, links.recv_f, links.recv_b
     KF, KFB, KW = Kind.F, Kind.FB, Kind.W
+    KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
     C = max(1, schedule.microbatches_per_pipeline)
     SC = schedule.num_stages * C
 
     # Sender side first: SENDs right after their producer; this fixes every channel's message order.
-    channel_msgs: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (src, dst) -> RECVs in send order
-    slot: dict[int, tuple[tuple[int, int], int]] = {}  # message key -> (channel, index); key as in simulate.py
+    channel_id: dict[tuple[int, int], int] = {}
+    channel_msgs: list[list[Action]] = []  # per channel: the RECVs in send order
+    slot: dict[int, tuple[int, int]] = {}  # message key (as in simulate.py) -> (channel, index)
+
+    def emit(out: list, rank: int, forward: bool, st: int, mb: int) -> None:
+        peer = send_f[st] if forward else send_b[st]
+        if peer < 0:
+            return
+        out.append(Action(KSF if forward else KSB, st, mb, -1, -1, peer))
+        ch = channel_id.get((rank, peer))
+        if ch is None:
+            ch = channel_id[(rank, peer)] = len(channel_msgs)
+            channel_msgs.append([])
+        msgs = channel_msgs[ch]
+        slot[(0 if forward else SC) + st * C + mb] = (ch, len(msgs))
+        msgs.append(Action(KRF if forward else KRB, st, mb, -1, -1, rank))
+
     with_sends: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
@@ -87,22 +102,34 @@ def lower_comms(schedule: Schedule) -> Schedule:
             kind = a[0]
             if kind is KW:
                 continue
-            halves = ((True, a[1], a[2]), (False, a[3], a[4])) if kind is KFB else ((kind is KF, a[1], a[2]),)
-            for forward, st, mb in halves:
-                peer = send_f[st] if forward else send_b[st]
-                if peer < 0:
-                    continue
-                out.append(Action(Kind.SEND_F if forward else Kind.SEND_B, st, mb, -1, -1, peer))
-                msgs = channel_msgs[(rank, peer)]
-                slot[(0 if forward else SC) + st * C + mb] = ((rank, peer), len(msgs))
-                msgs.append(Action(Kind.RECV_F if forward else Kind.RECV_B, st, mb, -1, -1, rank))
+            if kind is KFB:
+                emit(out, rank, True, a[1], a[2])
+                emit(out, rank, False, a[3], a[4])
+            elif (send_f if kind is KF else send_b)[a[1]] >= 0:
+                emit(out, rank, kind is KF, a[1], a[2])
         with_sends.append(out)
 
     # Receiver side: post each RECV one compute action ahead of its consumer, in channel order.
+    next_in_channel = [0] * len(channel_msgs)
+
+    def post(rank: int, forward: bool, st: int, mb: int, pending: list) -> None:
+        src = recv_f[st] if forward else recv_b[st]
+        if src is None:
+            return
+        found = slot.get((0 if forward else SC) + src[0] * C + mb)
+        if found is None:
+            raise ValueError(f"lower_comms: rank {rank} consumes {'F' if forward else 'B'} of stage {src[0]} "
+                             f"mb {mb} but rank {src[1]} never produces it; the compute schedule is malformed "
+                             "(run schedules.validate_schedule on it)")
+        ch, want = found
+        msgs = channel_msgs[ch]
+        while next_in_channel[ch] <= want:
+            pending.append(msgs[next_in_channel[ch]])
+            next_in_channel[ch] += 1
+
     lowered = []
     for rank, acts in enumerate(with_sends):
-        posts_before: dict[int, list[Action]] = defaultdict(list)  # index in acts -> RECVs posted just before
-        next_in_channel: dict[tuple[int, int], int] = defaultdict(int)
+        posts_before: dict[int, list[Action]] = {}  # index in acts -> RECVs posted just before it
         previous_compute = -1
         for idx, a in enumerate(acts):
             kind = a[0]
@@ -112,26 +139,19 @@ def lower_comms(schedule: Schedule) -> Schedule:
             previous_compute = idx
             if kind is KW:
                 continue
-            halves = ((True, a[1], a[2]), (False, a[3], a[4])) if kind is KFB else ((kind is KF, a[1], a[2]),)
-            for forward, st, mb in halves:
-                src = recv_f[st] if forward else recv_b[st]
-                if src is None:
-                    continue
-                found = slot.get((0 if forward else SC) + src[0] * C + mb)
-                if found is None:
-                    raise ValueError(f"lower_comms: rank {rank} consumes {'F' if forward else 'B'} of stage {src[0]} "
-                                     f"mb {mb} but rank {src[1]} never produces it; the compute schedule is "
-                                     "malformed (run schedules.validate_schedule on it)")
-                channel, want = found
-                msgs = channel_msgs[channel]
-                pending = posts_before[post_at]
-                while next_in_channel[channel] <= want:
-                    pending.append(msgs[next_in_channel[channel]])
-                    next_in_channel[channel] += 1
+            pending = posts_before.get(post_at)
+            if pending is None:
+                pending = posts_before[post_at] = []
+            if kind is KFB:
+                post(rank, True, a[1], a[2], pending)
+                post(rank, False, a[3], a[4], pending)
+            elif (recv_f if kind is KF else recv_b)[a[1]] is not None:
+                post(rank, kind is KF, a[1], a[2], pending)
         out = []
         for i, a in enumerate(acts):
-            if i in posts_before:
-                out.extend(posts_before[i])
+            pending = posts_before.get(i)
+            if pending:
+                out.extend(pending)
             out.append(a)
         lowered.append(tuple(out))
     return schedule.with_actions(tuple(lowered), lowered=True)
