@@ -13,7 +13,9 @@ import sys
 SUBCOMMANDS = (
     "schedules.cli",
     "pipeline.demo",
+    "pipeline.run_cli",
     "traces.cli",
+    "costmodel.cli",
 )
 
 

@@ -1,0 +1,121 @@
+"""torchrun entry: `torchrun --nproc-per-node 4 -m pipeline --config configs/tiny.yaml --schedule dualpipev
+--trace-dir runs/x`.
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from torchrun; the world size is the pipeline's
+rank count (parallel.ranks is set from it). Backend: NCCL when every rank has its own GPU, gloo on CPU, and
+gloo with the host-staged transport when several ranks share a GPU (or with --transport host). Bad flags or
+config: one line on stderr, exit 2. A distributed failure (timeout, dead peer): one line naming the rank, the
+op and the peer, exit 1, without tearing the group down (that can hang with a dead peer).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny", help="YAML path or preset name in configs/ (default tiny)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"], help="parallel.schedule")
+    p.add_argument("--microbatches", type=int, help="parallel.microbatches")
+    p.add_argument("--steps", type=int, help="train.steps")
+    p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4' or 'residual:1'")
+    p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
+    p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
+    p.add_argument("--transport", choices=["auto", "host"], default="auto",
+                   help="'host' = stage P2P through host memory (several ranks on one GPU)")
+    p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
+    p.add_argument("--checkpoint-dir", type=Path, help="write per-stage checkpoints here after every step")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+
+
+def config_from_args(args: argparse.Namespace, ranks: int | None):
+    from .config import load_config
+
+    over: dict = {"parallel": {}, "train": {}, "model": {}}
+    if ranks is not None:
+        over["parallel"]["ranks"] = ranks
+    if args.schedule:
+        over["parallel"]["schedule"] = args.schedule
+    if args.microbatches:
+        over["parallel"]["microbatches"] = args.microbatches
+    if args.steps:
+        over["train"]["steps"] = args.steps
+    if args.device:
+        over["train"]["device"] = args.device
+    if args.timeout:
+        over["train"]["timeout_s"] = args.timeout
+    if args.recompute:
+        if args.recompute in ("off", "auto"):
+            over["recompute"] = {"mode": args.recompute}
+        elif args.recompute.isdigit():
+            over["recompute"] = {"mode": "block", "block_size": int(args.recompute)}
+        else:
+            raise ValueError(f"--recompute {args.recompute!r}: use 'off', 'auto' or a block size")
+    cfg = load_config(args.config, {k: v for k, v in over.items() if v})
+    if args.residual:
+        variant, _, n = args.residual.partition(":")
+        if not n.isdigit():
+            raise ValueError(f"--residual {args.residual!r}: use VARIANT:N, e.g. mhc:4 or residual:1")
+        try:
+            cfg = cfg.with_residual(variant, int(n))
+        except Exception as err:  # pydantic error -> one line naming the field
+            first = getattr(err, "errors", lambda: [{"msg": str(err)}])()[0]
+            raise ValueError(f"model.residual: {first['msg']}") from None
+        from .config import parse_config
+
+        cfg = parse_config(cfg.model_dump())
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("python -m pipeline: error: not started by torchrun (RANK/WORLD_SIZE unset); "
+              "use `torchrun --nproc-per-node P -m pipeline ...` or `mhcpipe run ...`", file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:
+        cfg = config_from_args(args, world)
+    except ValueError as err:
+        if rank == 0:
+            print(f"python -m pipeline: error: {err}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from .p2p import PipelineError, init_distributed
+    from .train import pick_device, train
+
+    try:
+        device = pick_device(cfg, local_rank)
+        staged = args.transport == "host"
+        if device.type == "cuda":
+            if local_world > torch.cuda.device_count():
+                staged = True  # NCCL refuses two ranks on one GPU
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" and not staged else "gloo"
+        init_distributed(backend, cfg.train.timeout_s)
+        train(cfg, rank, world, device, trace_dir=args.trace_dir, checkpoint_dir=args.checkpoint_dir,
+              resume=args.resume, staged=staged, log=lambda line: print(line, flush=True))
+    except PipelineError as err:
+        print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+    except ValueError as err:
+        if rank == 0:
+            print(f"python -m pipeline: error: {err}", file=sys.stderr, flush=True)
+        os._exit(2)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Launch a pipeline on local CPU processes (gloo) without torchrun: for tests and benchmarks.
+
+`launch(worker, world, args, timeout_s)` spawns `world` processes, each joining a gloo process group on a
+free port (bounded init timeout), with OMP_NUM_THREADS=1, and runs `worker(rank, world, *args)`. Results
+come back through files; a `PipelineError` is reported as the rank's one-line error and the process exits 1
+at once (`os._exit`: a group with a dead peer must not be torn down politely, that can hang). The parent
+enforces a wall-clock deadline and kills stragglers, so nothing outlives the call.
+
+`variants_worker` runs several configs in one process group (one launch, many model variants) and returns
+each variant's per-step stats and, if asked, the first step's gradients by parameter name.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int | None  # None: killed at the deadline
+    value: object = None
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+
+def _entry(rank: int, world: int, port: int, init_timeout_s: float, worker, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from .p2p import PipelineError
+
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=init_timeout_s))
+        value = worker(rank, world, *args)
+        torch.save({"value": value}, out)
+        dist.destroy_process_group()
+    except PipelineError as err:
+        torch.save({"error": str(err)}, out)
+        print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+    except BaseException as err:  # noqa: BLE001 - report anything, then die without teardown
+        torch.save({"error": f"rank {rank}: {type(err).__name__}: {err}", "traceback": traceback.format_exc()}, out)
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, init_timeout_s: float = 30.0,
+           grace_s: float = 30.0) -> list[RankResult]:
+    """Run `worker` on `world` ranks. Like torchrun, once a rank has failed the rest get `grace_s` to finish
+    (they should fail on their own within the configured P2P timeout) before they are killed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rt_launch_") as out_dir:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, init_timeout_s, worker, args, out_dir), daemon=False)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        ended: dict[int, float] = {}
+        deadline = started + timeout_s
+        while len(ended) < world and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.monotonic() - started
+                    if p.exitcode != 0:
+                        deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.02)
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        results = []
+        for r, p in enumerate(procs):
+            path = Path(out_dir) / f"rank{r}.pt"
+            blob = torch.load(path, weights_only=False) if path.exists() else {}
+            results.append(RankResult(r, p.exitcode if r in ended else None, blob.get("value"), blob.get("error"),
+                                      ended.get(r, timeout_s)))
+    return results
+
+
+def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bool, on_action=None) -> list[dict]:
+    """Train each config for its train.steps steps in this process group; one result dict per variant."""
+    from .config import parse_config
+    from .train import RankRuntime
+
+    out = []
+    for cfg_dict in cfg_dicts:
+        cfg = parse_config(cfg_dict)
+        rt = RankRuntime(cfg, rank, torch.device("cpu"), on_action=on_action)
+        rt.align_clocks()
+        hist, grads = [], None
+        for k in range(cfg.train.steps):
+            hist.append(rt.step(k))
+            if k == 0 and want_grads:
+                grads = rt.grads()
+        out.append({"stats": [vars(h) for h in hist], "grads": grads, "rc_block": rt.rc_block,
+                    "num_stages": rt.plan.schedule.num_stages})
+    return out

@@ -1,0 +1,214 @@
+"""The model: embedding -> expand to n streams -> blocks -> contract -> norm -> head.
+
+Shape letters: T tokens of a micro-batch (batch x sequence, flattened), S sequence length, n residual streams,
+C hidden, H heads, D head dim, E routed experts, V vocabulary.
+
+A block is two sub-layers (attention, then MLP or MoE), each an `F` = pre-norm + core wrapped in
+`kernels.MHCSublayer` of the configured residual variant (n = 1 'residual' is the baseline x + F(x)). Global
+sub-layer index l = 2b (attention of block b) and 2b + 1 (its MLP). Every piece is built under its own seed
+(`seeded(seed, tag)`), so a pipeline stage that builds only its blocks holds exactly the parameters of the
+single-process model, and DualPipe's two copies of a block are identical.
+
+Linear layers are `DeferLinear` (B/W split); the norm is a small autograd function that saves only its input
+and 1/rms, like fused norm kernels, so the activations it holds are exactly mhc.md Table 3's H_pre x_l.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.nn.functional as F_
+from torch import nn
+
+from kernels import MHCSublayer, StreamExpand, contract
+
+from .weight_grad import DeferLinear, WeightGradStore
+
+NORM_EPS = 1e-6
+
+
+@contextlib.contextmanager
+def seeded(seed: int, tag: str):
+    """Build parameters under a seed derived from (seed, tag), without touching the caller's RNG state."""
+    digest = hashlib.sha256(f"{seed}/{tag}".encode()).digest()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        yield
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * w over the last dim; saves x and 1/rms only (fp32 statistics)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xf, dyf, wf = x.float(), dy.float(), weight.float()
+        xhat = xf * rstd
+        dxhat = dyf * wf
+        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = NORM_EPS):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention core [T, C] -> [T, C]; T = batch x S, sequences attend within themselves."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, seq_len: int, store: WeightGradStore | None):
+        super().__init__()
+        self.num_heads, self.head_dim, self.seq_len = num_heads, head_dim, seq_len
+        self.wqkv = DeferLinear(hidden, 3 * num_heads * head_dim, store)
+        self.wo = DeferLinear(num_heads * head_dim, hidden, store)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        if t % self.seq_len:
+            raise ValueError(f"attention got {t} tokens, not a multiple of seq_len={self.seq_len}")
+        hh, d = self.num_heads, self.head_dim
+        qkv = self.wqkv(h).view(t // self.seq_len, self.seq_len, 3, hh, d).permute(2, 0, 3, 1, 4)  # [3, B, H, S, D]
+        o = F_.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # [B, H, S, D]
+        return self.wo(o.transpose(1, 2).reshape(t, hh * d))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 h) * w3 h), [.., C] -> [.., C]; w1 and w3 share one GEMM."""
+
+    def __init__(self, hidden: int, ffn: int, store: WeightGradStore | None):
+        super().__init__()
+        self.ffn = ffn
+        self.w13 = DeferLinear(hidden, 2 * ffn, store)
+        self.w2 = DeferLinear(ffn, hidden, store)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a, b = self.w13(h).split(self.ffn, dim=-1)
+        return self.w2(F_.silu(a) * b)
+
+
+class MoE(nn.Module):
+    """Local mixture of experts: softmax router, top-k routed SwiGLU experts (weights renormalised over the
+    chosen k) plus always-on shared experts (one SwiGLU of num_shared x expert_hidden). No capacity limit, so
+    every token's output depends on that token only and micro-batching does not change the math."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, num_shared: int, expert_hidden: int,
+                 store: WeightGradStore | None):
+        super().__init__()
+        self.top_k = top_k
+        self.router = DeferLinear(hidden, num_experts, store)
+        self.experts = nn.ModuleList(SwiGLU(hidden, expert_hidden, store) for _ in range(num_experts))
+        self.shared = SwiGLU(hidden, num_shared * expert_hidden, store) if num_shared else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(h).float(), dim=-1)  # [T, E]
+        weight, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
+        out = self.shared(h) if self.shared is not None else torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            out = out.index_add(0, tok, expert(h.index_select(0, tok)) * weight[tok, slot, None])
+        return out
+
+
+class Sublayer(nn.Module):
+    """F of one sub-layer: pre-norm then core. `norm` and `core` are separate so recompute can rebuild the norm
+    output (Table 3's RMSNorm(H_pre x_l)) without re-running the core."""
+
+    def __init__(self, hidden: int, core: nn.Module):
+        super().__init__()
+        self.norm = RMSNorm(hidden)
+        self.core = core
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.core(self.norm(u))
+
+
+class Block(nn.Module):
+    """One Transformer block: attention sub-layer l = 2b, MLP/MoE sub-layer l = 2b + 1, both in mHC."""
+
+    def __init__(self, model_cfg, seq_len: int, index: int, store: WeightGradStore | None):
+        super().__init__()
+        c, res = model_cfg.hidden, model_cfg.residual
+        self.index = index
+        attn = Sublayer(c, Attention(c, model_cfg.num_heads, model_cfg.head_dim, seq_len, store))
+        moe = model_cfg.moe
+        if moe is not None and index >= moe.first_dense_blocks:
+            core: nn.Module = MoE(c, moe.num_experts, moe.top_k, moe.num_shared, moe.expert_hidden, store)
+        else:
+            core = SwiGLU(c, model_cfg.mlp_hidden, store)
+        self.attn = MHCSublayer(res, attn, c, layer_index=2 * index)
+        self.mlp = MHCSublayer(res, Sublayer(c, core), c, layer_index=2 * index + 1)
+
+    def sublayers(self) -> tuple[tuple[int, MHCSublayer], tuple[int, MHCSublayer]]:
+        return ((2 * self.index, self.attn), (2 * self.index + 1, self.mlp))
+
+
+class Embedding(nn.Module):
+    """Token ids [T] -> x_0 [T, n, C] (embedding, then expand once per stack)."""
+
+    def __init__(self, model_cfg, dtype: torch.dtype):
+        super().__init__()
+        self.tok = nn.Embedding(model_cfg.vocab_size, model_cfg.hidden)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.expand = StreamExpand(model_cfg.residual, model_cfg.hidden)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.expand(self.tok(ids).to(self.dtype))
+
+
+class Head(nn.Module):
+    """x [T, n, C] -> contract (mean over streams) -> norm -> logits [T, V] -> summed cross-entropy / scale."""
+
+    def __init__(self, model_cfg, store: WeightGradStore | None):
+        super().__init__()
+        self.norm = RMSNorm(model_cfg.hidden)
+        self.out = DeferLinear(model_cfg.hidden, model_cfg.vocab_size, store)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(contract(x)))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, total_tokens: int) -> torch.Tensor:
+        """Loss contribution of this micro-batch: sum of token losses / tokens of the whole step."""
+        return F_.cross_entropy(self.logits(x).float(), labels, reduction="sum") / total_tokens
+
+
+def activation_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def build_embedding(model_cfg, seed: int, dtype: torch.dtype) -> Embedding:
+    with seeded(seed, "embed"):
+        return Embedding(model_cfg, dtype)
+
+
+def build_block(model_cfg, seq_len: int, index: int, seed: int, store: WeightGradStore | None = None) -> Block:
+    with seeded(seed, f"block{index}"):
+        return Block(model_cfg, seq_len, index, store)
+
+
+def build_head(model_cfg, seed: int, store: WeightGradStore | None = None) -> Head:
+    with seeded(seed, "head"):
+        return Head(model_cfg, store)
+
+
+def make_optimizer(params, train_cfg) -> torch.optim.AdamW:
+    """AdamW as the runtime and the single-process reference both use it (elementwise: per-rank == global)."""
+    return torch.optim.AdamW(list(params), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, foreach=False)

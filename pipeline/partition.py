@@ -1,0 +1,95 @@
+"""Placement: which blocks, embedding and head each pipeline stage holds, per schedule kind (schedules.md §1).
+
+Shape letters: P ranks, S stages, L_b blocks.
+
+* 1F1B, ZB1P, GPipe: S = P stages, stage s on rank s, one chunk of blocks per rank.
+* DualPipeV: S = 2P stages in one V, stage s on rank s (s < P) or 2P-1-s; rank 0 holds the first stage
+  (embedding) and the last (head); nothing is duplicated.
+* DualPipe: the model is cut into P chunks; direction 0 runs chunk b as stage b on rank b, direction 1 runs
+  chunk b as stage P+b on rank P-1-b. Every chunk lives on two ranks (r and P-1-r), and so do the embedding
+  (first stage of each direction: ranks 0 and P-1) and the head (last stage of each: ranks P-1 and 0); the
+  copies' gradients are summed between the mirrored ranks before the optimizer step.
+
+`RankPlan` is what one rank needs: its stages (with their blocks), the schedule, and its mirror rank for
+DualPipe's gradient reduction. Placement follows `Schedule.stage_to_rank` and `Schedule.pipelines`, so a new
+generator with the same IR needs no change here beyond the chunk rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schedules import Schedule, build
+
+from .config import RunConfig, stage_blocks
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    stage: int  # global stage id of the IR
+    rank: int
+    pipeline: int  # index into Schedule.pipelines (DualPipe: the direction)
+    chunk: int  # which cut of the model (DualPipe: the same chunk appears in both directions)
+    blocks: range  # Transformer blocks of this stage
+    prev: int | None  # previous stage in the pipeline
+    next: int | None  # next stage in the pipeline
+
+    @property
+    def has_embed(self) -> bool:
+        return self.prev is None
+
+    @property
+    def has_head(self) -> bool:
+        return self.next is None
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    schedule: Schedule
+    stages: tuple[StageSpec, ...]  # all stages, by global stage id
+    mirror: int | None  # DualPipe: the rank holding the other copy of this rank's parameters
+
+    def local(self) -> list[StageSpec]:
+        return [s for s in self.stages if s.rank == self.rank]
+
+    @property
+    def num_chunks(self) -> int:
+        return len({s.chunk for s in self.stages})
+
+
+def chunks_for(kind: str, num_blocks: int, schedule: Schedule) -> list[range]:
+    """Blocks of every model chunk: P chunks for DualPipe (each run in both directions), one per stage else."""
+    if kind == "dualpipe":
+        return stage_blocks(num_blocks, schedule.num_ranks)
+    return stage_blocks(num_blocks, schedule.num_stages)
+
+
+def plan_stages(cfg: RunConfig, schedule: Schedule) -> tuple[StageSpec, ...]:
+    kind = cfg.parallel.schedule
+    chunks = chunks_for(kind, cfg.model.num_blocks, schedule)
+    prev, nxt = schedule.prev_stage(), schedule.next_stage()
+    specs = []
+    for p_idx, chain in enumerate(schedule.pipelines):
+        for pos, s in enumerate(chain):
+            chunk = pos  # position in the chain = which cut of the model (DualPipe: direction 1 reuses 0..P-1)
+            specs.append(StageSpec(s, schedule.stage_to_rank[s], p_idx, chunk, chunks[chunk], prev.get(s), nxt.get(s)))
+    specs.sort(key=lambda sp: sp.stage)
+    if len(chunks) != max(sp.chunk for sp in specs) + 1:
+        raise ValueError(f"placement: {len(chunks)} chunks for {kind} but the schedule's pipelines use "
+                         f"{max(sp.chunk for sp in specs) + 1}")
+    return tuple(specs)
+
+
+def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None) -> RankPlan:
+    par = cfg.parallel
+    if schedule is None:
+        schedule = build(par.schedule, par.ranks, par.microbatches)
+    if not 0 <= rank < schedule.num_ranks:
+        raise ValueError(f"rank {rank} outside the {schedule.num_ranks} ranks of parallel.ranks")
+    mirror = schedule.num_ranks - 1 - rank if par.schedule == "dualpipe" else None
+    return RankPlan(rank, schedule, plan_stages(cfg, schedule), mirror)
+
+
+def global_microbatch(plan: RankPlan, pipeline: int, mb: int) -> int:
+    """Index into the step's batch of micro-batch `mb` of pipeline `pipeline` (DualPipe: d * M/2 + mb)."""
+    return pipeline * plan.schedule.microbatches_per_pipeline + mb

@@ -1,0 +1,154 @@
+"""Recording: one NVTX range and one `traces.Span` per schedule action, comm op, recompute and hp post+res.
+
+Names follow traces.md §5 (`F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`, `RC/s3/mb7`,
+`F/s3/mb7/L12.post_res~hp`, one outer `step/K`). Times are microseconds from the rank's clock zero, taken
+right after a barrier (`align`), so per-rank files merge into one timeline: on one host the monotonic clocks
+agree, across hosts the barrier is the common instant.
+
+CPU: `time.perf_counter_ns`. CUDA: events recorded on the span's stream (the high-priority stream for `~hp`
+ranges), converted after a synchronize in `flush_step`; comm spans use events on the compute stream at post
+and after the wait. The `nvtx` package is optional: without it (or without a profiler attached, where its
+calls cost little) only spans are kept. NVTX domain `mhc_pipe`, category = op kind.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from traces import Span, Trace
+
+try:  # optional: ranges are only useful under nsys, spans are always recorded
+    import nvtx as _nvtx
+except Exception:  # noqa: BLE001
+    _nvtx = None
+
+DOMAIN = "mhc_pipe"
+_COLORS = {"F": "orange", "I": "green", "B": "green", "W": "blue", "FB": "yellow", "RC": "purple",
+           "SEND_F": "grey", "RECV_F": "grey", "SEND_B": "grey", "RECV_B": "grey", "step": "white"}
+
+
+class Recorder:
+    def __init__(self, rank: int, device: torch.device, enabled: bool = True):
+        self.rank = rank
+        self.device = device
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self.spans: list[Span] = []
+        self._open: list[tuple] = []  # CUDA: (kind, stage, mb, stream, partner, peer, name, ev0, ev1)
+        self._t0_ns = time.perf_counter_ns()
+        self._ref_event = None
+
+    # -- clocks ------------------------------------------------------------------------------------------
+    def align(self) -> None:
+        """Call right after a barrier: this instant is time zero of the rank's spans."""
+        self._t0_ns = time.perf_counter_ns()
+        if self.cuda:
+            self._ref_event = torch.cuda.Event(enable_timing=True)
+            self._ref_event.record()
+
+    def _now_us(self) -> float:
+        return (time.perf_counter_ns() - self._t0_ns) / 1e3
+
+    # -- ranges ------------------------------------------------------------------------------------------
+    def begin(self, kind: str, stage: int | None, mb: int | None, *, stream: str = "compute",
+              partner: tuple[int, int] | None = None, peer: int | None = None, name: str,
+              cuda_stream=None, nvtx: bool = True) -> tuple:
+        if _nvtx is not None and nvtx:
+            _nvtx.push_range(name, color=_COLORS.get(kind.split(".")[0], "purple"), domain=DOMAIN,
+                             category=kind.split(".")[0])
+        if not self.enabled:
+            return (kind,)
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(cuda_stream) if cuda_stream is not None else ev.record()
+            start = ev
+        else:
+            start = self._now_us()
+        return (kind, stage, mb, stream, partner, peer, name, start, cuda_stream)
+
+    def end(self, token: tuple, *, pop: bool = True) -> None:
+        if _nvtx is not None and pop:
+            _nvtx.pop_range(domain=DOMAIN)
+        if not self.enabled:
+            return
+        kind, stage, mb, stream, partner, peer, name, start, cuda_stream = token
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(cuda_stream) if cuda_stream is not None else ev.record()
+            self._open.append((kind, stage, mb, stream, partner, peer, name, start, ev))
+        else:
+            now = self._now_us()
+            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, now - start), partner, peer,
+                                   name))
+
+    def range(self, kind: str, stage: int | None, mb: int | None, **kw):
+        return _Range(self, kind, stage, mb, kw)
+
+    def begin_async(self, kind: str, stage: int, mb: int, peer: int, name: str) -> tuple:
+        """A comm span: begun at post, ended when the wait returns; no NVTX nesting (it overlaps compute)."""
+        if _nvtx is not None:
+            _nvtx.mark(name, color="grey", domain=DOMAIN, category="P2P")
+        return self._begin_plain(kind, stage, mb, peer, name)
+
+    def _begin_plain(self, kind, stage, mb, peer, name):
+        if not self.enabled:
+            return (kind,)
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            start = ev
+        else:
+            start = self._now_us()
+        return (kind, stage, mb, "comm", None, peer, name, start, None)
+
+    def end_async(self, token: tuple) -> None:
+        self.end(token, pop=False)
+
+    # -- output ------------------------------------------------------------------------------------------
+    def flush_step(self) -> None:
+        """CUDA: resolve this step's events into spans (synchronizes)."""
+        if not self._open:
+            return
+        torch.cuda.synchronize()
+        ref = self._ref_event
+        for kind, stage, mb, stream, partner, peer, name, ev0, ev1 in self._open:
+            start = ref.elapsed_time(ev0) * 1e3
+            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, ev0.elapsed_time(ev1) * 1e3),
+                                   partner, peer, name))
+        self._open.clear()
+
+    def save(self, path: Path, meta: dict) -> Path:
+        self.flush_step()
+        return Trace(sorted(self.spans, key=lambda s: (s.start, s.stream)), meta).save(path)
+
+
+class _Range:
+    __slots__ = ("rec", "args", "token")
+
+    def __init__(self, rec: Recorder, kind, stage, mb, kw):
+        self.rec, self.args = rec, (kind, stage, mb, kw)
+
+    def __enter__(self):
+        kind, stage, mb, kw = self.args
+        self.token = self.rec.begin(kind, stage, mb, **kw)
+        return self
+
+    def __exit__(self, *exc):
+        self.rec.end(self.token)
+        return False
+
+
+def merge_rank_traces(paths: list[Path], out: Path, meta: dict) -> Path:
+    """Merge per-rank trace files (already on a common clock) into one measured trace."""
+    spans: list[Span] = []
+    for p in paths:
+        spans.extend(Trace.load(p).spans)
+    if not spans:
+        raise ValueError(f"no spans in {', '.join(map(str, paths))}")
+    return Trace(sorted(spans, key=lambda s: (s.start, s.rank, s.stream)), meta).save(out)
+
+
+def rank_trace_path(trace_dir: Path, rank: int) -> Path:
+    return Path(trace_dir) / f"rank{rank}.json"

@@ -1,0 +1,48 @@
+"""`mhcpipe run`: validate the config here, then launch torchrun (`python -m torch.distributed.run`) on this host.
+
+    mhcpipe run --nproc 4 --config configs/tiny.yaml --schedule dualpipev --trace-dir runs/x
+
+Every flag except --nproc is passed through to `python -m pipeline` (see pipeline/__main__.py). A bad config is
+reported here as one line (exit 2) before any process starts; the ranks' exit code is returned as is.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from .__main__ import add_run_arguments, config_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="train a real pipeline on this host (launches torchrun)", description=__doc__)
+    p.add_argument("--nproc", type=int, default=None, help="ranks to start (default: parallel.ranks of the config)")
+    add_run_arguments(p)
+    p.set_defaults(func=run)
+
+
+def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
+    from .local import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
+           "--config", str(args.config), "--transport", args.transport]
+    for flag in ("schedule", "microbatches", "steps", "residual", "recompute", "device", "timeout"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag}", str(value)]
+    for flag in ("trace_dir", "checkpoint_dir"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: must be >= 1")
+    cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (pipeline.cli)
+    nproc = args.nproc or cfg.parallel.ranks
+    return subprocess.call(torchrun_command(args, nproc))

@@ -1,0 +1,177 @@
+"""One pipeline stage: its modules and how one micro-batch runs forward and backward through them.
+
+Shape letters: T tokens of a micro-batch, n streams, C hidden, V vocabulary.
+
+A stage holds (by the model's parameter names) `embed` on a pipeline's first stage, `blocks.<b>` for its
+Transformer blocks and `head` on a pipeline's last stage. Its work is cut into *segments*: the embedding, then
+groups of sub-layers (recompute blocks of L_r sub-layers, or one Transformer block each when recompute is off),
+then the head with the loss. Each segment starts from a detached leaf, so backward runs segment by segment:
+that is what lets an overlapped F&B interleave the forward of one micro-batch with the backward of another,
+rebuilds recompute blocks one at a time, and yields the stage's input-grad as the first segment's leaf grad.
+
+Forward and backward are generators that yield after every segment; the executor drives them (plain F/B/I:
+to the end; FB: alternately).
+
+On CUDA the post+res kernel of every MLP sub-layer runs on the rank's high-priority stream (paper §4.3.3):
+the hp stream waits for the compute stream, the compute stream waits for the result, and every tensor that
+crosses streams is `record_stream`-ed so the caching allocator cannot hand its memory out early
+(mhc.md §9 pitfall 4). Autograd runs those ops' backward on the same hp stream with its own dependencies.
+On CPU the placement is only recorded (`~hp` spans).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .memory import SavedTensors
+from .model import build_block, build_embedding, build_head
+from .partition import StageSpec
+from .recompute import RecomputeBlock, split_blocks
+from .recorder import Recorder
+from .weight_grad import WeightGradStore
+
+
+@dataclass
+class ChunkRun:
+    """What the forward of one (stage, mb) leaves for its backward."""
+
+    stage: int
+    mb: int
+    segs: list = field(default_factory=list)  # (leaf or None, output/loss, RecomputeBlock or None)
+    output: torch.Tensor | None = None  # detached stage output (to send or hand off)
+    loss: torch.Tensor | None = None  # head stages: this micro-batch's loss contribution
+    input_grad: torch.Tensor | None = None  # set by the backward (None on an embedding stage)
+
+
+class Stage(nn.Module):
+    def __init__(self, spec: StageSpec, cfg, *, store: WeightGradStore | None, dtype: torch.dtype,
+                 rc_block: int | None):
+        super().__init__()
+        mc, seed = cfg.model, cfg.train.seed
+        self.spec = spec
+        self.embed = build_embedding(mc, seed, dtype) if spec.has_embed else None
+        self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store)
+                                     for b in spec.blocks})
+        self.head = build_head(mc, seed, store) if spec.has_head else None
+        subs = [(l, m, l % 2 == 1) for b in spec.blocks for l, m in self.blocks[str(b)].sublayers()]
+        self.groups = split_blocks(subs, rc_block)
+        self.recompute = rc_block is not None
+        self.residual = mc.residual.variant == "residual"
+
+    # -- one sub-layer ---------------------------------------------------------------------------------
+    def _post_fn(self, m, coeffs):
+        if self.residual:
+            return lambda x, y: x + y[:, None]
+        return lambda x, y: m.apply_post_res(x, y, coeffs)
+
+    def _sublayer(self, i, l, m, is_mlp, x, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
+        f = m.sublayer
+        if self.residual:
+            coeffs, u = None, x[:, 0]
+        else:
+            coeffs = m.coefficients(x)
+            u = m.apply_pre(x, coeffs)
+        if rec is not None:
+            rec.register(u, "u", i)
+        h = f.norm(u)
+        if rec is not None:
+            rec.register(h, "h", i)
+        y = f.core(h)
+        post = self._post_fn(m, coeffs)
+        if is_mlp:
+            x_next = env.hp_post(post, x, y, coeffs, name=f"F/s{self.spec.stage}/mb{mb}/L{l}.post_res~hp",
+                                 stage=self.spec.stage, mb=mb)
+        else:
+            x_next = post(x, y)
+        if rec is not None:
+            kept_y = y.detach()
+            kept_c = None if coeffs is None else type(coeffs)(*(c.detach() for c in coeffs))
+            post_kept = self._post_fn(m, kept_c)
+            norm = f.norm
+
+            def step(xi, m=m, kept_c=kept_c, kept_y=kept_y, post_kept=post_kept, norm=norm):
+                ui = xi[:, 0] if kept_c is None else m.apply_pre(xi, kept_c)
+                return ui, norm(ui), post_kept(xi, kept_y)
+
+            rec.record(step, env.saved.hold(kept_y))
+        return x_next
+
+    # -- forward / backward generators -----------------------------------------------------------------
+    def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env: "StageEnv"):
+        mb, x = run.mb, inp
+        if self.embed is not None:
+            with env.saved.hooks():
+                x = self.embed(x)
+            run.segs.append((None, x, None))
+            yield
+        for group in self.groups:
+            leaf = x.detach().requires_grad_(True)
+            rec = RecomputeBlock(leaf, group[0][0]) if self.recompute else None
+            with env.saved.hooks(rec):
+                y = leaf
+                for i, (l, m, is_mlp) in enumerate(group):
+                    if rec is not None and i > 0:
+                        rec.register(y, "x", i)
+                    y = self._sublayer(i, l, m, is_mlp, y, rec, env, mb)
+            if rec is not None:
+                rec.end_forward()
+            run.segs.append((leaf, y, rec))
+            x = y
+            yield
+        if self.head is not None:
+            leaf = x.detach().requires_grad_(True)
+            with env.saved.hooks():
+                loss = self.head(leaf, labels, env.total_tokens)
+            run.segs.append((leaf, loss, None))
+            run.loss = loss.detach()
+            yield
+        else:
+            run.output = x.detach()
+
+    def backward_steps(self, run: ChunkRun, grad: torch.Tensor | None, env: "StageEnv"):
+        g = grad
+        nblocks = sum(1 for _, _, r in run.segs if r is not None)
+        while run.segs:
+            leaf, out, rec = run.segs.pop()
+            if rec is not None:
+                first = rec.first_layer
+                name = f"RC/s{self.spec.stage}/mb{run.mb}" if nblocks == 1 else \
+                    f"RC/s{self.spec.stage}/mb{run.mb}/L{first}.block"
+                with env.recorder.range("RC", self.spec.stage, run.mb, name=name):
+                    rec.rebuild()
+                env.saved.note_transient(rec.cache_bytes())
+            torch.autograd.backward(out, g)
+            if rec is not None:
+                rec.release()
+            g = None if leaf is None else leaf.grad
+            del leaf, out, rec
+            yield
+        run.input_grad = g
+
+
+class StageEnv:
+    """Per-rank services a stage uses while running: saved-tensor accounting, recorder, hp stream."""
+
+    def __init__(self, saved: SavedTensors, recorder: Recorder, total_tokens: int, hp_stream=None):
+        self.saved = saved
+        self.recorder = recorder
+        self.total_tokens = total_tokens
+        self.hp = hp_stream
+
+    def hp_post(self, post, x, y, coeffs, *, name: str, stage: int, mb: int) -> torch.Tensor:
+        """post+res of an MLP sub-layer on the high-priority stream (CUDA), recorded as a `~hp` span."""
+        if self.hp is None:
+            with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name):
+                return post(x, y)
+        main = torch.cuda.current_stream()
+        self.hp.wait_stream(main)
+        with torch.cuda.stream(self.hp):
+            with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name, cuda_stream=self.hp):
+                out = post(x, y)
+        main.wait_stream(self.hp)
+        out.record_stream(main)
+        for t in (x, y, *(coeffs or ())):
+            t.record_stream(self.hp)
+        return out

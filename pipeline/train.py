@@ -1,0 +1,207 @@
+"""The training loop of one rank: build its stages, run steps through the executor, reduce, step AdamW.
+
+Shape letters: T tokens per micro-batch, n streams, C hidden, M micro-batches, P ranks.
+
+`RankRuntime` owns everything one rank needs (plan, stages, optimizer, transport, recorder, saved-tensor
+accounting, executor); the process group, rank and device are passed in, never read from globals. One step:
+zero grads, run the rank's actions, sum DualPipe's mirrored gradient copies (ranks r and P-1-r exchange
+their flattened grads and both add them in the same order, so the copies stay bitwise identical), all-reduce
+the loss, AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks), tokens/s and
+peak memory (saved activations per rank; plus CUDA allocator peak or host RSS).
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .data import load_tokens, make_batch
+from .executor import Executor
+from .memory import SavedTensors
+from .model import activation_dtype, make_optimizer
+from .p2p import PipelineError, Transport, collective
+from .partition import plan_rank
+from .recompute import block_size
+from .recorder import Recorder, merge_rank_traces, rank_trace_path
+from .stage import Stage, StageEnv
+from .weight_grad import WeightGradStore
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_act_bytes: int  # max over ranks of saved-for-backward bytes (incl. a recompute block's transient)
+    peak_mem_bytes: int  # max over ranks: CUDA allocator peak, or process max RSS on CPU
+
+    def line(self, total_steps: int) -> str:
+        mib = 1 << 20
+        return (f"step {self.step + 1}/{total_steps}  loss {self.loss:.6f}  step_time {self.step_time_s * 1e3:.1f} ms  "
+                f"tokens/s {self.tokens_per_s:,.0f}  peak_act {self.peak_act_bytes / mib:.2f} MiB  "
+                f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB")
+
+
+def pick_device(cfg, local_rank: int) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("train.device: 'cuda' requested but torch.cuda.is_available() is False")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class RankRuntime:
+    def __init__(self, cfg, rank: int, device: torch.device, *, staged: bool = False, on_action=None,
+                 record: bool = True):
+        par = cfg.parallel
+        if par.expert_parallel != 1:
+            raise ValueError(f"parallel.expert_parallel={par.expert_parallel}: the runtime runs MoE experts "
+                             "locally on each stage; set it to 1 (EP is modelled by the cost model only)")
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.plan = plan_rank(cfg, rank)
+        self.dtype = activation_dtype(cfg.train.dtype)
+        self.store = WeightGradStore()
+        n = cfg.model.residual.n
+        self.rc_block = block_size(cfg.recompute, cfg.model.num_sublayers, n)
+        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=self.rc_block).to(device)
+                       for sp in self.plan.local()}
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for st in self.stages.values():
+            for name, p in st.named_parameters():
+                if name in self.params:
+                    raise RuntimeError(f"rank {rank}: parameter {name} held by two local stages")
+                self.params[name] = p
+        self.optimizer = make_optimizer(self.params.values(), cfg.train)
+        self.saved = SavedTensors(self.params.values())
+        self.recorder = Recorder(rank, device, enabled=record)
+        hp = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+        self.tokens_per_mb = par.tokens_per_microbatch
+        self.total_tokens = self.tokens_per_mb * par.microbatches
+        self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
+        self.timeout_s = cfg.train.timeout_s
+        self.transport = Transport(rank, device, self.timeout_s, staged=staged)
+        self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
+                                 env=self.env, store=self.store, boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
+                                 dtype=self.dtype, device=device, on_action=on_action)
+        self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
+        self.start_step = 0
+
+    # -- per step ------------------------------------------------------------------------------------------
+    def reduce_mirrored(self) -> None:
+        """DualPipe: sum the two copies' gradients between ranks r and P-1-r (same order on both)."""
+        mirror = self.plan.mirror
+        if mirror is None or mirror == self.rank:
+            return
+        names = sorted(self.params)
+        flat = torch.cat([(self.params[k].grad if self.params[k].grad is not None
+                           else torch.zeros_like(self.params[k])).reshape(-1) for k in names])
+        other = torch.empty_like(flat)
+        with self.recorder.range("RG", None, None, name="RG"):
+            pend = self.transport.post([(True, f"RG/rank{self.rank}", mirror, flat),
+                                        (False, f"RG/rank{mirror}", mirror, other)])
+            for p in pend:
+                self.transport.wait(p)
+        low, high = (flat, other) if self.rank < mirror else (other, flat)
+        total = low + high
+        offset = 0
+        for k in names:
+            p = self.params[k]
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def step(self, step: int) -> StepStats:
+        cfg = self.cfg
+        batch = make_batch(cfg, step, self.tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.saved.reset_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
+        with self.recorder.range("step", None, None, name=f"step/{step}"):
+            loss_sum = self.executor.run_step(batch)
+            self.reduce_mirrored()
+            collective(dist.all_reduce, loss_sum, what="the loss all-reduce", rank=self.rank,
+                       timeout_s=self.timeout_s)
+            with self.recorder.range("OPT", None, None, name="OPT"):
+                self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        self.recorder.flush_step()
+        if self.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.device)
+        else:
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64)
+        collective(dist.all_reduce, stats, op=dist.ReduceOp.MAX, what="the step statistics all-reduce",
+                   rank=self.rank, timeout_s=self.timeout_s)
+        t, act, peak = stats.tolist()
+        return StepStats(step, float(loss_sum), t, self.total_tokens / t, int(act), int(peak))
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
+
+    # -- whole run -----------------------------------------------------------------------------------------
+    def align_clocks(self) -> None:
+        collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s)
+        self.recorder.align()
+
+    def save_trace(self, trace_dir: Path, world: int) -> Path | None:
+        """Write this rank's spans; rank 0 merges every rank's file into trace.json after a barrier."""
+        trace_dir = Path(trace_dir)
+        par = self.cfg.parallel
+        meta = {"source": "measured", "schedule": {"kind": par.schedule, "ranks": par.ranks,
+                                                     "microbatches": par.microbatches},
+                "time_unit": "us", "device": str(self.device), "model": self.cfg.model.name,
+                "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},
+                "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb}
+        self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
+        collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s)
+        if self.rank == 0:
+            return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
+                                     trace_dir / "trace.json", meta)
+        return None
+
+
+def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
+          checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
+          on_action=None) -> list[StepStats]:
+    """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
+    from . import checkpoint
+
+    if world != cfg.parallel.ranks:
+        raise ValueError(f"parallel.ranks={cfg.parallel.ranks} but {world} processes were started "
+                         "(torchrun --nproc-per-node); make them equal")
+    rt = RankRuntime(cfg, rank, device, staged=staged, on_action=on_action, record=trace_dir is not None)
+    if resume:
+        if checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir")
+        rt.start_step = checkpoint.load(Path(checkpoint_dir), rt)
+    rt.align_clocks()
+    history = []
+    steps = cfg.train.steps
+    for k in range(rt.start_step, steps):
+        stats = rt.step(k)
+        history.append(stats)
+        if rank == 0:
+            log(stats.line(steps))
+        if checkpoint_dir is not None:
+            checkpoint.save(Path(checkpoint_dir), rt, k)
+    if trace_dir is not None:
+        path = rt.save_trace(trace_dir, world)
+        if path is not None:
+            log(f"trace: {path}")
+    return history
+
+
+def stats_dicts(history: list[StepStats]) -> list[dict]:
+    return [asdict(s) for s in history]
+
+
+__all__ = ["PipelineError", "RankRuntime", "StepStats", "pick_device", "train", "stats_dicts"]

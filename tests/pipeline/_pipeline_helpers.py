@@ -1,0 +1,39 @@
+"""Shared helpers for tests/pipeline: tiny configs and comparisons (imported by the test modules)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None = None, blocks: int | None = None,
+                steps: int = 3, moe: bool = False, timeout_s: float = 20.0, seed: int = 1) -> dict:
+    """hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P (the minimum DualPipe(V) accepts)."""
+    model = {"name": "test", "vocab_size": 64, "num_blocks": blocks or (4 if ranks == 2 else 8), "hidden": 32,
+             "num_heads": 2, "head_dim": 16, "mlp_hidden": 64,
+             "residual": {"variant": "mhc" if n > 1 else "residual", "n": n}}
+    if moe:
+        model["moe"] = {"num_experts": 4, "top_k": 2, "num_shared": 1, "expert_hidden": 16, "first_dense_blocks": 1}
+    return {"model": model,
+            "parallel": {"schedule": schedule, "ranks": ranks, "microbatches": 2 * ranks, "microbatch_size": 2,
+                         "seq_len": 8},
+            "recompute": recompute or {"mode": "off"},
+            "train": {"steps": steps, "lr": 1e-2, "seed": seed, "device": "cpu", "timeout_s": timeout_s}}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def merged_grads(results, variant: int) -> dict[str, torch.Tensor]:
+    """Gradients of one variant over all ranks; duplicated copies (DualPipe) must be bitwise identical."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, g in r.value[variant]["grads"].items():
+            if name in out:
+                assert torch.equal(out[name], g), f"the two copies of {name} differ after the mirrored reduction"
+            out[name] = g
+    return out
+
+
+def check_ok(results) -> None:
+    bad = [(r.rank, r.exitcode, r.error) for r in results if r.exitcode != 0 or r.error]
+    assert not bad, f"ranks failed: {bad}"

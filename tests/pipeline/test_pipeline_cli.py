@@ -1,0 +1,105 @@
+"""Entry points: `mhcpipe run` (torchrun) end to end with trace and checkpoint/resume; one-line errors."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from _pipeline_helpers import check_ok, tiny_config
+from pipeline.local import launch, variants_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mhcpipe(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(300)
+def test_run_trace_checkpoint_resume(tmp_path):
+    cfg = tiny_config("dualpipev", 2, steps=3)
+    path = tmp_path / "tiny2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    full = _mhcpipe("run", "--config", str(path), "--trace-dir", str(tmp_path / "trace"))
+    assert full.returncode == 0, full.stderr[-2000:]
+    lines = [ln for ln in full.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 3, full.stdout
+    for ln in lines:
+        assert re.search(r"loss \d+\.\d+ .*step_time [\d.]+ ms .*tokens/s [\d,]+ .*peak_act [\d.]+ MiB", ln), ln
+    losses = [float(re.search(r"loss (\S+)", ln).group(1)) for ln in lines]
+
+    trace = json.loads((tmp_path / "trace" / "trace.json").read_text())
+    assert trace["meta"]["source"] == "measured" and trace["meta"]["time_unit"] == "us"
+    assert trace["meta"]["schedule"] == {"kind": "dualpipev", "ranks": 2, "microbatches": 4}
+    names = {s["name"] for s in trace["spans"]}
+    assert {"F/s0/mb0", "SEND_F/s0/mb0~comm", "RECV_F/s0/mb0~comm", "F/s0/mb0/L1.post_res~hp"} <= names
+    assert any(re.fullmatch(r"FB/s\d+/mb\d+\+s\d+/mb\d+", n) for n in names)
+    assert any(n.startswith("W/s") for n in names)
+    ranks = {s["rank"] for s in trace["spans"]}
+    assert ranks == {0, 1}
+
+    ckpt = tmp_path / "ckpt"
+    two = _mhcpipe("run", "--config", str(path), "--steps", "2", "--checkpoint-dir", str(ckpt))
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json"] + [f"stage{s}.pt" for s in range(4)]
+    resumed = _mhcpipe("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    last = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
+    assert len(last) == 1 and last[0].startswith("step 3/3")
+    assert float(re.search(r"loss (\S+)", last[0]).group(1)) == losses[2]
+
+
+@pytest.mark.parametrize("args,field", [
+    (["run", "--config", "tiny", "--microbatches", "5", "--schedule", "dualpipe"], "parallel"),
+    (["run", "--config", "tiny", "--residual", "residual:4"], "model.residual"),
+    (["run", "--config", "tiny", "--recompute", "sometimes"], "--recompute"),
+    (["run", "--config", "no-such-preset"], "unknown preset"),
+    (["run", "--config", "tiny", "--nproc", "3", "--schedule", "dualpipe"], "parallel"),
+])
+def test_bad_config_is_one_line_exit_2(args, field):
+    out = _mhcpipe(*args, timeout=60)
+    assert out.returncode == 2
+    err = out.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and field in err, err
+
+
+def test_module_entry_outside_torchrun():
+    out = subprocess.run([sys.executable, "-m", "pipeline"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "torchrun" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_config_error_names_field(tmp_path):
+    cfg = tiny_config("1f1b", 2)
+    cfg["model"]["hidden"] = -3
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = _mhcpipe("run", "--config", str(path), timeout=60)
+    assert out.returncode == 2 and "model.hidden" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_host_staged_transport_matches_direct():
+    cfg = tiny_config("zb1p", 2, steps=2)
+    direct = launch(variants_worker, 2, ([cfg], True), timeout_s=100)
+    staged = launch(_staged_worker, 2, ([cfg],), timeout_s=100)
+    check_ok(direct)
+    check_ok(staged)
+    assert [s["loss"] for s in direct[0].value[0]["stats"]] == staged[0].value
+
+
+def _staged_worker(rank, world, cfgs):
+    import torch
+
+    from pipeline.config import parse_config
+    from pipeline.train import RankRuntime
+
+    cfg = parse_config(cfgs[0])
+    rt = RankRuntime(cfg, rank, torch.device("cpu"), staged=True)
+    rt.align_clocks()
+    return [rt.step(k).loss for k in range(cfg.train.steps)]
