@@ -1,171 +1,195 @@
-"""Predicted vs measured on this machine: calibrate `local`, predict the tiny config, run it, compare.
+"""Predicted vs measured on this machine: calibrate `local` for the tiny config, predict, run, compare.
 
-    .venv/bin/python bench/predict_local.py [--quick] [--reuse] [--ranks 4] [--steps 5] [--out runs/bench/predict_local]
+    .venv/bin/python bench/predict_local.py [--reuse] [--steps 4] [--repeat 1] [--out runs/bench/predict_local]
 
-1. Calibrate `local` (costmodel.calibrate: matmul and copy sweeps, launch costs, 2-process gloo P2P) and save the
-   profile (runs/hardware/local.json unless $MHCPIPE_LOCAL_PROFILE). --reuse keeps an existing profile.
-2. Predict the tiny preset (4 gloo ranks, DualPipeV) for the baseline (n = 1) and mHC (n = 4, the reference
-   kernels the CPU runtime uses = the unfused pricing), and save both predicted traces.
-3. If the runtime's entry exists (`python -m pipeline --config ... --trace-dir DIR`, writing DIR/trace.json),
-   run both configs, compare each measured trace with its prediction (traces.compare: per-kind signed and
-   absolute median error, makespan error over steady-state steps) and the overhead in percentage points.
-   Targets (issue): step time within 15 %, per-op-kind median |error| within 20 %. Otherwise print exactly what
-   is missing. Calibration never sees the runtime's traces (prediction, not replay).
+1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
+   gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
+2. Runtime calibration (costmodel.calibrate.calibrate_local_for): micro-benchmarks of one baseline block and of
+   the mHC wrapper the runtime runs (kernels.MHCSublayer, reference backend, F = identity), and ONE measured
+   BASELINE (n = 1) run of the config on its 4 gloo ranks. The mHC run is never an input (costmodel.md §3).
+3. predict(cfg, hw) for the baseline and mHC n = 4 (DualPipeV, 4 ranks).
+4. Measure: fresh runs of the baseline (not the calibration run) and of mHC, `--repeat` times each, `--steps`
+   steps, the first step dropped. traces.compare per run: step time (makespan of the schedule spans), per-kind
+   median errors, overhead in pp. Also the runtime's own reported step time (max over ranks, incl. optimizer).
+Prints a table and writes bench/results/predict_local.json. Targets (issue 5): mHC step within 15 %, per-kind
+median |error| within 20 % (compute kinds F, I, W, B, FB; SEND/RECV are reported apart: measured comm spans run
+from post to the wait's return, so they include waiting and are not transfer times).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import subprocess
+import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def runtime_entry() -> tuple[list[str] | None, str]:
-    """The command that runs a config, or None and why not."""
-    if importlib.util.find_spec("pipeline.__main__") is None:
-        return None, ("pipeline/__main__.py is missing: `python -m pipeline --config FILE --trace-dir DIR` "
-                      "(the runtime entry of design.md) does not exist yet")
-    probe = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=120)
-    if probe.returncode != 0 or "--trace-dir" not in probe.stdout:
-        return None, ("`python -m pipeline --help` does not list --trace-dir (rc "
-                      f"{probe.returncode}): {(probe.stdout + probe.stderr).strip()[-300:]}")
-    return [sys.executable, "-m", "pipeline"], ""
+COMPUTE = ("F", "I", "W", "B", "FB")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-def _train_worker(rank: int, world: int, cfg_dict: dict, trace_dir: str):
-    """Fallback when the entry is missing: the runtime's own train() on a process group made by pipeline.local."""
-    import torch
+def drop_first_step(trace):
+    """The measured trace without the first step's schedule spans (warm-up)."""
+    from traces.compare import step_index
+    from traces.trace import Trace
 
-    from pipeline.config import parse_config
-    from pipeline.train import train
-
-    train(parse_config(cfg_dict), rank, world, torch.device("cpu"), trace_dir=Path(trace_dir), log=lambda *a: None)
-    return None
+    first = {i for i, k in step_index(trace).items() if k == 0}
+    return Trace([s for i, s in enumerate(trace.spans) if i not in first], dict(trace.meta))
 
 
-def run_via_library(cfg_dict: dict, trace_dir: Path, timeout: int) -> Path:
-    from pipeline.local import launch
-
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    launch(_train_worker, cfg_dict["parallel"]["ranks"], (cfg_dict, str(trace_dir)), timeout_s=timeout)
-    print(f"    ran {cfg_dict['model']['residual']} via pipeline.local.launch + pipeline.train.train "
-          f"in {time.time() - t0:.1f} s")
-    trace = trace_dir / "trace.json"
-    if not trace.exists():
-        raise RuntimeError(f"the runtime wrote no {trace}")
-    return trace
-
-
-def run_measured(cmd: list[str], config: Path, trace_dir: Path, steps: int, timeout: int) -> Path:
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    full = cmd + ["--config", str(config), "--trace-dir", str(trace_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    t0 = time.time()
-    proc = subprocess.run(full, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(full)} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
-    print(f"    ran {config.name} in {time.time() - t0:.1f} s")
-    trace = trace_dir / "trace.json"
-    if not trace.exists():
-        raise RuntimeError(f"{' '.join(full)} wrote no {trace}; found {sorted(p.name for p in trace_dir.iterdir())}")
-    return trace
+def kind_table(c) -> dict:
+    return {k.kind: {"n": k.n, "signed_median_pct": k.signed_median_pct, "median_abs_pct": k.median_abs_pct,
+                     "p90_abs_pct": k.p90_abs_pct, "pred_mean_us": k.pred_mean_us, "meas_mean_us": k.meas_mean_us}
+            for k in c.kinds}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="quick calibration (fewer sizes)")
-    ap.add_argument("--reuse", action="store_true", help="reuse an existing local profile")
-    ap.add_argument("--steps", type=int, default=6, help="training steps to measure (the first is dropped)")
+    ap.add_argument("--reuse", action="store_true", help="reuse runs/hardware/local.json for the host part")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is dropped)")
+    ap.add_argument("--repeat", type=int, default=1, help="measured runs per variant")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "predict_local"))
-    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "predict_local.json"))
+    ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args()
 
-    import yaml
-
-    from costmodel.calibrate import calibrate_local
+    from costmodel.calibrate import calibrate_local, calibrate_local_for, run_runtime
     from costmodel.hardware import HardwareSpec, local_profile_path
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
     from pipeline.config import load_config
     from traces.compare import compare
-    from traces.trace import Trace
 
+    t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = local_profile_path()
-    print("[1/3] calibrating local" + (" (reusing)" if args.reuse and profile.exists() else ""))
-    if args.reuse and profile.exists():
-        hw = HardwareSpec.load(profile)
-    else:
-        hw = calibrate_local(quick=args.quick, threads=1)
-        hw.save(profile)
-    cal = {"matmul_peak_gflops": hw.peak_flops["fp32"] / 1e9, "copy_peak_gbs": hw.hbm_bandwidth / 1e9,
-           "launch_fwd_us": hw.launch_us, "launch_bwd_us": hw.backward_launch_us,
-           "p2p_alpha_us": hw.intra.latency_us, "p2p_gbs": hw.intra.bandwidth / 1e9, "cores": hw.host_cores}
-    print("      " + ", ".join(f"{k} {v:.3g}" for k, v in cal.items()) + f"  -> {profile}")
-
-    print("[2/3] predicting tiny (baseline n=1 and mHC n=4, reference kernels = unfused pricing)")
     cfg = load_config("tiny", {"train": {"steps": args.steps}})
-    pred = predict(cfg, hw, ResidualSpec("mhc", cfg.model.residual.n, fused=False))
-    s = pred.summary
-    pred.mhc.trace.save(out / "predicted_mhc.json")
-    pred.baseline.trace.save(out / "predicted_baseline.json")
-    print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.2f} ms, "
-          f"mHC {s['iteration_us']['mhc'] / 1e3:.2f} ms, overhead {s['overhead_pct']:.1f}%")
-    result = {"calibration": cal, "prediction": s}
+    base_cfg = cfg.with_residual("residual", 1)
+    n = cfg.model.residual.n
 
-    print("[3/3] measuring with the runtime")
-    cmd, why = runtime_entry()
-    library = cmd is None and importlib.util.find_spec("pipeline.train") is not None \
-        and importlib.util.find_spec("pipeline.local") is not None
-    if library:
-        print(f"      {why}; falling back to pipeline.local.launch + pipeline.train.train")
-    if cmd is None and not library:
-        print(f"      NOT MEASURED: {why}.")
-        print("      Needed: `python -m pipeline --config FILE.yaml --trace-dir DIR` that runs the config on its "
-              "4 gloo ranks and writes DIR/trace.json (traces format, spans named F/s3/mb7 etc.).")
-        result["measured"] = None
-        result["missing"] = why
+    profile = local_profile_path()
+    print("[1/4] host micro-benchmarks" + (" (reused)" if args.reuse and profile.exists() else ""))
+    if args.reuse and profile.exists():
+        hw0 = HardwareSpec.load(profile).model_copy(update={"runtime": None})
     else:
-        data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
-        data.setdefault("train", {})["steps"] = args.steps
-        measured = {}
-        with tempfile.TemporaryDirectory(prefix="cm_bench_") as tmp:
-            for name, residual in (("baseline", {"variant": "residual", "n": 1}), ("mhc", data["model"]["residual"])):
-                d = json.loads(json.dumps(data))
-                d["model"]["residual"] = residual
-                path = Path(tmp) / f"tiny_{name}.yaml"
-                path.write_text(yaml.safe_dump(d))
-                if cmd is not None:
-                    trace = run_measured(cmd, path, out / f"measured_{name}", args.steps, args.timeout)
-                else:
-                    trace = run_via_library(d, out / f"measured_{name}", args.timeout)
-                measured[name] = Trace.load(trace)
-        cmp = compare(pred.mhc.trace, measured["mhc"], baseline=(pred.baseline.trace, measured["baseline"]))
-        cmp_b = compare(pred.baseline.trace, measured["baseline"])
-        for label, c in (("baseline", cmp_b), ("mHC", cmp)):
-            print(f"      {label}: step pred {c.makespan_pred_us / 1e3:.2f} ms vs meas {c.makespan_meas_us / 1e3:.2f} ms "
-                  f"(min {c.makespan_meas_min_us / 1e3:.2f}, max {c.makespan_meas_max_us / 1e3:.2f}, "
-                  f"{c.steps} steps): {c.makespan_err_pct:+.1f}%")
-            for k in c.kinds:
-                print(f"        {k.kind:<8} n={k.n:<5} signed median {k.signed_median_pct:+6.1f}%  "
-                      f"median |e| {k.median_abs_pct:5.1f}%  p90 |e| {k.p90_abs_pct:5.1f}%")
-        if cmp.overhead is not None:
-            o = cmp.overhead
-            print(f"      overhead: predicted {o.pred_pct:.1f}% vs measured {o.meas_pct:.1f}% ({o.diff_pp:+.1f} pp)")
-        result["measured"] = {"mhc": cmp.to_dict(), "baseline": cmp_b.to_dict()}
-    (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out / 'result.json'}")
+        hw0 = calibrate_local(quick=True)
+    print(f"      P2P alpha {hw0.intra.latency_us:.0f} us, bw {hw0.intra.bandwidth / 1e9:.2f} GB/s, "
+          f"{hw0.host_cores} cores")
+
+    print("[2/4] runtime calibration: micro-benchmarks + one BASELINE run (n=1)")
+    cal_trace, cal_steps = run_runtime(base_cfg, out / "calibration_baseline", args.steps, args.timeout)
+    hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=cal_trace)
+    hw.save(profile)
+    rt = hw.runtime
+    cal = {"effective_cores": rt.effective_cores, "stretch_base": rt.stretch_base,
+           "concurrency_base": rt.concurrency_base, "action_overhead_us": rt.action_overhead_us,
+           "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
+           "mhc_wrapper_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
+           "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
+    w = rt.residual_us[f"mhc:{n}"]
+    print(f"      stretch {rt.stretch_base:.2f} (effective cores {rt.effective_cores:.2f}, baseline concurrency "
+          f"{rt.concurrency_base:.2f}), executor gap {rt.action_overhead_us:.0f} us, P2P latency "
+          f"{rt.p2p_latency_us:.0f} us; mHC wrapper per sub-layer fwd {w['fwd']:.0f} us, bwd {w['bwd']:.0f} us")
+
+    print(f"[3/4] predicting tiny: baseline and mHC n={n} (DualPipeV, {cfg.parallel.ranks} ranks)")
+    pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False))
+    s = pred.summary
+    pred.baseline.trace.save(out / "predicted_baseline.json")
+    pred.mhc.trace.save(out / "predicted_mhc.json")
+    print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
+          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.0f}%  [{s['pricing']}]")
+
+    print(f"[4/4] measuring: {args.repeat} x (baseline, mHC), {args.steps} steps each, first step dropped")
+    runs = []
+    for rep in range(args.repeat):
+        meas, rt_steps = {}, {}
+        for name, c in (("baseline", base_cfg), ("mhc", cfg)):
+            t0 = time.time()
+            tr, st = run_runtime(c, out / f"measured_{name}_{rep}", args.steps, args.timeout)
+            meas[name], rt_steps[name] = drop_first_step(tr), st[1:] if len(st) > 1 else st
+            print(f"      ran {name} #{rep} in {time.time() - t0:.0f} s")
+        cm = compare(pred.mhc.trace, meas["mhc"], baseline=(pred.baseline.trace, meas["baseline"]))
+        cb = compare(pred.baseline.trace, meas["baseline"])
+        runs.append({"mhc": cm, "baseline": cb, "runtime_step_s": rt_steps})
+
+    def pct(p, m):
+        return 100.0 * (p - m) / m
+
+    rows, result_runs = [], []
+    for i, r in enumerate(runs):
+        cm, cb = r["mhc"], r["baseline"]
+        rs = {k: statistics.median(v) * 1e6 for k, v in r["runtime_step_s"].items()}
+        result_runs.append({
+            "baseline": {"pred_us": cb.makespan_pred_us, "meas_us": cb.makespan_meas_us,
+                         "meas_min_us": cb.makespan_meas_min_us, "meas_max_us": cb.makespan_meas_max_us,
+                         "err_pct": cb.makespan_err_pct, "runtime_step_us": rs["baseline"],
+                         "kinds": kind_table(cb)},
+            "mhc": {"pred_us": cm.makespan_pred_us, "meas_us": cm.makespan_meas_us,
+                    "meas_min_us": cm.makespan_meas_min_us, "meas_max_us": cm.makespan_meas_max_us,
+                    "err_pct": cm.makespan_err_pct, "runtime_step_us": rs["mhc"], "kinds": kind_table(cm)},
+            "overhead": {"pred_pct": cm.overhead.pred_pct, "meas_pct": cm.overhead.meas_pct,
+                         "diff_pp": cm.overhead.diff_pp},
+            "steps_compared": cm.steps})
+        rows.append((i, cb, cm, rs))
+
+    print()
+    print("run  variant   pred step   meas step (min-max)          err    runtime step   err")
+    for i, cb, cm, rs in rows:
+        for name, c in (("baseline", cb), ("mHC", cm)):
+            rts = rs["baseline" if name == "baseline" else "mhc"]
+            print(f"{i:<4} {name:<9} {c.makespan_pred_us / 1e3:8.1f} ms {c.makespan_meas_us / 1e3:8.1f} ms "
+                  f"({c.makespan_meas_min_us / 1e3:6.1f}-{c.makespan_meas_max_us / 1e3:6.1f}) "
+                  f"{c.makespan_err_pct:+6.1f}%  {rts / 1e3:8.1f} ms {pct(c.makespan_pred_us, rts):+6.1f}%")
+        o = cm.overhead
+        print(f"{i:<4} overhead  predicted {o.pred_pct:.0f}% vs measured {o.meas_pct:.0f}% ({o.diff_pp:+.0f} pp)")
+    print()
+    print("per-kind median error, mHC (signed / |e|; SEND/RECV measured = post..wait return, includes waiting)")
+    kinds = [k for k in COMPUTE + COMM if any(k in rr["mhc"]["kinds"] for rr in result_runs)]
+    print("run  " + "".join(f"{k:>16}" for k in kinds))
+    for i, rr in enumerate(result_runs):
+        line = f"{i:<4} "
+        for k in kinds:
+            e = rr["mhc"]["kinds"].get(k)
+            line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
+        print(line)
+    print("baseline (replay of the calibration run's medians on a fresh run)")
+    for i, rr in enumerate(result_runs):
+        line = f"{i:<4} "
+        for k in kinds:
+            e = rr["baseline"]["kinds"].get(k)
+            line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
+        print(line)
+
+    def agg(path):
+        vals = [path(rr) for rr in result_runs]
+        return statistics.median(vals)
+
+    summary = {
+        "mhc_step_err_pct_median": agg(lambda rr: rr["mhc"]["err_pct"]),
+        "baseline_step_err_pct_median": agg(lambda rr: rr["baseline"]["err_pct"]),
+        "overhead_diff_pp_median": agg(lambda rr: rr["overhead"]["diff_pp"]),
+        "mhc_kind_median_abs_pct": {k: agg(lambda rr, k=k: rr["mhc"]["kinds"][k]["median_abs_pct"])
+                                    for k in COMPUTE if all(k in rr["mhc"]["kinds"] for rr in result_runs)},
+    }
+    summary["targets_met"] = {
+        "mhc_step_within_15pct": abs(summary["mhc_step_err_pct_median"]) <= 15.0,
+        "compute_kinds_within_20pct": all(v <= 20.0 for v in summary["mhc_kind_median_abs_pct"].values())}
+    print(f"\nmedian over runs: mHC step error {summary['mhc_step_err_pct_median']:+.1f}%, per-kind |e| "
+          + ", ".join(f"{k} {v:.0f}%" for k, v in summary["mhc_kind_median_abs_pct"].items())
+          + f"; targets met: {summary['targets_met']}")
+    result = {"command": " ".join(["bench/predict_local.py"] + sys.argv[1:]), "config": "tiny",
+              "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
+              "calibration": cal, "calibration_runtime_step_s": cal_steps,
+              "prediction": {"iteration_us": s["iteration_us"], "overhead_pct": s["overhead_pct"],
+                             "pricing": s["pricing"], "op_us": s["op_us"]},
+              "runs": result_runs, "summary": summary, "wall_s": time.time() - t_start}
+    jp = Path(args.json)
+    jp.parent.mkdir(parents=True, exist_ok=True)
+    jp.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {jp} ({time.time() - t_start:.0f} s)")
     return 0
 
 

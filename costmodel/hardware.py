@@ -98,6 +98,43 @@ class Link(BaseModel):
         return self.model_copy(update={"bandwidth": bandwidth})
 
 
+class RuntimeProfile(BaseModel):
+    """Calibration of *this runtime* on `local` for one model shape (costmodel.calibrate.calibrate_local_for).
+
+    On a CPU the runtime's actions cost per-op overheads (Python executor, autograd, saved-tensor hooks, many small
+    torch ops) that a FLOP/byte roofline does not see. So `local` carries, for one shape:
+    * `action_us`: intrinsic (uncontended) duration of every baseline (n = 1) action, keyed "F/s3", "I/s3",
+      "W/s3", "B/s3", "FB/s3+s4": the medians of a measured baseline run (steady-state steps) divided by
+      `stretch_base`. Reusing them for the baseline is replay, not prediction.
+    * `residual_us`: micro-benchmarked extra cost of the residual wrapper over the plain residual, per sub-layer,
+      keyed by ResidualSpec label (e.g. "mhc n=4 unfused"): fwd, bwd (autograd backward, lands in I/B), rc (the
+      recompute rebuild), and the stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd.
+    * `action_overhead_us`: the executor's own time between two compute actions that wait for nothing (median of
+      those gaps in the baseline run, on one rank's clock), de-contended like the actions.
+    * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress and the
+      wake-up of a descheduled receiver on shared cores): the one value for which the simulated baseline step
+      equals the measured one (bisection; calibration on the baseline run). Cross-rank span clocks are aligned
+      only to a barrier, so it is not read off SEND/RECV pairs. Scaled with the contention stretch in predict.
+    * contention: ranks of a local run share the host's cores with each other (and with whatever else runs).
+      Processor sharing: compute stretches by max(1, k / effective_cores), k = mean number of ranks computing.
+      `effective_cores` = k_base / stretch_base, where stretch_base = measured baseline action time / the same
+      work micro-benchmarked in one process, and k_base the measured mean concurrency of the baseline run.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    key: dict = Field(description="the shape this profile applies to (costmodel.calibrate.runtime_key)")
+    action_us: dict[str, float] = Field(description="intrinsic baseline action durations, 'F/s3', 'FB/s3+s4'")
+    residual_us: dict[str, dict[str, float]] = Field(default_factory=dict,
+                                                     description="per residual label: extra us per sub-layer")
+    action_overhead_us: float = Field(0.0, ge=0, description="intrinsic executor cost between two compute "
+                                                               "actions (posting comm, reaping sends)")
+    p2p_latency_us: float = Field(0.0, ge=0, description="effective P2P latency at the baseline's contention")
+    effective_cores: float = Field(gt=0, description="cores the ranks effectively share (contention)")
+    stretch_base: float = Field(gt=0, description="measured / micro-benchmarked on the baseline run")
+    concurrency_base: float = Field(ge=0, description="mean ranks computing in the baseline run")
+    meta: dict = Field(default_factory=dict)
+
+
 class HardwareSpec(BaseModel):
     """One accelerator model (or this machine, `local`). Rates in FLOP/s and bytes/s; times in microseconds."""
 
@@ -119,6 +156,8 @@ class HardwareSpec(BaseModel):
     gpus_per_node: int = Field(8, ge=1)
     interference: float = Field(0.15, ge=0, description="sigma: compute slowdown while an all-to-all runs under it")
     host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")
+    runtime: RuntimeProfile | None = Field(None, description="`local` only: this runtime's per-action calibration "
+                                                             "for one shape (calibrate_local_for)")
     meta: dict = Field(default_factory=dict, description="source, calibration date, versions...")
 
     # ---- kernel pricing -----------------------------------------------------------------------------

@@ -89,6 +89,10 @@ class Pricer:
         self.results: dict[tuple, OverlapResult] = {}
         self.stage_mem: dict[int, StageMemory] = {
             st: stage_memory(cfg, spec, st, blocks, first, last, recompute) for st, (blocks, first, last) in layout.items()}
+        self.runtime = runtime_profile_for(hw, cfg)
+        self.pinned_slowdown: float | None = None  # calibration: hold the contention stretch fixed
+        if self.runtime is not None:
+            self.slowdown = self.runtime.stretch_base  # start the fixed point at the calibrated baseline state
 
     # ---- kernels -> timed ops ---------------------------------------------------------------------------
     def kernel_us(self, k: Kernel, backward: bool) -> float:
@@ -179,10 +183,73 @@ class Pricer:
         self.results[key] = res
         return res.makespan * self.slowdown
 
+    # ---- `local` with a runtime profile: measured baseline actions + micro-benchmarked residual wrapper -----
+    def _residual_extra(self) -> dict[str, float] | None:
+        if self.spec.is_baseline:
+            return None
+        key = f"{self.spec.variant}:{self.spec.n}"
+        extra = self.runtime.residual_us.get(key)
+        if extra is None:
+            raise ValueError(f"hardware {self.hw.name!r}: its runtime profile has no micro-benchmark of residual "
+                             f"{key} (has {', '.join(self.runtime.residual_us) or 'none'}); recalibrate with "
+                             f"calibrate_local_for(cfg, variants=[('{self.spec.variant}', {self.spec.n})])")
+        return extra
+
+    def _base_action(self, key: str, kind: str, stage: int) -> float:
+        table = self.runtime.action_us
+        if key in table:
+            return table[key]
+        same = [v for k, v in table.items() if k.startswith(kind + "/")]
+        if same:
+            return statistics.median(same)
+        raise ValueError(f"runtime profile has no {kind} actions; recalibrate `local` for this schedule")
+
+    def _extra_us(self, stage: int, forward: bool) -> float:
+        extra = self._residual_extra()
+        if extra is None:
+            return 0.0
+        blocks, first, last = self.layout[stage]
+        subs = 2 * len(blocks)
+        if forward:
+            t = subs * extra["fwd"]
+            t += extra["expand_fwd"] if first else 0.0
+            t += extra["contract_fwd"] if last else 0.0
+        else:
+            t = subs * extra["bwd"]
+            if self.recompute and self.stage_mem[stage].recompute_block:
+                t += subs * extra["rc"]
+            t += extra["expand_bwd"] if first else 0.0
+            t += extra["contract_bwd"] if last else 0.0
+        return t
+
+    def runtime_time(self, a: Action) -> float:
+        k = a.kind
+        if k is Kind.F:
+            t = self._base_action(f"F/s{a.stage}", "F", a.stage) + self._extra_us(a.stage, True)
+        elif k in (Kind.I, Kind.B):
+            t = self._base_action(f"{k.value}/s{a.stage}", k.value, a.stage) + self._extra_us(a.stage, False)
+        elif k is Kind.W:
+            t = self._base_action(f"W/s{a.stage}", "W", a.stage)
+        elif k is Kind.FB:
+            key = f"FB/s{a.stage}+s{a.b_stage}"
+            if key in self.runtime.action_us:
+                base = self.runtime.action_us[key]
+            else:  # an F&B pair the baseline never ran: its two halves back to back
+                base = self._base_action(f"F/s{a.stage}", "F", a.stage) + \
+                    self._base_action(f"B/s{a.b_stage}", "B", a.b_stage)
+            t = base + self._extra_us(a.stage, True) + self._extra_us(a.b_stage, False)
+        else:
+            raise ValueError(f"cannot price action kind {k}")
+        t = (t + self.runtime.action_overhead_us) * self.slowdown
+        self.results[(k.value, a.stage) + ((a.b_stage,) if k is Kind.FB else ())] = OverlapResult(t, t, 0.0, 0.0)
+        return t
+
     def compute_time(self, a: Action) -> float:
         k = a.kind
         if self.opt.unit_costs:
             return {Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0, Kind.B: 2.0, Kind.FB: 3.0}[k]
+        if self.runtime is not None:
+            return self.runtime_time(a)
         if k is Kind.F:
             return self._run(("F", a.stage), [self._ops(self.forward_kernels(a.stage), False)], False)
         if k is Kind.I:
@@ -203,10 +270,36 @@ class Pricer:
     def transfer_time(self, a: Action) -> float:
         if self.opt.unit_costs:
             return 0.0
+        if self.runtime is not None:  # in-situ latency (scaled with contention) + bytes over the measured link
+            rt = self.runtime
+            return rt.p2p_latency_us * self.slowdown / rt.stretch_base + \
+                self.message_bytes / (self.link.bandwidth * self.link.efficiency) * 1e6
         return comm.p2p_us(self.link, self.message_bytes)
 
     def simulate(self, schedule: Schedule) -> SimResult:
+        if self.pinned_slowdown is not None:
+            self.slowdown = self.pinned_slowdown
         result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+        if self.runtime is not None and not self.opt.unit_costs:
+            # processor sharing on the calibrated effective cores; fixed point of stretch <-> concurrency
+            cores = self.runtime.effective_cores
+            for _ in range(8):
+                concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
+                slowdown = self.pinned_slowdown or max(1.0, concurrency / cores)
+                if abs(slowdown - self.slowdown) < 1e-3 * self.slowdown:
+                    break
+                self.slowdown = slowdown
+                self.results = {}
+                result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+            # the executor's gap before each action is part of its priced time; the span shows the action only
+            g = self.runtime.action_overhead_us * self.slowdown
+            if g > 0:
+                for sp in result.trace.spans:
+                    if sp.stream == "compute" and sp.kind in ("F", "I", "W", "B", "FB"):
+                        cut = min(g, sp.duration)
+                        sp.start += cut
+                        sp.duration -= cut
+            return result
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
             concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
@@ -214,6 +307,16 @@ class Pricer:
             if self.slowdown > 1.0:
                 result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         return result
+
+
+def runtime_profile_for(hw: HardwareSpec, cfg: RunConfig):
+    """The hardware's runtime profile when it was calibrated for this config's shape (else None: roofline)."""
+    prof = hw.runtime
+    if prof is None:
+        return None
+    from costmodel.calibrate import runtime_key
+
+    return prof if prof.key == runtime_key(cfg) else None
 
 
 @dataclass
@@ -344,5 +447,8 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "memory_gib": {k: v / 2**30 for k, v in mem.items()},
         "recompute_block": L_r,
         "recompute_mode": cfg.recompute.mode,
+        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual wrapper, "
+                    f"effective cores {pb.runtime.effective_cores:.2f}, stretch baseline {pb.slowdown:.2f} / "
+                    f"mHC {pm.slowdown:.2f})") if pb.runtime is not None else "roofline",
         "warnings": warnings,
     }

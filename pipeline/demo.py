@@ -1,55 +1,206 @@
-"""`mhcpipe demo` (what `make demo` runs): draw and explain a DualPipe schedule.
+"""`mhcpipe demo` (what `make demo` runs): predict, run, compare and show mHC's cost on this machine.
 
-It builds DualPipe with P=8 ranks and M=20 micro-batches, validates and simulates it with DeepSeek's unit
-costs (F = I = W = 1, B = 2, F&B = 3), checks the bubble against schedules.md's formula and writes
-`runs/demo/`: schedule.png, schedule.csv (torch format), predicted_trace.json (ours) and perfetto.json.
+For the `tiny` preset on 4 CPU ranks with DualPipeV (configs/tiny.yaml):
+  1. calibrate the `local` hardware spec (micro-benchmarks: matmul, copy, launch, 2-process gloo P2P, and the
+     mHC wrapper's own ops at the config's shape);
+  2. run the baseline (n = 1) with torchrun (gloo) and record its trace; fit per-action costs from it
+     (calibration on a baseline run, costmodel.md §3 - the mHC run is never an input);
+  3. predict baseline and mHC (n = 4);
+  4. run mHC with torchrun and record its trace;
+  5. compare predicted with measured, per op kind and as mHC overhead;
+  6. write runs/demo/: report.md, schedule.png (predicted above measured, one steady-state step),
+     overhead.png, trace.json (Perfetto: predicted and measured processes, P2P arrows), the raw traces.
+`--schedule-only` keeps the old quick picture: DualPipe P=8, M=20 at unit costs.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="draw and explain a DualPipe schedule into runs/demo/", description=__doc__)
+    p = sub.add_parser("demo", help="predict, run, compare and draw mHC's cost on 4 CPU ranks (runs/demo/)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=20)
+    p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
+    p.add_argument("--steps", type=int, default=4, help="training steps per run; the first is warm-up")
+    p.add_argument("--timeout", type=int, default=300, help="seconds allowed per torchrun launch")
+    p.add_argument("--schedule-only", action="store_true",
+                   help="only draw DualPipe P=8, M=20 at unit costs (seconds, no training)")
     p.set_defaults(func=run)
 
 
+def _say(step: str, text: str) -> None:
+    print(f"[{step}] {text}", flush=True)
+
+
+def run_torchrun(config: str, residual: str, steps: int, trace_dir: Path, timeout: int, ranks: int) -> Path:
+    """One training run through torchrun (gloo on CPU); returns the merged measured trace."""
+    from .local import free_port
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline", "--config", config,
+           "--residual", residual, "--steps", str(steps), "--device", "cpu", "--trace-dir", str(trace_dir)]
+    log = trace_dir / "run.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("step ")]
+    for ln in lines:
+        print(f"      {ln}", flush=True)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-5:])
+        raise RuntimeError(f"torchrun ({residual}) failed with exit {proc.returncode}; see {log}:\n{tail}")
+    return trace_dir / "trace.json"
+
+
+def last_step(trace):
+    """The last recorded step of a measured trace, shifted to start at 0 (steady state, for pictures)."""
+    from dataclasses import replace
+
+    from traces.compare import step_index
+    from traces.trace import Trace
+
+    steps = step_index(trace)
+    if not steps:
+        return trace
+    k = max(steps.values())
+    chosen = [trace.spans[i] for i, s in steps.items() if s == k]
+    t0 = min(s.start for s in chosen)
+    return Trace(spans=[replace(s, start=s.start - t0) for s in chosen], meta=dict(trace.meta))
+
+
+def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict) -> Path:
+    from traces.report import to_markdown
+
+    s = pred.summary
+    o = mhc_cmp.overhead
+    lines = [
+        "# mhc-pipe demo: predicted vs measured mHC cost", "",
+        f"Config `{cfg.model.name}`: {cfg.model.num_blocks} blocks, C={cfg.model.hidden}, "
+        f"{cfg.parallel.schedule} on {cfg.parallel.ranks} CPU ranks (gloo), M={cfg.parallel.microbatches}, "
+        f"T={cfg.parallel.tokens_per_microbatch} tokens per micro-batch, fp32. mHC: n={cfg.model.residual.n}, "
+        f"{cfg.model.residual.sinkhorn_iters} Sinkhorn iterations, reference (unfused) kernels on CPU.",
+        f"Hardware spec `local`: {hw.description}.", "",
+        "## Headline", "",
+        "| | predicted | measured | error |", "| --- | ---: | ---: | ---: |",
+        f"| baseline step (n=1) | {base_cmp.makespan_pred_us / 1e3:.1f} ms | {base_cmp.makespan_meas_us / 1e3:.1f} ms "
+        f"| {base_cmp.makespan_err_pct:+.1f}% |",
+        f"| mHC step (n={cfg.model.residual.n}) | {mhc_cmp.makespan_pred_us / 1e3:.1f} ms | "
+        f"{mhc_cmp.makespan_meas_us / 1e3:.1f} ms | {mhc_cmp.makespan_err_pct:+.1f}% |",
+        f"| mHC overhead | {o.pred_pct:.1f}% | {o.meas_pct:.1f}% | {o.diff_pp:+.1f} pp |", "",
+        "Measured step times are medians over the recorded steps after the first; the baseline prediction is "
+        "calibrated on the baseline run (replay), the mHC prediction is not fitted to any mHC run.", "",
+        "## Memory (predicted peak per rank) and bubble", "",
+        "| | baseline | mHC |", "| --- | ---: | ---: |",
+        f"| peak memory per rank | {s['memory_gib']['baseline'] * 1024:.1f} MiB | "
+        f"{s['memory_gib']['mhc'] * 1024:.1f} MiB |",
+        f"| predicted bubble (idle share) | {s['bubble']['baseline_pct']:.1f}% | {s['bubble']['mhc_pct']:.1f}% |",
+        "", (f"Recompute: mode `{cfg.recompute.mode}`, blocks L_r = {s.get('recompute_block')} sub-layers. "
+             if cfg.recompute.mode != "off" else "Recompute: off. ") + f"Pricing: {s.get('pricing')}.", "",
+    ]
+    lines += ["## Timings of this demo", ""]
+    lines += [f"- {k}: {v:.1f} s" for k, v in timings.items()]
+    lines += ["", "## mHC run: predicted vs measured (per op kind, bubble, overhead)", "",
+              to_markdown(mhc_cmp).split("\n", 2)[2], "",
+              "## Baseline run: predicted vs measured", "", to_markdown(base_cmp).split("\n", 2)[2]]
+    path.write_text("\n".join(lines))
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
-    from schedules import Durations, build, simulate
-    from schedules.formulas import bubble_formula, peak_activation_bound
-    from schedules.torch_csv import write_csv
+    if args.schedule_only:
+        return schedule_picture(Path(args.out))
+    from costmodel.calibrate import calibrate_local, calibrate_local_for
+    from costmodel.mhc_cost import ResidualSpec
+    from costmodel.predict import predict
     from traces.chrome import save_chrome
-    from traces.plot import plot_schedule
+    from traces.compare import compare
+    from traces.trace import Trace
+    from traces.view import plot_overhead, write_picture
+
+    from .config import load_config
 
     out = Path(args.out)
-    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(args.config, {"train": {"steps": args.steps, "device": "cpu"}})
+    n = cfg.model.residual.n
+    ranks = cfg.parallel.ranks
+    timings: dict[str, float] = {}
+    started = t = time.perf_counter()
+
+    _say("1/6", "calibrating the `local` hardware spec (matmul, copy, launch, 2-process gloo P2P)")
+    hw = calibrate_local(quick=True)
+    print(f"      matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, copy {hw.hbm_bandwidth / 1e9:.1f} GB/s, "
+          f"P2P {hw.intra.latency_us:.0f} us + {hw.intra.bandwidth / 1e9:.2f} GB/s", flush=True)
+    timings["calibration"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _say("2/6", f"running the baseline (n=1) on {ranks} gloo ranks, {args.steps} steps")
+    base_path = run_torchrun(args.config, "residual:1", args.steps, out / "measured_baseline", args.timeout, ranks)
+    base_meas = Trace.load(base_path)
+    timings["baseline run"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _say("3/6", f"micro-benchmarking the runtime's block and mHC wrapper, fitting on the baseline run, "
+                f"predicting baseline and mHC (n={n})")
+    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_meas)
+    pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False))
+    s = pred.summary
+    print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
+          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.1f}%", flush=True)
+    timings["prediction"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _say("4/6", f"running mHC (n={n}) on {ranks} gloo ranks, {args.steps} steps")
+    mhc_path = run_torchrun(args.config, f"{cfg.model.residual.variant}:{n}", args.steps, out / "measured_mhc",
+                            args.timeout, ranks)
+    mhc_meas = Trace.load(mhc_path)
+    timings["mHC run"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _say("5/6", "comparing predicted with measured")
+    pred.baseline.trace.save(out / "predicted_baseline.json")
+    pred.mhc.trace.save(out / "predicted_mhc.json")
+    base_cmp = compare(pred.baseline.trace, base_meas)
+    mhc_cmp = compare(pred.mhc.trace, mhc_meas, baseline=(pred.baseline.trace, base_meas))
+    _say("6/6", "writing the report and pictures")
+    steady = last_step(mhc_meas)
+    write_picture(out / "schedule.png", [pred.mhc.trace, steady], streams=("compute", "hp"),
+                  title=f"{cfg.model.name} mHC n={n}, {cfg.parallel.schedule} P={ranks}: predicted (top) vs "
+                        "measured (last step)")
+    plot_overhead(mhc_cmp, out / "overhead.png")
+    save_chrome(out / "trace.json", pred.mhc.trace, steady)
+    (out / "comparison.json").write_text(json.dumps(mhc_cmp.to_dict(), indent=1, default=str))
+    timings["compare and draw"] = time.perf_counter() - t
+    report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings)
+    o = mhc_cmp.overhead
+    print(f"demo done in {time.perf_counter() - started:.0f} s; report: {report}")
+    print(f"  step time: baseline predicted {base_cmp.makespan_pred_us / 1e3:.1f} ms vs measured "
+          f"{base_cmp.makespan_meas_us / 1e3:.1f} ms; mHC predicted {mhc_cmp.makespan_pred_us / 1e3:.1f} ms vs "
+          f"measured {mhc_cmp.makespan_meas_us / 1e3:.1f} ms ({mhc_cmp.makespan_err_pct:+.1f}%)")
+    print(f"  mHC overhead: predicted {o.pred_pct:.1f}% vs measured {o.meas_pct:.1f}% ({o.diff_pp:+.1f} pp); "
+          f"pictures: {out / 'schedule.png'}, {out / 'overhead.png'}; Perfetto: {out / 'trace.json'}")
+    return 0
+
+
+def schedule_picture(out: Path) -> int:
+    """DualPipe P=8, M=20 at DeepSeek's unit costs: the picture of the schedule itself."""
+    from schedules import Durations, build, simulate
+    from schedules.formulas import bubble_formula
+    from traces.plot import plot_schedule
+
     d = Durations(F=1, I=1, W=1)
-    print(f"[1/3] building DualPipe, P={args.ranks}, M={args.microbatches}; costs F=I=W=1, B=I+W=2, F&B=F+B=3")
-    schedule = build("dualpipe", args.ranks, args.microbatches)
-    print("[2/3] validating (counts, order, P2P pairing, deadlock freedom) and simulating")
+    schedule = build("dualpipe", 8, 20)
     result = simulate(schedule, d, time_unit="cost units")
     name, value = bubble_formula(schedule, d)
     idle = sorted(set(result.idle.values()))
-    print(f"      makespan {result.makespan:g} units; busy {sorted(set(result.busy.values()))} per rank; "
-          f"idle {idle} per rank; formula {name} = {value:g}")
-    print(f"      peak live activations per rank: {max(result.peak_activations.values())} chunks "
-          f"(published bound PP+1 = {peak_activation_bound(schedule)})")
-    print("[3/3] writing pictures and files")
-    title = (f"DualPipe P={args.ranks}, M={args.microbatches} (F=I=W=1, B=2, F&B=3): makespan "
-             f"{result.makespan:g}, idle {idle[0]:g} per rank")
-    written = [plot_schedule(result.trace, out / "schedule.png", title=title),
-               write_csv(schedule, out / "schedule.csv"),
-               result.trace.save(out / "predicted_trace.json"),
-               save_chrome(out / "perfetto.json", result.trace)]
-    for path in written:
-        print(f"      wrote {path}")
-    print(f"demo done in {time.perf_counter() - started:.1f} s. How to read {out / 'schedule.png'}: one row per rank "
-          "(rank 0 on top); orange = forward, green = backward, blue = weight-grad (W), darker tones for the "
-          "direction entering at the last rank; a split cell with a thick border is one overlapped F&B step; numbers are micro-batch ids within their direction. Open perfetto.json "
-          "in https://ui.perfetto.dev for the same timeline with P2P arrows.")
+    print(f"DualPipe P=8, M=20 (F=I=W=1, B=2, F&B=3): makespan {result.makespan:g}, idle {idle} per rank "
+          f"(formula {name} = {value:g}), peak activations {max(result.peak_activations.values())} chunks")
+    path = plot_schedule(result.trace, out / "schedule_dualpipe.png",
+                         title=f"DualPipe P=8, M=20: makespan {result.makespan:g}, idle {idle[0]:g} per rank")
+    print(f"wrote {path}")
     return 0

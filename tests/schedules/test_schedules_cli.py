@@ -44,8 +44,8 @@ def test_console_entry_point_runs():
     assert "formula (P-1)(F+B-2W) = 3" in out.stdout
 
 
-def test_demo(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path)]) == 0
+def test_schedule_only_demo(tmp_path, capsys):
+    assert main(["demo", "--schedule-only", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "makespan 66" in text and "idle [6.0]" in text
-    assert (tmp_path / "schedule.png").stat().st_size > 10_000
+    assert (tmp_path / "schedule_dualpipe.png").stat().st_size > 10_000
