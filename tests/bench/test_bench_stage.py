@@ -1,0 +1,126 @@
+"""CPU smoke tests of the stage benchmark (bench/stage.py), its loopback transport and the GPU-check report.
+
+The benchmark itself targets an H200; here it runs its exact code path at a tiny shape: a DualPipeV middle
+rank's lowered action list with every boundary replaced by a local hand-off, n = 1 and n = 4 (recompute),
+recorder spans, and the cost model's H200 prediction of the same actions.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def stage_mod():
+    return _load("stage")
+
+
+@pytest.fixture(scope="module")
+def small_run(stage_mod, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stage") / "stage.json"
+    rc = stage_mod.main(["--device", "cpu", "--small", "--warmup", "1", "--steps", "2", "--out", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_small_run_measures_every_action_kind(small_run):
+    v1, v4 = small_run["variants"]["n1"], small_run["variants"]["n4"]
+    for v in (v1, v4):
+        m = v["measured"]
+        # rank 1 of DualPipeV P=4, M=8: 10 F, 4 B, 6 I, 6 W, 6 FB per step (F/B halves of an FB not counted)
+        assert m["kind_count_per_step"]["F"] == 10 and m["kind_count_per_step"]["B"] == 4
+        assert m["kind_count_per_step"]["I"] == 6 and m["kind_count_per_step"]["W"] == 6
+        assert m["kind_count_per_step"]["FB"] == 6
+        assert len(m["step_ms"]) == 2 and all(t > 0 for t in m["step_ms"])
+        # every boundary went through the loopback: 16 RECV_F + 16 RECV_B and as many sends per step (3 steps)
+        assert m["loopback"] == {"sends": 3 * 32, "recvs": 3 * 32}
+        assert m["stages"] == [1, 6] and m["hp_spans"] > 0
+    assert v1["measured"]["recompute_block"] is None and v4["measured"]["recompute_block"] is not None
+    assert "RC" in v4["measured"]["kind_ms"] and "RC" not in v1["measured"]["kind_ms"]
+
+
+def test_small_run_prediction_and_overhead(small_run):
+    v1, v4 = small_run["variants"]["n1"], small_run["variants"]["n4"]
+    for v in (v1, v4):
+        p = v["predicted"]
+        assert p["hardware"] == "h200" and p["recv_copies"] == 32
+        assert set(p["kind_us"]) >= {"F", "B", "I", "W", "FB"}
+        assert all(t > 0 for t in p["kind_us"].values())
+        assert p["step_us"] == pytest.approx(p["compute_us"] + 32 * p["recv_copy_us"])
+    o = small_run["overhead"]
+    assert o["predicted_pct"] == pytest.approx(100 * (v4["predicted"]["step_us"] / v1["predicted"]["step_us"] - 1))
+    assert o["measured_pct"] == pytest.approx(
+        100 * (v4["measured"]["step_ms_median"] / v1["measured"]["step_ms_median"] - 1))
+    assert o["diff_pp"] == pytest.approx(o["predicted_pct"] - o["measured_pct"])
+    assert small_run["targets"]["overhead_ok"].startswith("n/a")  # CPU: no GPU targets claimed
+
+
+def test_full_shape_prediction_runs_without_gpu(stage_mod, tmp_path):
+    out = tmp_path / "pred.json"
+    assert stage_mod.main(["--predict-only", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["shape"] == {"ranks": 4, "rank": 1, "stages": [1, 6], "blocks_per_stage": 3, "T": 4096, "C": 2560,
+                            "heads": 32, "head_dim": 128, "mlp_hidden": 12288, "dtype": "bfloat16", "M": 8,
+                            "num_blocks": 24}
+    v4 = res["variants"]["n4"]["predicted"]
+    assert v4["boundary_bytes"] == 4096 * 4 * 2560 * 2  # 84 MB: one n=4 boundary at this shape (gpu.md §6)
+    assert v4["recompute_block"] == 6 and math.isfinite(res["overhead"]["predicted_pct"])
+    assert "measured" not in res["variants"]["n1"]
+
+
+def test_write_config_is_a_valid_run_config(stage_mod, tmp_path):
+    from pipeline.config import load_config
+
+    path = tmp_path / "two.yaml"
+    assert stage_mod.main(["--device", "cuda", "--write-config", str(path), "--config-ranks", "2"]) == 0
+    cfg = load_config(path)
+    assert cfg.parallel.ranks == 2 and cfg.parallel.microbatches == 4 and cfg.model.num_blocks == 4
+    assert (cfg.model.hidden, cfg.model.num_heads, cfg.model.head_dim, cfg.model.mlp_hidden) == (2560, 32, 128, 12288)
+    assert cfg.model.moe is None and cfg.train.device == "cuda" and cfg.recompute.mode == "auto"
+
+
+def test_bad_flags_fail_with_a_clear_message(stage_mod, capsys):
+    with pytest.raises(SystemExit):
+        stage_mod.main(["--rank", "4"])
+    assert "outside the 4 ranks" in capsys.readouterr().err
+
+
+def test_loopback_transport_rejects_a_wrong_buffer():
+    from pipeline.loopback import LoopbackTransport
+
+    loop = LoopbackTransport(1, torch.device("cpu"), (4, 2, 8), torch.float32)
+    buf = torch.empty(4, 2, 8)
+    (p,) = loop.post([(False, "RECV_F/s0/mb0", 0, buf)])
+    assert p.done and torch.equal(loop.wait(p), loop.activation) and p.tensor is buf
+    (q,) = loop.post([(True, "SEND_F/s1/mb0", 2, buf)])
+    assert q.done and loop.poll(q)
+    with pytest.raises(ValueError, match="boundary_shape"):
+        loop.post([(False, "RECV_B/s2/mb0", 2, torch.empty(4, 1, 8))])
+    with pytest.raises(ValueError, match="cannot tell"):
+        loop.post([(False, "X/s2/mb0", 2, buf)])
+
+
+def test_gpu_report_table_marks_failures(tmp_path):
+    report = _load("gpu_report")
+    (tmp_path / "status.tsv").write_text("env\t0\t3.2\t60\tenv.log\nstage\t124\t130.0\t130\tstage.log\n"
+                                         "pipeline_2rank\tskip\t0\t0\tpipeline_2rank.log\n")
+    (tmp_path / "stage.log").write_text("building\n")
+    text, ok = report.table(tmp_path)
+    assert not ok
+    lines = text.splitlines()
+    assert "TIMEOUT" in lines[2] and "building" in lines[2] and "SKIP" in lines[3]
