@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args, world)
     except ValueError as err:
-        if rank == 0:
-            print(f"python -m pipeline: error: {err}", file=sys.stderr)
+        # every rank reports: torchrun may kill rank 0 before it prints once another rank has exited
+        print(f"python -m pipeline: error (rank {rank}): {err}", file=sys.stderr, flush=True)
         return 2
 
     import torch
@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
         os._exit(1)
     except ValueError as err:
-        if rank == 0:
-            print(f"python -m pipeline: error: {err}", file=sys.stderr, flush=True)
+        print(f"python -m pipeline: error (rank {rank}): {err}", file=sys.stderr, flush=True)
         os._exit(2)
     import torch.distributed as dist
 

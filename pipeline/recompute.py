@@ -13,7 +13,8 @@ rebuilt tensors are bitwise the forward's. The unpack hook then serves tokens fr
 drops it after the block's backward, so only one block's intermediates are transient at a time.
 
 Blocks never cross a stage boundary. Block length: config mode 'block' (block_size) or 'auto' = Eq. 20,
-argmin over L_r of n*ceil(L/L_r) + (n+2)*L_r (L = sub-layers of the model), capped at the stage's sub-layers.
+argmin over L_r of n*ceil(L/L_r) + (n+2)*L_r with L = the stage's sub-layers (the memory a rank holds; the
+cost model uses the same rule).
 """
 from __future__ import annotations
 

@@ -68,8 +68,12 @@ class RankRuntime:
         self.dtype = activation_dtype(cfg.train.dtype)
         self.store = WeightGradStore()
         n = cfg.model.residual.n
-        self.rc_block = block_size(cfg.recompute, cfg.model.num_sublayers, n)
-        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=self.rc_block).to(device)
+        # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
+        # cost model prices it; blocks never cross a stage boundary
+        rc_blocks = {sp.stage: block_size(cfg.recompute, 2 * len(sp.blocks), n) for sp in self.plan.local()}
+        self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
+        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype,
+                                       rc_block=rc_blocks[sp.stage]).to(device)
                        for sp in self.plan.local()}
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():

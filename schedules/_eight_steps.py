@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedules.ir import Action, Kind, fb
+from schedules.ir import Action, Kind
 
 
 def eight_steps(H: int, h: int, C: int, stage0: int, stage1: int, first_pair_unoverlapped: bool) -> list[Action]:
@@ -28,8 +28,10 @@ def eight_steps(H: int, h: int, C: int, stage0: int, stage1: int, first_pair_uno
     next_b = {stage0: 0, stage1: 0}
     w_queue: deque[tuple[int, int]] = deque()
 
+    new = tuple.__new__  # NamedTuple construction without its Python-level __new__ (10^5 actions per schedule)
+
     def forward(stage: int) -> Action:
-        a = Action(Kind.F, stage, next_f[stage])
+        a = new(Action, (Kind.F, stage, next_f[stage], -1, -1, -1))
         next_f[stage] += 1
         return a
 
@@ -38,8 +40,8 @@ def eight_steps(H: int, h: int, C: int, stage0: int, stage1: int, first_pair_uno
         next_b[stage] += 1
         if split:
             w_queue.append((stage, mb))
-            return Action(Kind.I, stage, mb)
-        return Action(Kind.B, stage, mb)
+            return new(Action, (Kind.I, stage, mb, -1, -1, -1))
+        return new(Action, (Kind.B, stage, mb, -1, -1, -1))
 
     def weight() -> Action:
         stage, mb = w_queue.popleft()
@@ -48,7 +50,7 @@ def eight_steps(H: int, h: int, C: int, stage0: int, stage1: int, first_pair_uno
     def overlapped(f_stage: int, b_stage: int) -> Action:
         f = forward(f_stage)
         b = backward(b_stage, split=False)
-        return fb(f.stage, f.mb, b.stage, b.mb)
+        return new(Action, (Kind.FB, f[1], f[2], b[1], b[2], -1))
 
     for _ in range(2 * (H - h - 1)):  # step 1
         acts.append(forward(stage0))

@@ -75,6 +75,7 @@ def lower_comms(schedule: Schedule) -> Schedule:
     KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
     C = max(1, schedule.microbatches_per_pipeline)
     SC = schedule.num_stages * C
+    new = tuple.__new__  # NamedTuple construction without its Python-level __new__: this runs per message
 
     # Sender side first: SENDs right after their producer; this fixes every channel's message order.
     channel_id: dict[tuple[int, int], int] = {}
@@ -85,14 +86,14 @@ def lower_comms(schedule: Schedule) -> Schedule:
         peer = send_f[st] if forward else send_b[st]
         if peer < 0:
             return
-        out.append(Action(KSF if forward else KSB, st, mb, -1, -1, peer))
+        out.append(new(Action, (KSF if forward else KSB, st, mb, -1, -1, peer)))
         ch = channel_id.get((rank, peer))
         if ch is None:
             ch = channel_id[(rank, peer)] = len(channel_msgs)
             channel_msgs.append([])
         msgs = channel_msgs[ch]
         slot[(0 if forward else SC) + st * C + mb] = (ch, len(msgs))
-        msgs.append(Action(KRF if forward else KRB, st, mb, -1, -1, rank))
+        msgs.append(new(Action, (KRF if forward else KRB, st, mb, -1, -1, rank)))
 
     with_sends: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):

@@ -82,7 +82,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     send_count = [0] * num_channels
     xfer_time: dict[Kind, float] = {}
 
-    dur = {k: [None] * S for k in (KF, KI, KW, KB)}
+    dur_f, dur_i, dur_w, dur_b = ([None] * S for _ in range(4))  # per-stage costs, filled on first use
     dur_fb: dict[int, float] = {}
     done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
@@ -167,9 +167,9 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 off = f_need[st]
                 n1 = off + mb if off >= 0 else -1
                 m1 = F_ + k
-                table = dur[KF]
+                table = dur_f
             elif kind is KW:
-                n1, m1, table = I_ + k, -1, dur[KW]
+                n1, m1, table = I_ + k, -1, dur_w
             elif kind is KFB:
                 bs, bm = a[3], a[4]
                 off, boff = f_need[st], b_need[bs]
@@ -185,7 +185,9 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 m1 = G_ + k
                 if kind is KI:
                     m2 = I_ + k
-                table = dur[kind]
+                    table = dur_i
+                else:
+                    table = dur_b
             t = t_free
             if n1 >= 0:
                 v = done[n1]

@@ -40,16 +40,18 @@ def _compute_problems(s: Schedule) -> list[str]:
     """
     S, C = s.num_stages, s.microbatches_per_pipeline
     n = S * C
-    # first position (rank-local index) of each part per chunk; -1 = absent
-    pos = {k: [-1] * n for k in (Kind.F, Kind.I, Kind.W, Kind.B)}
-    count = {k: [0] * n for k in (Kind.F, Kind.I, Kind.W, Kind.B)}
+    # per chunk k = stage * C + mb: count and first rank-local position of each part (F, I, W, B); the lists
+    # are indexed by a small int rather than keyed by Kind because this loop sees every action
+    counts = [[0] * n for _ in range(4)]
+    firsts = [[-1] * n for _ in range(4)]
     stage_to_rank = s.stage_to_rank
     problems: list[str] = []
+    KF, KI, KW, KFB, KRF, KRB = Kind.F, Kind.I, Kind.W, Kind.FB, Kind.RECV_F, Kind.RECV_B
     for r, acts in enumerate(s.actions):
         for i, a in enumerate(acts):
-            kind = a.kind
+            kind = a[0]
             if kind in COMM_KINDS:
-                if kind in (Kind.RECV_F, Kind.RECV_B):
+                if kind is KRF or kind is KRB:
                     ok = 0 <= a.stage < S and stage_to_rank[a.stage] == a.peer
                     where = f"the sender (peer) must be rank {stage_to_rank[a.stage] if 0 <= a.stage < S else '?'}"
                 else:
@@ -58,8 +60,10 @@ def _compute_problems(s: Schedule) -> list[str]:
                 if not ok:
                     problems.append(f"rank {r} #{i} {a}: {where}")
                 continue
-            halves = ((Kind.F, a.stage, a.mb), (Kind.B, a.b_stage, a.b_mb)) if kind is Kind.FB \
-                else ((kind, a.stage, a.mb),)
+            if kind is KFB:
+                halves = ((0, a[1], a[2]), (3, a[3], a[4]))
+            else:
+                halves = ((0 if kind is KF else 1 if kind is KI else 2 if kind is KW else 3, a[1], a[2]),)
             for part, stage, mb in halves:
                 if not (0 <= stage < S and 0 <= mb < C):
                     problems.append(f"rank {r} #{i} {a}: stage must be in 0..{S - 1} and micro-batch in 0..{C - 1}")
@@ -68,20 +72,20 @@ def _compute_problems(s: Schedule) -> list[str]:
                     problems.append(f"rank {r} #{i} {a}: stage {stage} is placed on rank {stage_to_rank[stage]}")
                     continue
                 k = stage * C + mb
-                count[part][k] += 1
-                if pos[part][k] < 0:
-                    pos[part][k] = i
+                counts[part][k] += 1
+                if firsts[part][k] < 0:
+                    firsts[part][k] = i
     if problems:
         return problems
     nxt = s.next_stage()
-    F, I, W, B = (pos[k] for k in (Kind.F, Kind.I, Kind.W, Kind.B))
+    F, I, W, B = firsts
     for stage in range(S):
         r = stage_to_rank[stage]
         n_stage = nxt.get(stage)
         local_next = n_stage is not None and stage_to_rank[n_stage] == r
         for mb in range(C):
             k = stage * C + mb
-            f, b, i, w = (count[x][k] for x in (Kind.F, Kind.B, Kind.I, Kind.W))
+            f, i, w, b = (c[k] for c in counts)
             if f != 1:
                 problems.append(f"stage {stage} mb {mb}: {f} forwards (F), expected exactly 1")
             if not ((b == 1 and i == 0 and w == 0) or (b == 0 and i == 1 and w == 1)):
