@@ -4,7 +4,7 @@
 
 1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
    gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
-2. Runtime calibration (costmodel.calibrate.calibrate_local_for): micro-benchmarks of one baseline block and of
+2. Runtime calibration (costmodel.runtime_profile.calibrate_local_for): micro-benchmarks of one baseline block and of
    the mHC wrapper the runtime runs (kernels.MHCSublayer, reference backend, F = identity), and ONE measured
    BASELINE (n = 1) run of the config on its 4 gloo ranks. The mHC run is never an input (costmodel.md §3).
 3. predict(cfg, hw) for the baseline and mHC n = 4 (DualPipeV, 4 ranks).
@@ -56,7 +56,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args()
 
-    from costmodel.calibrate import calibrate_local, calibrate_local_for, run_runtime
+    from costmodel.calibrate import calibrate_local
+    from costmodel.runtime_profile import calibrate_local_for, run_runtime
     from costmodel.hardware import HardwareSpec, local_profile_path
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict

@@ -127,7 +127,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     import matplotlib.pyplot as plt
 
     from costmodel.mhc_cost import ResidualSpec
-    from costmodel.predict import Options, predict
+    from costmodel.predict import predict
 
     key, values = _parse_sweep(args.sweep)
     rows = []

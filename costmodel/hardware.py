@@ -99,7 +99,7 @@ class Link(BaseModel):
 
 
 class RuntimeProfile(BaseModel):
-    """Calibration of *this runtime* on `local` for one model shape (costmodel.calibrate.calibrate_local_for).
+    """Calibration of *this runtime* on `local` for one model shape (costmodel.runtime_profile.calibrate_local_for).
 
     On a CPU the runtime's actions cost per-op overheads (Python executor, autograd, saved-tensor hooks, many small
     torch ops) that a FLOP/byte roofline does not see. So `local` carries, for one shape:
@@ -122,7 +122,7 @@ class RuntimeProfile(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    key: dict = Field(description="the shape this profile applies to (costmodel.calibrate.runtime_key)")
+    key: dict = Field(description="the shape this profile applies to (costmodel.runtime_profile.runtime_key)")
     action_us: dict[str, float] = Field(description="intrinsic baseline action durations, 'F/s3', 'FB/s3+s4'")
     residual_us: dict[str, dict[str, float]] = Field(default_factory=dict,
                                                      description="per residual label: extra us per sub-layer")

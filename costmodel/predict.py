@@ -29,7 +29,7 @@ from costmodel import comm
 from costmodel.hardware import HardwareSpec, get_hardware
 from costmodel.memory import RankMemory, StageMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec, recompute_kernel, residual_kernels, stack_ends
-from costmodel.ops import DTYPE_BYTES, Kernel, Shape, block_work, embedding, head
+from costmodel.ops import Kernel, Shape, block_work, embedding, head
 from costmodel.overlap import OverlapResult, TimedOp, overlap
 from pipeline.config import RunConfig, stage_blocks
 from schedules.build import build
@@ -314,7 +314,7 @@ def runtime_profile_for(hw: HardwareSpec, cfg: RunConfig):
     prof = hw.runtime
     if prof is None:
         return None
-    from costmodel.calibrate import runtime_key
+    from costmodel.runtime_profile import runtime_key
 
     return prof if prof.key == runtime_key(cfg) else None
 

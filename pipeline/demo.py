@@ -118,7 +118,8 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict) ->
 def run(args: argparse.Namespace) -> int:
     if args.schedule_only:
         return schedule_picture(Path(args.out))
-    from costmodel.calibrate import calibrate_local, calibrate_local_for
+    from costmodel.calibrate import calibrate_local
+    from costmodel.runtime_profile import calibrate_local_for
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
     from traces.chrome import save_chrome

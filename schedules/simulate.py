@@ -11,7 +11,7 @@ action is handled once: 10^5-10^6 actions simulate in about a second.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,7 +19,6 @@ from schedules.durations import Durations
 from schedules.ir import Action, Kind, Schedule
 from traces.trace import Span, Trace
 
-_SEND_TO_RECV = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
 
 
 @dataclass
@@ -55,7 +54,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
         if n is not None:
             b_need[st] = (G_ if where[n] == where[st] else XG_) + n * C
 
-    KF, KI, KW, KB, KFB = Kind.F, Kind.I, Kind.W, Kind.B, Kind.FB
+    KF, KI, KW, KFB = Kind.F, Kind.I, Kind.W, Kind.FB
     KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
     # channels (src, dst): messages in the sender's program order; a message is keyed by what it delivers
     channel_of: dict[tuple[int, int], int] = {}

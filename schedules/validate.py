@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from schedules.graph import describe_cycle, find_cycle
-from schedules.ir import COMM_KINDS, Action, Kind, Schedule
+from schedules.ir import COMM_KINDS, Kind, Schedule
 
 MAX_REPORTED = 8
 
@@ -156,7 +156,6 @@ def _msg(m: tuple) -> str:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise ScheduleError unless `schedule` satisfies every rule (a compute-only schedule is lowered first)."""
-    from schedules.lowering import lower_comms
     from schedules.simulate import run_engine
 
     lowered = check_structure(schedule)

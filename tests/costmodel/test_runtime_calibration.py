@@ -1,9 +1,10 @@
-"""Runtime calibration of `local` (costmodel.calibrate.calibrate_local_for pieces) on synthetic traces."""
+"""Runtime calibration of `local` (costmodel.runtime_profile.calibrate_local_for pieces) on synthetic traces."""
 import dataclasses
 
 import pytest
 
-from costmodel.calibrate import (baseline_action_stats, bench_runtime_pieces, fit_runtime_profile, runtime_key)
+from costmodel.runtime_profile import (baseline_action_stats, bench_runtime_pieces, fit_runtime_profile,
+                                       runtime_key)
 from costmodel.hardware import BUILTIN, RuntimeProfile
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
