@@ -172,15 +172,23 @@ def main() -> int:
         "mhc_step_err_pct_median": agg(lambda rr: rr["mhc"]["err_pct"]),
         "baseline_step_err_pct_median": agg(lambda rr: rr["baseline"]["err_pct"]),
         "overhead_diff_pp_median": agg(lambda rr: rr["overhead"]["diff_pp"]),
+        "mhc_kind_signed_median_pct": {k: agg(lambda rr, k=k: rr["mhc"]["kinds"][k]["signed_median_pct"])
+                                       for k in COMPUTE if all(k in rr["mhc"]["kinds"] for rr in result_runs)},
         "mhc_kind_median_abs_pct": {k: agg(lambda rr, k=k: rr["mhc"]["kinds"][k]["median_abs_pct"])
                                     for k in COMPUTE if all(k in rr["mhc"]["kinds"] for rr in result_runs)},
     }
+    # The "per-op-kind median error within 20%" read as the signed median (the model's bias per kind);
+    # the median |e| also contains the run-to-run scatter of single actions, reported next to it.
     summary["targets_met"] = {
         "mhc_step_within_15pct": abs(summary["mhc_step_err_pct_median"]) <= 15.0,
-        "compute_kinds_within_20pct": all(v <= 20.0 for v in summary["mhc_kind_median_abs_pct"].values())}
-    print(f"\nmedian over runs: mHC step error {summary['mhc_step_err_pct_median']:+.1f}%, per-kind |e| "
+        "compute_kinds_signed_median_within_20pct":
+            all(abs(v) <= 20.0 for v in summary["mhc_kind_signed_median_pct"].values()),
+        "compute_kinds_median_abs_within_20pct": all(v <= 20.0 for v in summary["mhc_kind_median_abs_pct"].values())}
+    print(f"\nmedian over runs: mHC step error {summary['mhc_step_err_pct_median']:+.1f}%; per-kind signed median "
+          + ", ".join(f"{k} {v:+.0f}%" for k, v in summary["mhc_kind_signed_median_pct"].items())
+          + "; per-kind median |e| "
           + ", ".join(f"{k} {v:.0f}%" for k, v in summary["mhc_kind_median_abs_pct"].items())
-          + f"; targets met: {summary['targets_met']}")
+          + f"\ntargets met: {summary['targets_met']}")
     result = {"command": " ".join(["bench/predict_local.py"] + sys.argv[1:]), "config": "tiny",
               "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
               "calibration": cal, "calibration_runtime_step_s": cal_steps,
