@@ -77,7 +77,24 @@ def last_step(trace):
     return Trace(spans=[replace(s, start=s.start - t0) for s in chosen], meta=dict(trace.meta))
 
 
-def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict) -> Path:
+def _act_mib(pred, name: str) -> float:
+    return max(m.activation_bytes + m.transient_bytes for m in pred.memory[name]) / 2**20
+
+
+def _bubble(cmp) -> float:
+    return sum(r.meas_bubble_pct for r in cmp.ranks) / max(1, len(cmp.ranks))
+
+
+def measured_memory(run_dir: Path) -> tuple[str, str]:
+    """(peak saved activations, peak RSS) of the last step, as the runtime printed them (max over ranks)."""
+    lines = [ln for ln in (run_dir / "run.log").read_text().splitlines() if ln.startswith("step ")]
+    if not lines:
+        return ("-", "-")
+    words = lines[-1].split()
+    return (" ".join(words[words.index("peak_act") + 1:][:2]), " ".join(words[words.index("peak_mem") + 1:][:2]))
+
+
+def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, measured_mem: dict) -> Path:
     from traces.report import to_markdown
 
     s = pred.summary
@@ -98,11 +115,19 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict) ->
         f"| mHC overhead | {o.pred_pct:.1f}% | {o.meas_pct:.1f}% | {o.diff_pp:+.1f} pp |", "",
         "Measured step times are medians over the recorded steps after the first; the baseline prediction is "
         "calibrated on the baseline run (replay), the mHC prediction is not fitted to any mHC run.", "",
-        "## Memory (predicted peak per rank) and bubble", "",
+        "## Memory and bubble", "",
         "| | baseline | mHC |", "| --- | ---: | ---: |",
-        f"| peak memory per rank | {s['memory_gib']['baseline'] * 1024:.1f} MiB | "
+        f"| activations, predicted (max over ranks) | {_act_mib(pred, 'baseline'):.2f} MiB | "
+        f"{_act_mib(pred, 'mhc'):.2f} MiB |",
+        f"| saved activations, measured (max over ranks) | {measured_mem['baseline'][0]} | "
+        f"{measured_mem['mhc'][0]} |",
+        f"| peak memory per rank, predicted (state + activations) | {s['memory_gib']['baseline'] * 1024:.1f} MiB | "
         f"{s['memory_gib']['mhc'] * 1024:.1f} MiB |",
-        f"| predicted bubble (idle share) | {s['bubble']['baseline_pct']:.1f}% | {s['bubble']['mhc_pct']:.1f}% |",
+        f"| peak process memory (RSS), measured | {measured_mem['baseline'][1]} | {measured_mem['mhc'][1]} |",
+        f"| bubble (idle share), predicted | {s['bubble']['baseline_pct']:.1f}% | {s['bubble']['mhc_pct']:.1f}% |",
+        f"| bubble (idle share), measured | {_bubble(base_cmp):.1f}% | {_bubble(mhc_cmp):.1f}% |",
+        "", "Measured RSS includes the Python interpreter and torch (about 400 MiB per process on CPU); the "
+        "predicted total counts parameters, gradients, optimizer state and activations only.",
         "", (f"Recompute: mode `{cfg.recompute.mode}`, blocks L_r = {s.get('recompute_block')} sub-layers. "
              if cfg.recompute.mode != "off" else "Recompute: off. ") + f"Pricing: {s.get('pricing')}.", "",
     ]
@@ -177,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     save_chrome(out / "trace.json", pred.mhc.trace, steady)
     (out / "comparison.json").write_text(json.dumps(mhc_cmp.to_dict(), indent=1, default=str))
     timings["compare and draw"] = time.perf_counter() - t
-    report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings)
+    measured_mem = {"baseline": measured_memory(out / "measured_baseline"), "mhc": measured_memory(out / "measured_mhc")}
+    report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings, measured_mem)
     o = mhc_cmp.overhead
     print(f"demo done in {time.perf_counter() - started:.0f} s; report: {report}")
     print(f"  step time: baseline predicted {base_cmp.makespan_pred_us / 1e3:.1f} ms vs measured "
