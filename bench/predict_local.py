@@ -4,16 +4,17 @@
 
 1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
    gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
-2. Runtime calibration (costmodel.runtime_profile.calibrate_local_for): micro-benchmarks of one baseline block and of
-   the mHC wrapper the runtime runs (kernels.MHCSublayer, reference backend, F = identity), and ONE measured
-   BASELINE (n = 1) run of the config on its 4 gloo ranks. The mHC run is never an input (costmodel.md §3).
-3. predict(cfg, hw) for the baseline and mHC n = 4 (DualPipeV, 4 ranks).
-4. Measure: fresh runs of the baseline (not the calibration run) and of mHC, `--repeat` times each, `--steps`
-   steps, the first step dropped. traces.compare per run: step time (makespan of the schedule spans), per-kind
-   median errors, overhead in pp. Also the runtime's own reported step time (max over ranks, incl. optimizer).
+2. `--repeat` times: run the BASELINE (n = 1) on the config's 4 gloo ranks; runtime calibration on that run
+   (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of one baseline block and of the mHC wrapper
+   the runtime runs, kernels.MHCSublayer on its reference backend with F = identity, plus the baseline run);
+   predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; run mHC; compare. The
+   mHC run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
+   run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
+   reported step time (max over ranks, incl. optimizer).
 Prints a table and writes bench/results/predict_local.json. Targets (issue 5): mHC step within 15 %, per-kind
-median |error| within 20 % (compute kinds F, I, W, B, FB; SEND/RECV are reported apart: measured comm spans run
-from post to the wait's return, so they include waiting and are not transfer times).
+median error within 20 % (compute kinds F, I, W, B, FB; reported as the signed median, i.e. the model's bias,
+and as the median |error|, which adds the scatter of single actions; SEND/RECV are reported apart: measured comm
+spans run from post to the wait's return, so they include waiting and are not transfer times).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def main() -> int:
     n = cfg.model.residual.n
 
     profile = local_profile_path()
-    print("[1/4] host micro-benchmarks" + (" (reused)" if args.reuse and profile.exists() else ""))
+    print("[1/2] host micro-benchmarks" + (" (reused)" if args.reuse and profile.exists() else ""))
     if args.reuse and profile.exists():
         hw0 = HardwareSpec.load(profile).model_copy(update={"runtime": None})
     else:
@@ -80,41 +81,39 @@ def main() -> int:
     print(f"      P2P alpha {hw0.intra.latency_us:.0f} us, bw {hw0.intra.bandwidth / 1e9:.2f} GB/s, "
           f"{hw0.host_cores} cores")
 
-    print("[2/4] runtime calibration: micro-benchmarks + one BASELINE run (n=1)")
-    cal_trace, cal_steps = run_runtime(base_cfg, out / "calibration_baseline", args.steps, args.timeout)
-    hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=cal_trace)
-    hw.save(profile)
-    rt = hw.runtime
-    cal = {"effective_cores": rt.effective_cores, "stretch_base": rt.stretch_base,
-           "concurrency_base": rt.concurrency_base, "action_overhead_us": rt.action_overhead_us,
-           "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
-           "mhc_wrapper_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
-           "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
-    w = rt.residual_us[f"mhc:{n}"]
-    print(f"      stretch {rt.stretch_base:.2f} (effective cores {rt.effective_cores:.2f}, baseline concurrency "
-          f"{rt.concurrency_base:.2f}), executor gap {rt.action_overhead_us:.0f} us, P2P latency "
-          f"{rt.p2p_latency_us:.0f} us; mHC wrapper per sub-layer fwd {w['fwd']:.0f} us, bwd {w['bwd']:.0f} us")
-
-    print(f"[3/4] predicting tiny: baseline and mHC n={n} (DualPipeV, {cfg.parallel.ranks} ranks)")
-    pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False))
-    s = pred.summary
-    pred.baseline.trace.save(out / "predicted_baseline.json")
-    pred.mhc.trace.save(out / "predicted_mhc.json")
-    print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
-          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.0f}%  [{s['pricing']}]")
-
-    print(f"[4/4] measuring: {args.repeat} x (baseline, mHC), {args.steps} steps each, first step dropped")
-    runs = []
+    # Each repeat calibrates on its own baseline run and predicts the mHC run that follows it, so a change of the
+    # machine's speed between repeats (shared VMs) does not leak into the prediction. The mHC run is never an input.
+    print(f"[2/2] {args.repeat} x (baseline run -> runtime calibration on it -> prediction -> mHC run -> compare), "
+          f"{args.steps} steps per run, first step dropped")
+    runs, cal = [], None
     for rep in range(args.repeat):
-        meas, rt_steps = {}, {}
-        for name, c in (("baseline", base_cfg), ("mhc", cfg)):
-            t0 = time.time()
-            tr, st = run_runtime(c, out / f"measured_{name}_{rep}", args.steps, args.timeout)
-            meas[name], rt_steps[name] = drop_first_step(tr), st[1:] if len(st) > 1 else st
-            print(f"      ran {name} #{rep} in {time.time() - t0:.0f} s")
+        t0 = time.time()
+        tr_b, st_b = run_runtime(base_cfg, out / f"measured_baseline_{rep}", args.steps, args.timeout)
+        hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b)
+        hw.save(profile)
+        rt = hw.runtime
+        if cal is None:
+            cal = {"effective_cores": rt.effective_cores, "stretch_base": rt.stretch_base,
+                   "concurrency_base": rt.concurrency_base, "action_overhead_us": rt.action_overhead_us,
+                   "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
+                   "mhc_wrapper_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
+                   "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
+        w = rt.residual_us[f"mhc:{n}"]
+        pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False))
+        s = pred.summary
+        pred.baseline.trace.save(out / f"predicted_baseline_{rep}.json")
+        pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")
+        print(f"      #{rep}: stretch {rt.stretch_base:.2f} (effective cores {rt.effective_cores:.2f}), executor gap "
+              f"{rt.action_overhead_us:.0f} us, P2P latency {rt.p2p_latency_us:.0f} us, mHC wrapper per sub-layer "
+              f"fwd {w['fwd']:.0f} us / bwd {w['bwd']:.0f} us; predicted step baseline "
+              f"{s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC {s['iteration_us']['mhc'] / 1e3:.1f} ms")
+        tr_m, st_m = run_runtime(cfg, out / f"measured_mhc_{rep}", args.steps, args.timeout)
+        meas = {"baseline": drop_first_step(tr_b), "mhc": drop_first_step(tr_m)}
+        rt_steps = {"baseline": st_b[1:] if len(st_b) > 1 else st_b, "mhc": st_m[1:] if len(st_m) > 1 else st_m}
+        print(f"      #{rep}: ran baseline, calibrated, predicted, ran mHC in {time.time() - t0:.0f} s")
         cm = compare(pred.mhc.trace, meas["mhc"], baseline=(pred.baseline.trace, meas["baseline"]))
         cb = compare(pred.baseline.trace, meas["baseline"])
-        runs.append({"mhc": cm, "baseline": cb, "runtime_step_s": rt_steps})
+        runs.append({"mhc": cm, "baseline": cb, "runtime_step_s": rt_steps, "prediction": s})
 
     def pct(p, m):
         return 100.0 * (p - m) / m
@@ -156,7 +155,7 @@ def main() -> int:
             e = rr["mhc"]["kinds"].get(k)
             line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
         print(line)
-    print("baseline (replay of the calibration run's medians on a fresh run)")
+    print("baseline (replay: calibrated on this very run; shows how well the fit reproduces it)")
     for i, rr in enumerate(result_runs):
         line = f"{i:<4} "
         for k in kinds:
@@ -191,9 +190,10 @@ def main() -> int:
           + f"\ntargets met: {summary['targets_met']}")
     result = {"command": " ".join(["bench/predict_local.py"] + sys.argv[1:]), "config": "tiny",
               "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
-              "calibration": cal, "calibration_runtime_step_s": cal_steps,
-              "prediction": {"iteration_us": s["iteration_us"], "overhead_pct": s["overhead_pct"],
-                             "pricing": s["pricing"], "op_us": s["op_us"]},
+              "calibration_first_repeat": cal,
+              "predictions": [{"iteration_us": r["prediction"]["iteration_us"],
+                               "overhead_pct": r["prediction"]["overhead_pct"], "pricing": r["prediction"]["pricing"],
+                               "op_us": r["prediction"]["op_us"]} for r in runs],
               "runs": result_runs, "summary": summary, "wall_s": time.time() - t_start}
     jp = Path(args.json)
     jp.parent.mkdir(parents=True, exist_ok=True)
