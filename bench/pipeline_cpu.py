@@ -43,7 +43,7 @@ def predicted_saving(cfg, schedule) -> float:
     n, c, t = mc.residual.n, mc.hidden, par.tokens_per_microbatch
     stages = schedule.num_stages
     sub = 2 * mc.num_blocks // stages
-    lr = min(block_size(cfg.recompute.model_copy(update={"mode": "auto"}), mc.num_sublayers, n), sub)
+    lr = block_size(cfg.recompute.model_copy(update={"mode": "auto"}), sub, n)  # Eq. 20 on the stage, as the runtime
     per_chunk = (sub * (n + 3) - (sub + n * math.ceil(sub / lr))) * c * t * 4
     transient = ((lr - 1) * n + 2 * lr) * c * t * 4  # one block rebuilt during its backward (x_l, H_pre x_l, norm)
     return per_chunk * max(peak_live_activations(schedule).values()), lr, transient
