@@ -75,7 +75,9 @@ def main() -> int:
     profile = local_profile_path()
     print("[1/2] host micro-benchmarks" + (" (reused)" if args.reuse and profile.exists() else ""))
     if args.reuse and profile.exists():
-        hw0 = HardwareSpec.load(profile).model_copy(update={"runtime": None})
+        host = json.loads(profile.read_text())
+        host.pop("runtime", None)  # the host part only; the runtime part is refitted below
+        hw0 = HardwareSpec.model_validate(host)
     else:
         hw0 = calibrate_local(quick=True)
     print(f"      P2P alpha {hw0.intra.latency_us:.0f} us, bw {hw0.intra.bandwidth / 1e9:.2f} GB/s, "
@@ -93,9 +95,9 @@ def main() -> int:
         hw.save(profile)
         rt = hw.runtime
         if cal is None:
-            cal = {"effective_cores": rt.effective_cores, "stretch_base": rt.stretch_base,
-                   "concurrency_base": rt.concurrency_base, "action_overhead_us": rt.action_overhead_us,
+            cal = {"cores_by_concurrency": rt.cores_by_concurrency, "action_overhead_us": rt.action_overhead_us,
                    "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
+                   "insitu_over_bench": rt.meta["insitu_over_bench"],
                    "mhc_wrapper_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
                    "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
         w = rt.residual_us[f"mhc:{n}"]
@@ -103,10 +105,11 @@ def main() -> int:
         s = pred.summary
         pred.baseline.trace.save(out / f"predicted_baseline_{rep}.json")
         pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")
-        print(f"      #{rep}: stretch {rt.stretch_base:.2f} (effective cores {rt.effective_cores:.2f}), executor gap "
-              f"{rt.action_overhead_us:.0f} us, P2P latency {rt.p2p_latency_us:.0f} us, mHC wrapper per sub-layer "
-              f"fwd {w['fwd']:.0f} us / bwd {w['bwd']:.0f} us; predicted step baseline "
-              f"{s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC {s['iteration_us']['mhc'] / 1e3:.1f} ms")
+        print(f"      #{rep}: cores(k) {', '.join(f'{c:.2f}' for c in rt.cores_by_concurrency)}, in-situ / bench "
+              f"{rt.meta['insitu_over_bench']:.2f}, executor gap {rt.action_overhead_us:.0f} us, P2P latency "
+              f"{rt.p2p_latency_us:.0f} us, mHC wrapper per sub-layer fwd {w['fwd']:.0f} us / bwd {w['bwd']:.0f} us; "
+              f"predicted step baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
+              f"{s['iteration_us']['mhc'] / 1e3:.1f} ms")
         tr_m, st_m = run_runtime(cfg, out / f"measured_mhc_{rep}", args.steps, args.timeout)
         meas = {"baseline": drop_first_step(tr_b), "mhc": drop_first_step(tr_m)}
         rt_steps = {"baseline": st_b[1:] if len(st_b) > 1 else st_b, "mhc": st_m[1:] if len(st_m) > 1 else st_m}

@@ -1,6 +1,6 @@
 """Calibration: measure this machine (`local`) with short micro-benchmarks, or fit efficiencies from a trace.
 
-`python -m costmodel.calibrate [--quick] [--threads N] [--ranks R] [-o PROFILE.json]` measures, with torch on CPU
+`python -m costmodel.calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with torch on CPU
 (or the current CUDA device with --device cuda):
 * matmul rate over sizes (square fp32 GEMMs, 2n^3 FLOPs): peak = the best rate; the matrix curve is the
   measured efficiency per size after removing the per-op launch cost (costmodel.md §3: median per bucket, made

@@ -102,37 +102,40 @@ class RuntimeProfile(BaseModel):
     """Calibration of *this runtime* on `local` for one model shape (costmodel.runtime_profile.calibrate_local_for).
 
     On a CPU the runtime's actions cost per-op overheads (Python executor, autograd, saved-tensor hooks, many small
-    torch ops) that a FLOP/byte roofline does not see. So `local` carries, for one shape:
-    * `action_us`: intrinsic (uncontended) duration of every baseline (n = 1) action, keyed "F/s3", "I/s3",
-      "W/s3", "B/s3", "FB/s3+s4": the medians of a measured baseline run (steady-state steps) divided by
-      `stretch_base`. Reusing them for the baseline is replay, not prediction.
+    torch ops) that a FLOP/byte roofline does not see, and the ranks share fewer cores than there are ranks. So
+    `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
+    * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
+      alone (costmodel.core_sharing). Ranks computing at the same moment progress at min(1, cores(k) / k) each
+      (costmodel.shared_cores simulates that along the schedule).
+    * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
+      "FB/s3+s4": the median measured durations. Reusing them for the baseline is replay, not prediction.
     * `residual_us`: micro-benchmarked extra cost of the residual wrapper over the plain residual, per sub-layer,
-      keyed by ResidualSpec label (e.g. "mhc n=4 unfused"): fwd, bwd (autograd backward, lands in I/B), rc (the
-      recompute rebuild), and the stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd.
-    * `action_overhead_us`: the executor's own time between two compute actions that wait for nothing (median of
-      those gaps in the baseline run, on one rank's clock), de-contended like the actions.
+      keyed "variant:n" (e.g. "mhc:4"): fwd, bwd (autograd backward, lands in I/B), rc (the recompute rebuild),
+      and the stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd.
+    * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
+      sends, recording).
     * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress and the
-      wake-up of a descheduled receiver on shared cores): the one value for which the simulated baseline step
-      equals the measured one (bisection; calibration on the baseline run). Cross-rank span clocks are aligned
-      only to a barrier, so it is not read off SEND/RECV pairs. Scaled with the contention stretch in predict.
-    * contention: ranks of a local run share the host's cores with each other (and with whatever else runs).
-      Processor sharing: compute stretches by max(1, k / effective_cores), k = mean number of ranks computing.
-      `effective_cores` = k_base / stretch_base, where stretch_base = measured baseline action time / the same
-      work micro-benchmarked in one process, and k_base the measured mean concurrency of the baseline run.
+      wake-up of a descheduled receiver): the value for which the simulated baseline step equals the measured
+      one. Cross-rank span clocks are aligned only to a barrier, so it is not read off SEND/RECV pairs.
     """
 
     model_config = ConfigDict(extra="forbid")
     key: dict = Field(description="the shape this profile applies to (costmodel.runtime_profile.runtime_key)")
-    action_us: dict[str, float] = Field(description="intrinsic baseline action durations, 'F/s3', 'FB/s3+s4'")
+    action_us: dict[str, float] = Field(description="full-speed work of the baseline actions, 'F/s3', 'FB/s3+s4'")
     residual_us: dict[str, dict[str, float]] = Field(default_factory=dict,
-                                                     description="per residual label: extra us per sub-layer")
-    action_overhead_us: float = Field(0.0, ge=0, description="intrinsic executor cost between two compute "
-                                                               "actions (posting comm, reaping sends)")
-    p2p_latency_us: float = Field(0.0, ge=0, description="effective P2P latency at the baseline's contention")
-    effective_cores: float = Field(gt=0, description="cores the ranks effectively share (contention)")
-    stretch_base: float = Field(gt=0, description="measured / micro-benchmarked on the baseline run")
-    concurrency_base: float = Field(ge=0, description="mean ranks computing in the baseline run")
+                                                     description="per residual 'variant:n': extra us per sub-layer")
+    action_overhead_us: float = Field(0.0, ge=0, description="full-speed executor work before each compute action")
+    p2p_latency_us: float = Field(0.0, ge=0, description="effective latency of one stage-boundary message")
+    cores_by_concurrency: list[float] = Field(min_length=1, description="cores(k) for k = 1, 2, ... ranks computing "
+                                                                        "at once; the last value holds beyond")
     meta: dict = Field(default_factory=dict)
+
+    @pydantic.field_validator("cores_by_concurrency")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if any(c <= 0 for c in v):
+            raise ValueError(f"every cores(k) must be > 0, got {v}")
+        return v
 
 
 class HardwareSpec(BaseModel):
@@ -204,7 +207,10 @@ class HardwareSpec(BaseModel):
             raise ValueError(f"{path}: no such hardware profile") from None
         except pydantic.ValidationError as err:
             first = err.errors()[0]
-            raise ValueError(f"{path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            where = ".".join(map(str, first["loc"]))
+            fix = ("; the runtime part comes from another version of the calibration: recalibrate (`mhcpipe demo` "
+                   "or bench/predict_local.py)") if where.startswith("runtime") else ""
+            raise ValueError(f"{path}: {where}: {first['msg']}{fix}") from None
 
 
 # ---- curves (Calculon, see module docstring) --------------------------------------------------------------

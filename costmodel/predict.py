@@ -16,8 +16,10 @@ Steps:
    traffic (the full mHC run). The steps sum exactly to the overhead. The change of the mean idle time per rank
    (bubble) is reported alongside; it is part of those steps, not an extra term.
 
-`local` hardware (CPU ranks sharing `host_cores` cores): compute durations are stretched by
-max(1, busy ranks / cores), the average concurrency of the previous simulation (three fixed-point rounds).
+`local` hardware calibrated for this runtime (a RuntimeProfile): actions are priced as full-speed work (measured
+baseline actions + the micro-benchmarked residual wrapper) and simulated on ranks sharing the host's cores
+(shared_cores.py). `local` without a profile (roofline): compute is stretched by max(1, busy ranks / cores), the
+mean concurrency of a first simulation.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from costmodel.memory import RankMemory, StageMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec, recompute_kernel, residual_kernels, stack_ends
 from costmodel.ops import Kernel, Shape, block_work, embedding, head
 from costmodel.overlap import OverlapResult, TimedOp, overlap
+from costmodel.shared_cores import simulate_shared
 from pipeline.config import RunConfig, stage_blocks
 from schedules.build import build
 from schedules.ir import Action, Kind, Schedule
@@ -90,9 +93,6 @@ class Pricer:
         self.stage_mem: dict[int, StageMemory] = {
             st: stage_memory(cfg, spec, st, blocks, first, last, recompute) for st, (blocks, first, last) in layout.items()}
         self.runtime = runtime_profile_for(hw, cfg)
-        self.pinned_slowdown: float | None = None  # calibration: hold the contention stretch fixed
-        if self.runtime is not None:
-            self.slowdown = self.runtime.stretch_base  # start the fixed point at the calibrated baseline state
 
     # ---- kernels -> timed ops ---------------------------------------------------------------------------
     def kernel_us(self, k: Kernel, backward: bool) -> float:
@@ -240,7 +240,6 @@ class Pricer:
             t = base + self._extra_us(a.stage, True) + self._extra_us(a.b_stage, False)
         else:
             raise ValueError(f"cannot price action kind {k}")
-        t = (t + self.runtime.action_overhead_us) * self.slowdown
         self.results[(k.value, a.stage) + ((a.b_stage,) if k is Kind.FB else ())] = OverlapResult(t, t, 0.0, 0.0)
         return t
 
@@ -270,41 +269,22 @@ class Pricer:
     def transfer_time(self, a: Action) -> float:
         if self.opt.unit_costs:
             return 0.0
-        if self.runtime is not None:  # in-situ latency (scaled with contention) + bytes over the measured link
-            rt = self.runtime
-            return rt.p2p_latency_us * self.slowdown / rt.stretch_base + \
-                self.message_bytes / (self.link.bandwidth * self.link.efficiency) * 1e6
+        if self.runtime is not None:  # in-situ latency + bytes over the measured link
+            return self.runtime.p2p_latency_us + self.message_bytes / (self.link.bandwidth * self.link.efficiency) * 1e6
         return comm.p2p_us(self.link, self.message_bytes)
 
     def simulate(self, schedule: Schedule) -> SimResult:
-        if self.pinned_slowdown is not None:
-            self.slowdown = self.pinned_slowdown
-        result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         if self.runtime is not None and not self.opt.unit_costs:
-            # processor sharing on the calibrated effective cores; fixed point of stretch <-> concurrency
-            cores = self.runtime.effective_cores
-            for _ in range(8):
-                concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
-                slowdown = self.pinned_slowdown or max(1.0, concurrency / cores)
-                if abs(slowdown - self.slowdown) < 1e-3 * self.slowdown:
-                    break
-                self.slowdown = slowdown
-                self.results = {}
-                result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
-            # the executor's gap before each action is part of its priced time; the span shows the action only
-            g = self.runtime.action_overhead_us * self.slowdown
-            if g > 0:
-                for sp in result.trace.spans:
-                    if sp.stream == "compute" and sp.kind in ("F", "I", "W", "B", "FB"):
-                        cut = min(g, sp.duration)
-                        sp.start += cut
-                        sp.duration -= cut
-            return result
+            rt = self.runtime
+            return simulate_shared(schedule, self.compute_time, self.transfer_time, rt.cores_by_concurrency,
+                                   rt.action_overhead_us)
+        result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
             concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
             self.slowdown = max(1.0, concurrency / cores)
             if self.slowdown > 1.0:
+                self.results = {}
                 result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         return result
 
@@ -401,10 +381,12 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
     return pred
 
 
-def _kind_means(pr: Pricer) -> dict[str, float]:
+def _kind_means(sim: SimResult) -> dict[str, float]:
+    """Mean simulated duration per compute action kind."""
     out: dict[str, list[float]] = {}
-    for key, res in pr.results.items():
-        out.setdefault(key[0], []).append(res.makespan * pr.slowdown)
+    for s in sim.trace.spans:
+        if s.stream == "compute" and s.kind in ("F", "I", "W", "B", "FB"):
+            out.setdefault(s.kind, []).append(s.duration)
     return {k: statistics.fmean(v) for k, v in out.items()}
 
 
@@ -443,12 +425,12 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "exposed_comm_us": {"baseline": _exposed_comm(base), "mhc": _exposed_comm(mhc)},
         "boundary": {"link": pm.link.name, "bytes_baseline": pb.message_bytes, "bytes_mhc": pm.message_bytes,
                      "us_baseline": pb.transfer_time(None), "us_mhc": pm.transfer_time(None)},
-        "op_us": {"baseline": _kind_means(pb), "mhc": _kind_means(pm)},
+        "op_us": {"baseline": _kind_means(base), "mhc": _kind_means(mhc)},
         "memory_gib": {k: v / 2**30 for k, v in mem.items()},
         "recompute_block": L_r,
         "recompute_mode": cfg.recompute.mode,
-        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual wrapper, "
-                    f"effective cores {pb.runtime.effective_cores:.2f}, stretch baseline {pb.slowdown:.2f} / "
-                    f"mHC {pm.slowdown:.2f})") if pb.runtime is not None else "roofline",
+        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual wrapper on ranks "
+                    "sharing cores(k) = " + ", ".join(f"{c:.2f}" for c in pb.runtime.cores_by_concurrency) +
+                    f"; P2P latency {pb.runtime.p2p_latency_us:.0f} us)") if pb.runtime is not None else "roofline",
         "warnings": warnings,
     }

@@ -103,6 +103,10 @@ class TrainConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="activation dtype")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
+    gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "
+                             "training and a collection runs between steps every gc_interval steps, outside the "
+                             "step's timing (torchtitan's gc_freq, Megatron's --manual-gc); 0 = leave Python's "
+                             "automatic collection on, which stalls a rank for ~0.2 s at unpredictable actions")
 
 
 class RunConfig(BaseModel):

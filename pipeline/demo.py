@@ -173,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
     base_meas = Trace.load(base_path)
     timings["baseline run"] = time.perf_counter() - t
     t = time.perf_counter()
-    _say("3/6", f"micro-benchmarking the runtime's block and mHC wrapper, fitting on the baseline run, "
-                f"predicting baseline and mHC (n={n})")
+    _say("3/6", f"micro-benchmarking the runtime's block and mHC wrapper, measuring how 1..{ranks} ranks share "
+                f"the cores, fitting on the baseline run, predicting baseline and mHC (n={n})")
     hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_meas)
     pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False))
     s = pred.summary

@@ -2,8 +2,9 @@
 
 Names follow traces.md §5 (`F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`, `RC/s3/mb7`,
 `F/s3/mb7/L12.post_res~hp`, one outer `step/K`). Times are microseconds from the rank's clock zero, taken
-right after a barrier (`align`), so per-rank files merge into one timeline: on one host the monotonic clocks
-agree, across hosts the barrier is the common instant.
+at a common instant (`align`), so per-rank files merge into one timeline: ranks on one host read the same
+monotonic clock and share the earliest rank's zero (exact); across hosts the barrier's exit is the common instant
+(off by the barrier's exit jitter, milliseconds on a loaded host).
 
 CPU: `time.perf_counter_ns`. CUDA: events recorded on the span's stream (the high-priority stream for `~hp`
 ranges), converted after a synchronize in `flush_step`; comm spans use events on the compute stream at post
@@ -38,12 +39,16 @@ class Recorder:
         self.spans: list[Span] = []
         self._open: list[tuple] = []  # CUDA: (kind, stage, mb, stream, partner, peer, name, ev0, ev1)
         self._t0_ns = time.perf_counter_ns()
+        self._cuda_offset_us = 0.0
         self._ref_event = None
 
     # -- clocks ------------------------------------------------------------------------------------------
-    def align(self) -> None:
-        """Call right after a barrier: this instant is time zero of the rank's spans."""
-        self._t0_ns = time.perf_counter_ns()
+    def align(self, common_zero_ns: int | None = None) -> None:
+        """Call right after a barrier: this instant is time zero of the rank's spans, or `common_zero_ns` (a
+        `time.perf_counter_ns` value) when every rank runs on this host and so reads the same monotonic clock."""
+        now = time.perf_counter_ns()
+        self._t0_ns = now if common_zero_ns is None else common_zero_ns
+        self._cuda_offset_us = (now - self._t0_ns) / 1e3  # the CUDA reference event is recorded now
         if self.cuda:
             self._ref_event = torch.cuda.Event(enable_timing=True)
             self._ref_event.record()
@@ -114,7 +119,7 @@ class Recorder:
         torch.cuda.synchronize()
         ref = self._ref_event
         for kind, stage, mb, stream, partner, peer, name, ev0, ev1 in self._open:
-            start = ref.elapsed_time(ev0) * 1e3
+            start = ref.elapsed_time(ev0) * 1e3 + self._cuda_offset_us
             self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, ev0.elapsed_time(ev1) * 1e3),
                                    partner, peer, name))
         self._open.clear()

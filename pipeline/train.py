@@ -11,7 +11,11 @@ peak memory (saved activations per rank; plus CUDA allocator peak or host RSS).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import resource
+import socket
+import zlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,8 +157,15 @@ class RankRuntime:
 
     # -- whole run -----------------------------------------------------------------------------------------
     def align_clocks(self) -> None:
+        """Common time zero of the ranks' spans: on one host the earliest rank's monotonic clock reading after a
+        barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it."""
         collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s)
-        self.recorder.align()
+        now = time.perf_counter_ns()
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64, device=self.device)
+        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s)
+        one_host = len({int(t[0]) for t in seen}) == 1
+        self.recorder.align(min(int(t[1]) for t in seen) if one_host else None)
 
     def save_trace(self, trace_dir: Path, world: int) -> Path | None:
         """Write this rank's spans; rank 0 merges every rank's file into trace.json after a barrier."""
@@ -173,6 +184,32 @@ class RankRuntime:
         return None
 
 
+@contextlib.contextmanager
+def manual_gc(interval: int):
+    """Automatic garbage collection off for the run (a generation-2 pass inside an action stalls that rank and,
+    through the pipeline, every rank); yields collect(step), a full pass every `interval` steps that only walks
+    objects created since the start (the rest is frozen).
+    interval 0: automatic collection stays on. The previous setting is restored at the end."""
+    if interval <= 0:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()  # what exists now (modules, the model) is never garbage: keep it out of every later pass
+    gc.disable()
+
+    def collect(step: int) -> None:
+        if (step + 1) % interval == 0:
+            gc.collect()
+
+    try:
+        yield collect
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
           checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
           on_action=None) -> list[StepStats]:
@@ -187,16 +224,18 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
         rt.start_step = checkpoint.load(Path(checkpoint_dir), rt)
-    rt.align_clocks()
     history = []
     steps = cfg.train.steps
-    for k in range(rt.start_step, steps):
-        stats = rt.step(k)
-        history.append(stats)
-        if rank == 0:
-            log(stats.line(steps))
-        if checkpoint_dir is not None:
-            checkpoint.save(Path(checkpoint_dir), rt, k)
+    with manual_gc(cfg.train.gc_interval) as collect:
+        rt.align_clocks()
+        for k in range(rt.start_step, steps):
+            stats = rt.step(k)
+            history.append(stats)
+            if rank == 0:
+                log(stats.line(steps))
+            if checkpoint_dir is not None:
+                checkpoint.save(Path(checkpoint_dir), rt, k)
+            collect(k)
     if trace_dir is not None:
         path = rt.save_trace(trace_dir, world)
         if path is not None:

@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from costmodel.runtime_profile import (baseline_action_stats, bench_runtime_pieces, fit_runtime_profile,
-                                       runtime_key)
+from costmodel.runtime_fit import baseline_action_stats, fit_runtime_profile
+from costmodel.runtime_profile import bench_runtime_pieces, runtime_key
 from costmodel.hardware import BUILTIN, RuntimeProfile
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
@@ -16,12 +16,12 @@ WRAP = {"fwd": 300.0, "bwd": 500.0, "rc": 50.0, "expand_fwd": 10.0, "expand_bwd"
         "contract_bwd": 6.0}
 
 
-def _profile(cfg, action_us, cores=64.0):
+def _profile(cfg, action_us, cores=(64.0,)):
     return RuntimeProfile(key=runtime_key(cfg), action_us=action_us, residual_us={"mhc:4": WRAP},
-                          effective_cores=cores, stretch_base=1.0, concurrency_base=1.0)
+                          cores_by_concurrency=list(cores))
 
 
-def _hw(cfg, action_us, cores=64.0):
+def _hw(cfg, action_us, cores=(64.0,)):
     return BUILTIN["h100"].model_copy(update={"name": "local", "runtime": _profile(cfg, action_us, cores)})
 
 
@@ -56,24 +56,43 @@ def tiny():
 def test_fit_recovers_known_action_costs(tiny):
     table = _table(tiny)
     trace = _measured(tiny, table)
-    bench = {"block": dict(KNOWN), "residual": {"mhc:4": WRAP}}  # micro-benchmark = measured: no contention
-    prof = fit_runtime_profile(trace, tiny, bench, host_cores=64)
-    assert prof.stretch_base == pytest.approx(1.0)
+    bench = {"block": dict(KNOWN), "residual": {"mhc:4": WRAP}}
+    hw = BUILTIN["h100"].model_copy(update={"name": "local"})
+    prof = fit_runtime_profile(trace, tiny, bench, [64.0], hw)  # the "run" had a core per rank
     for key, v in table.items():
         assert prof.action_us[key] == pytest.approx(v, rel=1e-6), key
-    med, k, used = baseline_action_stats(trace)
+    assert prof.meta["insitu_over_bench"] == pytest.approx(1.0)
+    means, medians, used = baseline_action_stats(trace)
     assert used == 2  # the first step is dropped
+    # replay: the fitted profile simulates the measured step (alpha takes up the rest)
+    pred = predict(tiny, hw.model_copy(update={"runtime": prof}), ladder=False)
+    assert pred.baseline.makespan == pytest.approx(prof.meta["baseline_makespan_us"], rel=1e-2)
 
 
-def test_contention_is_divided_out(tiny):
+def test_fit_recovers_the_p2p_latency(tiny):
     table = _table(tiny)
-    trace = _measured(tiny, {k: 2 * v for k, v in table.items()})  # the run was twice as slow as the bench
+    cores = [64.0]  # medians are taken as work (short actions run unpreempted): a run without sharing
+    truth = _hw(tiny, table, cores=cores)
+    truth = truth.model_copy(update={"runtime": truth.runtime.model_copy(update={"p2p_latency_us": 800.0})})
+    pred = predict(tiny, truth, ladder=False)
+    tr = pred.baseline.trace
+    span = pred.baseline.makespan * 1.2
+    trace = Trace([dataclasses.replace(s, start=s.start + k * span) for k in range(3) for s in tr.spans],
+                  {"source": "measured", "schedule": tr.meta["schedule"], "residual": {"variant": "residual", "n": 1}})
     bench = {"block": dict(KNOWN), "residual": {}}
-    prof = fit_runtime_profile(trace, tiny, bench, host_cores=2)
-    assert prof.stretch_base == pytest.approx(2.0)
-    assert prof.effective_cores == pytest.approx(prof.concurrency_base / 2.0)
-    for key, v in table.items():
-        assert prof.action_us[key] == pytest.approx(v, rel=1e-6), key
+    prof = fit_runtime_profile(trace, tiny, bench, cores, BUILTIN["h100"].model_copy(update={"name": "local"}))
+    assert prof.p2p_latency_us == pytest.approx(800.0, rel=0.05)
+
+
+def test_fit_ignores_stalls_in_the_mean(tiny):
+    table = _table(tiny)
+    trace = _measured(tiny, table, steps=4)
+    key = "F/s3"
+    hit = [i for i, s in enumerate(trace.spans) if s.kind == "F" and s.stage == 3]
+    trace.spans[hit[-1]] = dataclasses.replace(trace.spans[hit[-1]], duration=100 * table[key])
+    means, medians, _ = baseline_action_stats(trace)
+    assert medians[key] == pytest.approx(table[key])
+    assert means[key] == pytest.approx(table[key])  # one 100x stall is not contention
 
 
 def test_mhc_adds_wrapper_cost_per_sublayer(tiny):
@@ -107,17 +126,23 @@ def test_recompute_adds_rebuild_cost(tiny):
     assert i_on[3] - i_off[3] == pytest.approx(2 * WRAP["rc"])
 
 
-def test_contention_stretches_the_heavier_run(tiny):
+def test_shared_cores_slow_the_run_that_computes_more(tiny):
     table = _table(tiny)
-    pred = predict(tiny, _hw(tiny, table, cores=0.5), ResidualSpec("mhc", 4, fused=False), ladder=False)
-    pb, pm = pred.pricers["baseline"], pred.pricers["mhc"]
-    assert pb.slowdown >= 1.0 and pm.slowdown >= pb.slowdown
+    free = predict(tiny, _hw(tiny, table), ResidualSpec("mhc", 4, fused=False), ladder=False)
+    shared = predict(tiny, _hw(tiny, table, cores=(1.0, 1.0)), ResidualSpec("mhc", 4, fused=False), ladder=False)
+    assert shared.baseline.makespan > free.baseline.makespan
+    assert shared.mhc.makespan / free.mhc.makespan > shared.baseline.makespan / free.baseline.makespan
+    # one core: the ranks' compute cannot overlap, so the step is at least the summed work (the free run's
+    # durations, where every rank runs at full speed)
+    work = sum(s.duration for s in free.mhc.trace.spans if s.stream == "compute")
+    assert shared.mhc.makespan >= work - 1e-6
 
 
 def test_never_calibrates_on_an_mhc_trace(tiny):
     trace = _measured(tiny, _table(tiny), residual={"variant": "mhc", "n": 4})
     with pytest.raises(ValueError, match="baseline"):
-        fit_runtime_profile(trace, tiny, {"block": dict(KNOWN), "residual": {}}, host_cores=2)
+        fit_runtime_profile(trace, tiny, {"block": dict(KNOWN), "residual": {}}, [1.0, 2.0],
+                            BUILTIN["h100"].model_copy(update={"name": "local"}))
 
 
 def test_profile_of_another_shape_falls_back_to_roofline(tiny):

@@ -1,0 +1,190 @@
+"""Simulation of a schedule whose ranks share the host's CPU cores: processor sharing that changes in time.
+
+Why: the P ranks of a local run (gloo, one torch thread each) share fewer than P cores. How much one compute
+action is slowed depends on how many ranks compute at that moment, and that changes along the schedule: the
+warm-up and cool-down of a pipeline have few busy ranks, the steady state has all of them. Here every computing
+rank progresses at
+
+    rate(k) = min(1, cores(k) / k),   k = ranks computing now,
+
+re-evaluated whenever an action starts or ends. cores(k) is the measured throughput of k concurrent
+single-thread processes in units of one process alone (calibrate.measure_core_sharing); it is not simply
+min(k, cores) on a shared VM.
+
+Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
+channels per (src, dst) in the sender's program order, a transfer starts when both sides posted and the channel
+is free). Differences: a compute action is given as *work* (us at full speed), preceded by the executor's gap
+on its rank (CPU work too, not part of the span), and transfers take a fixed time without using the cores.
+This is an event loop over the whole run (not the pointer walk of schedules.simulate), fine for the few
+hundred actions of a local run.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from schedules.deps import Topology, needs, produces
+from schedules.ir import Action, Kind, Schedule
+from schedules.simulate import SimResult, peak_live_activations
+from traces.trace import Span, Trace
+
+_SEND = {Kind.SEND_F: ("XF", Kind.RECV_F), Kind.SEND_B: ("XG", Kind.RECV_B)}
+_RECV = {Kind.RECV_F: "XF", Kind.RECV_B: "XG"}
+
+
+def sharing_rate(cores: Sequence[float]) -> Callable[[int], float]:
+    """Per-rank progress rate when k ranks compute: min(1, cores(k) / k); cores[k-1] is cores(k), the last value
+    holds for larger k."""
+    if not cores or any(c <= 0 for c in cores):
+        raise ValueError(f"cores by concurrency must be positive numbers, got {list(cores)}")
+    table = [float(c) for c in cores]
+
+    def rate(k: int) -> float:
+        c = table[min(k, len(table)) - 1]
+        return min(1.0, c / k)
+
+    return rate
+
+
+@dataclass
+class _Running:
+    action: Action
+    gap_left: float  # executor work before the action (us at full speed)
+    work_left: float
+    posted: float  # when the rank took the action up (gap starts)
+    started: float | None = None  # when the gap ended: the span's start
+
+
+def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfer_time: Callable[[Action], float],
+                    cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us") -> SimResult:
+    """Simulate `schedule` on ranks sharing cores (see the module docstring). `work(a)`: full-speed time of a
+    compute action; `transfer_time(a)`: duration of a message, called with its RECV action (peer = sender);
+    `gap_us`: full-speed executor work before every compute action. Busy time per rank counts gaps too."""
+    from schedules.validate import check_structure, raise_deadlock
+
+    lowered = check_structure(schedule)
+    topo = Topology(lowered)
+    rate = sharing_rate(cores)
+    P = lowered.num_ranks
+    programs = lowered.actions
+
+    channel_of: dict[tuple[int, int], int] = {}
+    messages: list[list[tuple[tuple, Action]]] = []  # per channel: (delivered key, RECV action) in send order
+    slot: dict[tuple, tuple[int, int]] = {}
+    for src, acts in enumerate(programs):
+        for a in acts:
+            if a.kind in _SEND:
+                ch = channel_of.setdefault((src, a.peer), len(messages))
+                if ch == len(messages):
+                    messages.append([])
+                tag, recv_kind = _SEND[a.kind]
+                key = (tag, a.stage, a.mb)
+                slot[key] = (ch, len(messages[ch]))
+                messages[ch].append((key, Action(recv_kind, a.stage, a.mb, -1, -1, src)))
+    send_at = [[None] * len(m) for m in messages]
+    recv_at = [[None] * len(m) for m in messages]
+    head = [0] * len(messages)
+    channel_free = [0.0] * len(messages)
+    channel_ends = {ch: ends for ends, ch in channel_of.items()}
+    transfer_cache: dict[Kind, float] = {}
+    arrivals: list[tuple[float, int, tuple]] = []  # (time, tie-break, delivered key)
+
+    done: dict[tuple, float] = {}
+    ptr = [0] * P
+    running: dict[int, _Running] = {}
+    spans: list[Span] = []
+    busy = [0.0] * P
+    end = [0.0] * P
+    t = 0.0
+
+    def resolve(ch: int) -> None:
+        msgs = messages[ch]
+        while head[ch] < len(msgs):
+            i = head[ch]
+            s_t, r_t = send_at[ch][i], recv_at[ch][i]
+            if s_t is None or r_t is None:
+                return
+            key, recv = msgs[i]
+            d = transfer_cache.get(recv.kind)
+            if d is None:
+                d = transfer_cache[recv.kind] = transfer_time(recv)
+            start = max(s_t, r_t, channel_free[ch])
+            channel_free[ch] = start + d
+            src, dst = channel_ends[ch]
+            send_kind = "SEND_F" if recv.kind is Kind.RECV_F else "SEND_B"
+            spans.append(Span(src, "comm", send_kind, recv.stage, recv.mb, start, d, None, dst))
+            spans.append(Span(dst, "comm", recv.kind.value, recv.stage, recv.mb, start, d, None, src))
+            heapq.heappush(arrivals, (start + d, len(spans), key))
+            head[ch] = i + 1
+
+    def advance(r: int) -> None:
+        """Run rank r's posts at time t up to its next compute action; take that up when its inputs exist."""
+        acts = programs[r]
+        while ptr[r] < len(acts):
+            a = acts[ptr[r]]
+            if a.kind in _RECV:
+                ch, i = slot[(_RECV[a.kind], a.stage, a.mb)]
+                recv_at[ch][i] = t
+                resolve(ch)
+            elif a.kind in _SEND:
+                if any(k not in done for k in needs(a, r, topo)):
+                    return
+                ch, i = slot[(_SEND[a.kind][0], a.stage, a.mb)]
+                send_at[ch][i] = t
+                resolve(ch)
+            else:
+                if any(k not in done for k in needs(a, r, topo)):
+                    return
+                running[r] = _Running(a, gap_us, float(work(a)), t)
+                ptr[r] += 1
+                return
+            ptr[r] += 1
+
+    for r in range(P):
+        advance(r)
+    while running or arrivals:
+        step = rate(len(running)) if running else 0.0
+        t_next = arrivals[0][0] if arrivals else math.inf
+        for run in running.values():
+            left = run.gap_left if run.started is None else run.work_left
+            t_next = min(t_next, t + left / step)
+        progress = (t_next - t) * step
+        t = t_next
+        finished = []
+        for r, run in running.items():
+            if run.started is None:
+                run.gap_left -= progress
+                if run.gap_left <= 1e-9 * max(1.0, gap_us):
+                    run.started = t
+            else:
+                run.work_left -= progress
+                if run.work_left <= 1e-9 * max(1.0, t - run.started):
+                    finished.append(r)
+        for r in finished:
+            run = running.pop(r)
+            a = run.action
+            partner = (a.b_stage, a.b_mb) if a.kind is Kind.FB else None
+            spans.append(Span(r, "compute", a.kind.value, a.stage, a.mb, run.started, t - run.started, partner))
+            busy[r] += t - run.posted
+            end[r] = t
+            for k in produces(a):
+                done[k] = t
+        while arrivals and arrivals[0][0] <= t:
+            _, _, key = heapq.heappop(arrivals)
+            done[key] = t
+        for r in range(P):
+            if r not in running:
+                advance(r)
+    blocked = {r: programs[r][ptr[r]] for r in range(P) if ptr[r] < len(programs[r])}
+    if blocked:
+        raise_deadlock(lowered, blocked)
+    meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
+            "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
+                         "microbatches": schedule.num_microbatches},
+            "cores_by_concurrency": [float(c) for c in cores]}
+    makespan = max(end, default=0.0)
+    busy_d = dict(enumerate(busy))
+    return SimResult(Trace(spans=spans, meta=meta), makespan, busy_d,
+                     {r: makespan - b for r, b in busy_d.items()}, peak_live_activations(schedule))
