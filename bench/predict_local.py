@@ -152,19 +152,15 @@ def main() -> int:
     print("per-kind median error, mHC (signed / |e|; SEND/RECV measured = post..wait return, includes waiting)")
     kinds = [k for k in COMPUTE + COMM if any(k in rr["mhc"]["kinds"] for rr in result_runs)]
     print("run  " + "".join(f"{k:>16}" for k in kinds))
-    for i, rr in enumerate(result_runs):
-        line = f"{i:<4} "
-        for k in kinds:
-            e = rr["mhc"]["kinds"].get(k)
-            line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
-        print(line)
-    print("baseline (replay: calibrated on this very run; shows how well the fit reproduces it)")
-    for i, rr in enumerate(result_runs):
-        line = f"{i:<4} "
-        for k in kinds:
-            e = rr["baseline"]["kinds"].get(k)
-            line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
-        print(line)
+    for variant in ("mhc", "baseline"):
+        if variant == "baseline":
+            print("baseline (replay: calibrated on this very run; shows how well the fit reproduces it)")
+        for i, rr in enumerate(result_runs):
+            line = f"{i:<4} "
+            for k in kinds:
+                e = rr[variant]["kinds"].get(k)
+                line += f"{e['signed_median_pct']:+7.0f}/{e['median_abs_pct']:5.0f}%  " if e else " " * 16
+            print(line)
 
     def agg(path):
         vals = [path(rr) for rr in result_runs]

@@ -172,24 +172,20 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
 def insitu_factor(work: dict[str, float], cfg, bench: dict) -> float | None:
     """Fitted full-speed work of the block-only stages' F, I, W, B over the same blocks micro-benchmarked in one
     process: how much slower the code runs inside the pipeline (executor, hooks, caches shared with other ranks)."""
-    from pipeline.config import stage_blocks
+    from costmodel.predict import resolve_layout
     from schedules.build import build
 
     block = bench.get("block")
     if not block:
         return None
     sched = build(cfg.parallel.schedule, cfg.parallel.ranks, cfg.parallel.microbatches)
-    blocks, inner = {}, set()
-    for chain in sched.pipelines:
-        for pos, (st, rng) in enumerate(zip(chain, stage_blocks(cfg.model.num_blocks, len(chain)))):
-            blocks[st] = len(rng)
-            if 0 < pos < len(chain) - 1:
-                inner.add(st)
+    layout = resolve_layout(cfg, sched, True)  # stage -> (blocks, first of its pipeline, last)
     fitted = benched = 0.0
     for key, v in work.items():
         kind, st = key.split("/")[0], int(key.split("/s")[1].split("+")[0])
-        if kind == "FB" or (inner and st not in inner) or kind not in block:
+        blocks, first, last = layout[st]
+        if kind == "FB" or first or last or kind not in block:  # the ends add embedding/head: not benchmarked
             continue
         fitted += v
-        benched += blocks.get(st, 1) * block[kind]
+        benched += len(blocks) * block[kind]
     return fitted / benched if benched > 0 else None

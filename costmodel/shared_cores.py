@@ -31,7 +31,6 @@ from schedules.simulate import SimResult, peak_live_activations
 from traces.trace import Span, Trace
 
 _SEND = {Kind.SEND_F: ("XF", Kind.RECV_F), Kind.SEND_B: ("XG", Kind.RECV_B)}
-_RECV = {Kind.RECV_F: "XF", Kind.RECV_B: "XG"}
 
 
 def sharing_rate(cores: Sequence[float]) -> Callable[[int], float]:
@@ -124,8 +123,8 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         acts = programs[r]
         while ptr[r] < len(acts):
             a = acts[ptr[r]]
-            if a.kind in _RECV:
-                ch, i = slot[(_RECV[a.kind], a.stage, a.mb)]
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                ch, i = slot[produces(a)[0]]
                 recv_at[ch][i] = t
                 resolve(ch)
             elif a.kind in _SEND:
