@@ -1,12 +1,12 @@
 """Predicted vs measured on this machine: calibrate `local` for the tiny config, predict, run, compare.
 
-    .venv/bin/python bench/predict_local.py [--reuse] [--steps 4] [--repeat 1] [--out runs/bench/predict_local]
+    .venv/bin/python bench/predict_local.py [--reuse] [--steps 8] [--repeat 1] [--out runs/bench/predict_local]
 
 1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
    gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
 2. `--repeat` times: run the BASELINE (n = 1) on the config's 4 gloo ranks; runtime calibration on that run
-   (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of one baseline block and of the mHC wrapper
-   the runtime runs, kernels.MHCSublayer on its reference backend with F = identity, plus the baseline run);
+   (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of a one-block middle stage through the
+   runtime's Stage code, baseline and mHC (costmodel.runtime_bench), cores(k), plus the baseline run);
    predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; run mHC; compare. The
    mHC run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
    run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
@@ -50,7 +50,8 @@ def kind_table(c) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reuse", action="store_true", help="reuse runs/hardware/local.json for the host part")
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is dropped)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped); the VM's speed "
+                    "switches within seconds, so longer runs average it out")
     ap.add_argument("--repeat", type=int, default=1, help="measured runs per variant")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "predict_local"))
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "predict_local.json"))
@@ -93,22 +94,24 @@ def main() -> int:
         tr_b, st_b = run_runtime(base_cfg, out / f"measured_baseline_{rep}", args.steps, args.timeout)
         hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b)
         hw.save(profile)
+        hw.save(out / f"local_{rep}.json")  # this repeat's calibration, to re-price offline
         rt = hw.runtime
         if cal is None:
             cal = {"cores_by_concurrency": rt.cores_by_concurrency, "action_overhead_us": rt.action_overhead_us,
                    "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
                    "insitu_over_bench": rt.meta["insitu_over_bench"],
-                   "mhc_wrapper_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
+                   "mhc_extra_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
                    "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
         w = rt.residual_us[f"mhc:{n}"]
         pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False))
         s = pred.summary
         pred.baseline.trace.save(out / f"predicted_baseline_{rep}.json")
         pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")
-        print(f"      #{rep}: cores(k) {', '.join(f'{c:.2f}' for c in rt.cores_by_concurrency)}, in-situ / bench "
-              f"{rt.meta['insitu_over_bench']:.2f}, executor gap {rt.action_overhead_us:.0f} us, P2P latency "
-              f"{rt.p2p_latency_us:.0f} us, mHC wrapper per sub-layer fwd {w['fwd']:.0f} us / bwd {w['bwd']:.0f} us; "
-              f"predicted step baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
+        factors = " ".join(f"{k} {v:.2f}" for k, v in rt.meta["insitu_over_bench"].items())
+        print(f"      #{rep}: cores(k) {', '.join(f'{c:.2f}' for c in rt.cores_by_concurrency)}; in-pipeline / "
+              f"micro-benchmark {factors}; executor gap {rt.action_overhead_us:.0f} us, P2P latency "
+              f"{rt.p2p_latency_us:.0f} us; mHC extra per sub-layer F {w['fwd']:.0f} / I {w['bwd']:.0f} / "
+              f"W {w['w']:.0f} us; predicted step baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
               f"{s['iteration_us']['mhc'] / 1e3:.1f} ms")
         tr_m, st_m = run_runtime(cfg, out / f"measured_mhc_{rep}", args.steps, args.timeout)
         meas = {"baseline": drop_first_step(tr_b), "mhc": drop_first_step(tr_m)}

@@ -43,6 +43,8 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from costmodel.runtime_bench import PIECES
+
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "runs" / "hardware"
 GB = 1e9
 TB = 1e12
@@ -108,15 +110,17 @@ class RuntimeProfile(BaseModel):
       alone (costmodel.core_sharing). Ranks computing at the same moment progress at min(1, cores(k) / k) each
       (costmodel.shared_cores simulates that along the schedule).
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
-      "FB/s3+s4": the median measured durations. Reusing them for the baseline is replay, not prediction.
-    * `residual_us`: micro-benchmarked extra cost of the residual wrapper over the plain residual, per sub-layer,
-      keyed "variant:n" (e.g. "mhc:4"): fwd, bwd (autograd backward, lands in I/B), rc (the recompute rebuild),
-      and the stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd.
+      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured median durations. Reusing them
+      for the baseline is replay, not prediction.
+    * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
+      "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the
+      stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd. Micro-benchmarked (costmodel.runtime_bench)
+      and scaled by the in-pipeline factor of its kind measured on the baseline run (costmodel.runtime_fit).
     * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
       sends, recording).
-    * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress and the
-      wake-up of a descheduled receiver): the value for which the simulated baseline step equals the measured
-      one. Cross-rank span clocks are aligned only to a barrier, so it is not read off SEND/RECV pairs.
+    * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress, the
+      wake-up of a descheduled receiver, an executor preempted between two actions): the value for which the
+      simulated baseline step equals the measured one.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -129,6 +133,16 @@ class RuntimeProfile(BaseModel):
     cores_by_concurrency: list[float] = Field(min_length=1, description="cores(k) for k = 1, 2, ... ranks computing "
                                                                         "at once; the last value holds beyond")
     meta: dict = Field(default_factory=dict)
+
+    @pydantic.field_validator("residual_us")
+    @classmethod
+    def _all_pieces(cls, v: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for key, pieces in v.items():
+            missing = [p for p in PIECES if p not in pieces]
+            if missing:
+                raise ValueError(f"residual_us[{key!r}] lacks {', '.join(missing)} (a profile from an older "
+                                 "calibration); recalibrate `local` (mhcpipe demo, or calibrate_local_for)")
+        return v
 
     @pydantic.field_validator("cores_by_concurrency")
     @classmethod

@@ -204,32 +204,27 @@ class Pricer:
             return statistics.median(same)
         raise ValueError(f"runtime profile has no {kind} actions; recalibrate `local` for this schedule")
 
-    def _extra_us(self, stage: int, forward: bool) -> float:
+    def _extra_us(self, stage: int, kind: str) -> float:
+        """The residual's extra full-speed work in one F, I, W or B action of `stage` over the baseline's."""
         extra = self._residual_extra()
         if extra is None:
             return 0.0
         blocks, first, last = self.layout[stage]
         subs = 2 * len(blocks)
-        if forward:
-            t = subs * extra["fwd"]
-            t += extra["expand_fwd"] if first else 0.0
-            t += extra["contract_fwd"] if last else 0.0
-        else:
-            t = subs * extra["bwd"]
-            if self.recompute and self.stage_mem[stage].recompute_block:
-                t += subs * extra["rc"]
-            t += extra["expand_bwd"] if first else 0.0
-            t += extra["contract_bwd"] if last else 0.0
-        return t
+        if kind == "F":
+            return subs * extra["fwd"] + (extra["expand_fwd"] if first else 0.0) + \
+                (extra["contract_fwd"] if last else 0.0)
+        if kind == "W":
+            return subs * extra["w"]
+        t = subs * extra["b" if kind == "B" else "bwd"]
+        if self.recompute and self.stage_mem[stage].recompute_block:
+            t += subs * extra["rc"]
+        return t + (extra["expand_bwd"] if first else 0.0) + (extra["contract_bwd"] if last else 0.0)
 
     def runtime_time(self, a: Action) -> float:
         k = a.kind
-        if k is Kind.F:
-            t = self._base_action(f"F/s{a.stage}", "F", a.stage) + self._extra_us(a.stage, True)
-        elif k in (Kind.I, Kind.B):
-            t = self._base_action(f"{k.value}/s{a.stage}", k.value, a.stage) + self._extra_us(a.stage, False)
-        elif k is Kind.W:
-            t = self._base_action(f"W/s{a.stage}", "W", a.stage)
+        if k in (Kind.F, Kind.I, Kind.W, Kind.B):
+            t = self._base_action(f"{k.value}/s{a.stage}", k.value, a.stage) + self._extra_us(a.stage, k.value)
         elif k is Kind.FB:
             key = f"FB/s{a.stage}+s{a.b_stage}"
             if key in self.runtime.action_us:
@@ -237,7 +232,7 @@ class Pricer:
             else:  # an F&B pair the baseline never ran: its two halves back to back
                 base = self._base_action(f"F/s{a.stage}", "F", a.stage) + \
                     self._base_action(f"B/s{a.b_stage}", "B", a.b_stage)
-            t = base + self._extra_us(a.stage, True) + self._extra_us(a.b_stage, False)
+            t = base + self._extra_us(a.stage, "F") + self._extra_us(a.b_stage, "B")
         else:
             raise ValueError(f"cannot price action kind {k}")
         self.results[(k.value, a.stage) + ((a.b_stage,) if k is Kind.FB else ())] = OverlapResult(t, t, 0.0, 0.0)

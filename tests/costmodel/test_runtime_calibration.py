@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 
 from costmodel.runtime_fit import baseline_action_stats, fit_runtime_profile
-from costmodel.runtime_profile import bench_runtime_pieces, runtime_key
+from costmodel.runtime_bench import bench_runtime_pieces
+from costmodel.runtime_profile import runtime_key
 from costmodel.hardware import BUILTIN, RuntimeProfile
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
@@ -12,8 +13,8 @@ from pipeline.config import load_config
 from traces.trace import Trace
 
 KNOWN = {"F": 1000.0, "I": 700.0, "W": 200.0, "B": 900.0}
-WRAP = {"fwd": 300.0, "bwd": 500.0, "rc": 50.0, "expand_fwd": 10.0, "expand_bwd": 20.0, "contract_fwd": 5.0,
-        "contract_bwd": 6.0}
+WRAP = {"fwd": 300.0, "bwd": 500.0, "w": 40.0, "b": 570.0, "rc": 50.0, "expand_fwd": 10.0, "expand_bwd": 20.0,
+        "contract_fwd": 5.0, "contract_bwd": 6.0}
 
 
 def _profile(cfg, action_us, cores=(64.0,)):
@@ -61,7 +62,9 @@ def test_fit_recovers_known_action_costs(tiny):
     prof = fit_runtime_profile(trace, tiny, bench, [64.0], hw)  # the "run" had a core per rank
     for key, v in table.items():
         assert prof.action_us[key] == pytest.approx(v, rel=1e-6), key
-    assert prof.meta["insitu_over_bench"] == pytest.approx(1.0)
+    # the "bench" priced one block at the table's middle-stage cost: the code ran in the pipeline as benchmarked
+    assert prof.meta["insitu_over_bench"] == pytest.approx({k: 1.0 for k in ("F", "I", "W", "B", "all")})
+    assert prof.residual_us["mhc:4"] == pytest.approx(WRAP)
     means, medians, used = baseline_action_stats(trace)
     assert used == 2  # the first step is dropped
     # replay: the fitted profile simulates the measured step (alpha takes up the rest)
@@ -82,6 +85,33 @@ def test_fit_recovers_the_p2p_latency(tiny):
     bench = {"block": dict(KNOWN), "residual": {}}
     prof = fit_runtime_profile(trace, tiny, bench, cores, BUILTIN["h100"].model_copy(update={"name": "local"}))
     assert prof.p2p_latency_us == pytest.approx(800.0, rel=0.05)
+    # read off the trace directly: a waiting consumer starts one message (alpha + bytes / bandwidth) after its
+    # producer ends (no executor gap in this profile)
+    lat = prof.meta["message_latency_us"]
+    assert lat["n"] > 0 and lat["median"] == pytest.approx(800.0, rel=0.05)
+
+
+def test_fit_undoes_the_sharing_in_the_measured_durations(tiny):
+    """A run on 2 cores for 4 ranks: every measured duration contains sharing. Taking the medians as work would
+    count the sharing twice (simulation on top); the fit recovers the work and the latency that produced it."""
+    table = _table(tiny)
+    cores = [1.0, 1.8, 1.7, 1.6]
+    truth = _hw(tiny, table, cores=cores)
+    truth = truth.model_copy(update={"runtime": truth.runtime.model_copy(update={"p2p_latency_us": 600.0})})
+    pred = predict(tiny, truth, ladder=False)
+    tr = pred.baseline.trace
+    span = pred.baseline.makespan * 1.2
+    trace = Trace([dataclasses.replace(s, start=s.start + k * span) for k in range(3) for s in tr.spans],
+                  {"source": "measured", "schedule": tr.meta["schedule"], "residual": {"variant": "residual", "n": 1}})
+    _, medians, _ = baseline_action_stats(trace)
+    assert max(medians[k] / v for k, v in table.items()) > 1.3  # the measured medians are stretched
+    prof = fit_runtime_profile(trace, tiny, {"block": dict(KNOWN), "residual": {"mhc:4": WRAP}}, cores,
+                               BUILTIN["h100"].model_copy(update={"name": "local"}))
+    errs = sorted(abs(prof.action_us[k] / v - 1) for k, v in table.items())
+    assert errs[len(errs) // 2] < 0.05 and errs[-1] < 0.25, errs
+    assert prof.p2p_latency_us == pytest.approx(600.0, rel=0.25)
+    refit = predict(tiny, truth.model_copy(update={"runtime": prof}), ladder=False)
+    assert refit.baseline.makespan == pytest.approx(pred.baseline.makespan, rel=0.01)
 
 
 def test_fit_ignores_stalls_in_the_mean(tiny):
@@ -111,7 +141,11 @@ def test_mhc_adds_wrapper_cost_per_sublayer(tiny):
     assert bwd[st] - bbase[st] == pytest.approx(subs * WRAP["bwd"])  # recompute is off in tiny
     w = {s.stage: s.duration for s in pred.mhc.trace.spans if s.kind == "W"}
     wb = {s.stage: s.duration for s in pred.baseline.trace.spans if s.kind == "W"}
-    assert w == pytest.approx(wb)  # W holds only the Linears' weight-grads: mHC adds nothing there
+    assert all(w[st] - wb[st] == pytest.approx(subs * WRAP["w"]) for st in w)  # no stack-end pieces in W
+    b = {s.stage: s.duration for s in pred.mhc.trace.spans if s.kind == "B"}
+    bb = {s.stage: s.duration for s in pred.baseline.trace.spans if s.kind == "B"}
+    assert b and all(b[st] - bb[st] == pytest.approx(subs * WRAP["b"] + (WRAP["contract_bwd"] if st == 7 else 0.0)
+                                                     + (WRAP["expand_bwd"] if st == 0 else 0.0)) for st in b)
     assert ops["mhc"]["F"] > ops["baseline"]["F"]
     assert pred.summary["pricing"].startswith("runtime profile")
 
@@ -156,7 +190,16 @@ def test_missing_variant_names_the_fix(tiny):
         predict(tiny, _hw(tiny, _table(tiny)), ResidualSpec("hc", 4), ladder=False)
 
 
+def test_profile_from_an_older_calibration_names_the_fix(tiny):
+    old = {k: v for k, v in WRAP.items() if k not in ("w", "b")}
+    with pytest.raises(ValueError, match=r"residual_us\['mhc:4'\] lacks w, b.*recalibrate"):
+        RuntimeProfile(key=runtime_key(tiny), action_us={"F/s0": 1.0}, residual_us={"mhc:4": old},
+                       cores_by_concurrency=[1.0])
+
+
 def test_bench_runtime_pieces_quick(tiny):
-    out = bench_runtime_pieces(tiny, [("mhc", 4)], rounds=2, warmup=1)
-    assert all(v > 0 for v in out["block"].values())
-    assert out["residual"]["mhc:4"]["fwd"] > 0 and out["residual"]["mhc:4"]["bwd"] > 0
+    out = bench_runtime_pieces(tiny, [("mhc", 4)], rounds=3, warmup=1)
+    assert set(out["block"]) == {"F", "I", "W", "B"} and all(v > 0 for v in out["block"].values())
+    extra = out["residual"]["mhc:4"]
+    # mHC's wrapper (coefficients, Sinkhorn, pre, post+res) costs more than the plain residual's add, both ways
+    assert extra["fwd"] > 0 and extra["bwd"] > 0 and extra["b"] > 0

@@ -1,0 +1,177 @@
+"""Micro-benchmarks of this runtime's own code for the `local` calibration (costmodel.md §3).
+
+Shape letters: T tokens of a micro-batch, n streams, C hidden.
+
+bench_runtime_pieces(cfg, variants) times, in this process with one thread (like a rank):
+* one middle pipeline stage holding one Transformer block, through pipeline.stage.Stage exactly as a rank runs it
+  (forward generator, split backward I with the WeightGradStore, its W, and the full backward B), once with the
+  plain residual and once per residual variant. The variant's extra cost per sub-layer is the difference over
+  the block's two sub-layers. Timing the whole stage rather than the residual wrapper alone keeps what the
+  wrapper does to the code around it: an mHC block's weight-grad GEMMs run about twice as long as the baseline's
+  after the wrapper's backward has pushed their operands out of cache, although the GEMMs are the same.
+* the pieces a middle stage does not have: the recompute rebuild (pre and post+res from stored coefficients)
+  and the stack ends expand/contract, on kernels.MHCSublayer with F = identity.
+Every timed piece starts from an evicted cache: in the pipeline the ranks time-share the cores, so an action
+rarely finds its operands where the previous action of its own rank left them. All pieces interleave round by
+round, so every one of them sees the same background load; the result is the median over rounds.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+EVICT_BYTES = 8 << 20  # more than one core's L2 on current server CPUs (1-2 MiB)
+PIECES = ("fwd", "bwd", "w", "b", "rc", "expand_fwd", "expand_bwd", "contract_fwd", "contract_bwd")
+
+
+def residual_key(variant: str, n: int) -> str:
+    return f"{variant}:{n}"
+
+
+class _Rounds:
+    """Interleaved timing: every round runs each piece once; medians at the end."""
+
+    def __init__(self):
+        self.times: dict[str, list[float]] = {}
+        self.clock = time.perf_counter
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times.setdefault(name, []).append(seconds * 1e6)
+
+    def medians(self, skip: int) -> dict[str, float]:
+        return {k: statistics.median(v[skip:] if len(v) > skip else v) for k, v in self.times.items()}
+
+
+def _stage_round(cfg, R: _Rounds, tag: str, evict):
+    """One round of F, I (+ flush), W and F, B of a one-block middle stage of `cfg`'s residual."""
+    import torch
+
+    from pipeline.memory import SavedTensors
+    from pipeline.model import activation_dtype
+    from pipeline.partition import StageSpec
+    from pipeline.recorder import Recorder
+    from pipeline.stage import ChunkRun, Stage, StageEnv
+    from pipeline.weight_grad import WeightGradStore
+
+    dt = activation_dtype(cfg.train.dtype)
+    T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
+    block = min(1, cfg.model.num_blocks - 1)
+    store = WeightGradStore()
+    spec = StageSpec(stage=1, rank=0, pipeline=0, chunk=1, blocks=range(block, block + 1), prev=0, next=2)
+    stage = Stage(spec, cfg, store=store, dtype=dt, rc_block=None).to(dtype=dt)
+    env = StageEnv(SavedTensors(stage.parameters()), Recorder(0, torch.device("cpu"), enabled=True), T)
+    x, g = torch.randn(T, n, C, dtype=dt), torch.randn(T, n, C, dtype=dt)
+    clock = R.clock
+
+    def forward() -> ChunkRun:
+        run = ChunkRun(1, 0)
+        evict()
+        t0 = clock()
+        for _ in stage.forward_steps(run, x, None, env):
+            pass
+        R.add(f"{tag}.F", clock() - t0)
+        return run
+
+    def one_round():
+        run = forward()
+        evict()
+        t0 = clock()
+        store.enabled = True
+        for _ in stage.backward_steps(run, g, env):
+            pass
+        store.flush((1, 0))
+        store.enabled = False
+        R.add(f"{tag}.I", clock() - t0)
+        evict()
+        t0 = clock()
+        store.pop()
+        R.add(f"{tag}.W", clock() - t0)
+        run = forward()
+        evict()
+        t0 = clock()
+        for _ in stage.backward_steps(run, g, env):
+            pass
+        R.add(f"{tag}.B", clock() - t0)
+        stage.zero_grad(set_to_none=True)
+        env.recorder.spans.clear()
+
+    return one_round
+
+
+def _ends_round(cfg, R: _Rounds, tag: str, evict):
+    """One round of the recompute rebuild and the stack ends of `cfg`'s residual on its CPU backend."""
+    import torch
+
+    from kernels import MHCSublayer, contract, expand
+    from pipeline.model import activation_dtype
+
+    dt = activation_dtype(cfg.train.dtype)
+    T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
+    plain = cfg.model.residual.variant == "residual"
+    mod = MHCSublayer(cfg.model.residual, torch.nn.Identity(), C)
+    x, g = torch.randn(T, n, C, dtype=dt), torch.randn(T, n, C, dtype=dt)
+    h, gh = torch.randn(T, C, dtype=dt), torch.randn(T, C, dtype=dt)
+    clock = R.clock
+
+    def one_round():
+        with torch.no_grad():  # what pipeline.stage's recompute step runs from stored coefficients and F output
+            c = None if plain else mod.coefficients(x)
+            y = x[:, 0] if plain else mod.apply_pre(x, c)
+            evict()
+            t0 = clock()
+            if plain:
+                x[:, 0], x + y[:, None]
+            else:
+                mod.apply_pre(x, c), mod.apply_post_res(x, y, c)
+            R.add(f"{tag}.rc", clock() - t0)
+        for name, fn, inp, grad in (("expand", lambda t: expand(t, n), h, g), ("contract", contract, x, gh)):
+            leaf = inp.detach().requires_grad_(True)
+            evict()
+            t0 = clock()
+            out = fn(leaf)
+            R.add(f"{tag}.{name}_fwd", clock() - t0)
+            evict()
+            t0 = clock()
+            torch.autograd.backward(out, grad)
+            R.add(f"{tag}.{name}_bwd", clock() - t0)
+        mod.zero_grad(set_to_none=True)
+
+    return one_round
+
+
+def bench_runtime_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40, warmup: int = 5,
+                         threads: int = 1) -> dict:
+    """Micro-benchmark (us, one process), see the module docstring. Returns
+    {"block": {F, I, W, B} of one baseline block in a middle stage,
+     "residual": {"variant:n": {fwd, bwd, w, b, rc, expand_fwd, expand_bwd, contract_fwd, contract_bwd}}}
+    where fwd/bwd/w/b are the variant's extra F/I/W/B cost per sub-layer over the plain residual, and rc and the
+    stack ends the extra cost of those pieces; "raw_us" has every median."""
+    import torch
+
+    torch.set_num_threads(threads)
+    evict_buf = torch.zeros(EVICT_BYTES // 4)
+
+    def evict() -> None:
+        evict_buf.add_(1.0)
+
+    base_cfg = cfg.with_residual("residual", 1)
+    wanted = [(v, n) for v, n in variants if not (v == "residual" or n == 1)]
+    R = _Rounds()
+    pieces = []
+    for v, n in [("residual", 1)] + wanted:
+        c = base_cfg if v == "residual" else cfg.with_residual(v, n)
+        pieces += [_stage_round(c, R, residual_key(v, n), evict), _ends_round(c, R, residual_key(v, n), evict)]
+    for _ in range(warmup + rounds):
+        for fn in pieces:
+            fn()
+    med = R.medians(warmup)
+    base = residual_key("residual", 1)
+    out = {"block": {k: med[f"{base}.{k}"] for k in ("F", "I", "W", "B")}, "residual": {}}
+    for v, n in wanted:
+        tag = residual_key(v, n)
+        extra = {p: max(0.0, (med[f"{tag}.{k}"] - med[f"{base}.{k}"]) / 2)  # the block's two sub-layers
+                 for p, k in (("fwd", "F"), ("bwd", "I"), ("w", "W"), ("b", "B"))}
+        extra.update({p: max(0.0, med[f"{tag}.{p}"] - med[f"{base}.{p}"]) for p in PIECES if p not in extra})
+        out["residual"][tag] = extra
+    out["raw_us"] = med
+    return out
