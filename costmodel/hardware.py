@@ -108,14 +108,15 @@ class RuntimeProfile(BaseModel):
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
       alone (costmodel.core_sharing). Ranks computing at the same moment progress at min(1, cores(k) / k) each
-      (costmodel.shared_cores simulates that along the schedule).
+      (costmodel.shared_cores simulates that along the schedule). `time_slice_us`: how long the OS lets a rank
+      that woke up keep a core (measured); within it the rank runs at full speed.
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
       "FB/s3+s4": the work whose shared-cores simulation reproduces the measured median durations. Reusing them
       for the baseline is replay, not prediction.
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the
       stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd. Micro-benchmarked (costmodel.runtime_bench)
-      and scaled by the in-pipeline factor of its kind measured on the baseline run (costmodel.runtime_fit).
+      and scaled by the in-pipeline factor measured on the baseline run (costmodel.runtime_fit).
     * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
       sends, recording).
     * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress, the
@@ -132,6 +133,8 @@ class RuntimeProfile(BaseModel):
     p2p_latency_us: float = Field(0.0, ge=0, description="effective latency of one stage-boundary message")
     cores_by_concurrency: list[float] = Field(min_length=1, description="cores(k) for k = 1, 2, ... ranks computing "
                                                                         "at once; the last value holds beyond")
+    time_slice_us: float = Field(0.0, ge=0, description="the OS time slice among more ranks than cores "
+                                                        "(core_sharing.measure_time_slice); 0 = fluid sharing")
     meta: dict = Field(default_factory=dict)
 
     @pydantic.field_validator("residual_us")

@@ -272,7 +272,7 @@ class Pricer:
         if self.runtime is not None and not self.opt.unit_costs:
             rt = self.runtime
             return simulate_shared(schedule, self.compute_time, self.transfer_time, rt.cores_by_concurrency,
-                                   rt.action_overhead_us)
+                                   rt.action_overhead_us, slice_us=rt.time_slice_us)
         result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
@@ -424,8 +424,9 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "memory_gib": {k: v / 2**30 for k, v in mem.items()},
         "recompute_block": L_r,
         "recompute_mode": cfg.recompute.mode,
-        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual wrapper on ranks "
+        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual extra on ranks "
                     "sharing cores(k) = " + ", ".join(f"{c:.2f}" for c in pb.runtime.cores_by_concurrency) +
-                    f"; P2P latency {pb.runtime.p2p_latency_us:.0f} us)") if pb.runtime is not None else "roofline",
+                    f" in {pb.runtime.time_slice_us / 1e3:.1f} ms slices; P2P latency "
+                    f"{pb.runtime.p2p_latency_us:.0f} us)") if pb.runtime is not None else "roofline",
         "warnings": warnings,
     }

@@ -1,7 +1,8 @@
 """Fit this runtime's `local` RuntimeProfile on a measured BASELINE run (costmodel.md §3).
 
 Model (costmodel.shared_cores): every compute action is full-speed *work*; the ranks computing at a moment share
-the host's cores at rate(k) = min(1, cores(k) / k) with cores(k) measured (core_sharing.py); the executor
+the host's cores at rate(k) = min(1, cores(k) / k) with cores(k) measured (core_sharing.py), except that a rank
+that woke up runs its first time slice at full speed (the slice measured too); the executor
 spends full-speed work `gap` before each action; a stage-boundary message takes alpha + bytes / bandwidth.
 
 The fit, on the steady-state steps of the baseline trace (the first step is dropped):
@@ -15,12 +16,14 @@ The fit, on the steady-state steps of the baseline trace (the first step is drop
   refitted at every alpha. It takes up what the model does not have (gloo progress, waking a descheduled
   receiver, an executor preempted between two actions); the directly measured message latency (producer end to
   waiting consumer start, meta `message_latency_us`) is reported next to it;
-* the residual's extra cost per kind: its micro-benchmarked extra (runtime_bench) x that kind's in-pipeline
-  factor, the fitted work of the block-only baseline stages over the same blocks micro-benchmarked (meta
-  `insitu_over_bench`, F, I, W, B). Inside the pipeline the same code runs at another speed than in the
-  micro-benchmark (measured: forwards 0.6-1.0x, backwards 0.9-1.4x its time), because of what runs between two
-  actions of a rank and because the VM's speed moves between the micro-benchmark and the run; the baseline run
-  measures that factor per kind and the residual's extra work of the same kind gets it too.
+* the residual's extra cost: its micro-benchmarked extra (runtime_bench) x the in-pipeline factor, the fitted
+  work of the block-only baseline stages over the same blocks micro-benchmarked (meta `insitu_over_bench`: `all`,
+  and per kind F, I, W, B for information). Inside the pipeline the same code runs at another speed than in the
+  micro-benchmark (measured 0.8-1.2x), because of what runs between two actions of a rank and because the VM's
+  speed moves between the micro-benchmark and the run. One factor over all kinds, not one per kind: per kind it
+  is noisier and carries the baseline's GEMM-heavy mix (its forwards ran 0.6-1.0x, backwards 0.9-1.4x) onto
+  mHC's elementwise-heavy extra; over 11 measured runs the single factor put 9 mHC steps within 15 %, the
+  per-kind one 8, none 8.
 The mHC run is never an input: a trace of another residual is refused.
 """
 from __future__ import annotations
@@ -212,9 +215,10 @@ def fit_work_and_latency(cfg, hw, medians: dict[str, float], target_us: float,
     return at(alpha)[0], alpha
 
 
-def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, skip_steps: int = 1):
-    """RuntimeProfile from a measured baseline trace, `bench_runtime_pieces` output and cores(k) (see above).
-    `hw_base`: the host's HardwareSpec (its link prices the message bytes)."""
+def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, skip_steps: int = 1,
+                        time_slice_us: float = 0.0):
+    """RuntimeProfile from a measured baseline trace, `bench_runtime_pieces` output, cores(k) and the OS time
+    slice (see above). `hw_base`: the host's HardwareSpec (its link prices the message bytes)."""
     from costmodel.hardware import RuntimeProfile
     from costmodel.runtime_profile import runtime_key
 
@@ -223,7 +227,7 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
     pricer, sched = _baseline_pricer(cfg, hw_base)
     lat = message_latencies(trace, sched, skip_steps)
     profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
-                             action_overhead_us=gap, cores_by_concurrency=list(cores))
+                             action_overhead_us=gap, cores_by_concurrency=list(cores), time_slice_us=time_slice_us)
     work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)
     factors = insitu_factors(work, cfg, bench)
     return profile.model_copy(update={
@@ -237,15 +241,10 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
                  "source": trace.meta.get("source")}})
 
 
-PIECE_KIND = {"fwd": "F", "expand_fwd": "F", "contract_fwd": "F", "bwd": "I", "rc": "I", "expand_bwd": "I",
-              "contract_bwd": "I", "w": "W", "b": "B"}  # the action kind each residual piece runs in
-
-
 def scale_residual(pieces: dict[str, float], factors: dict[str, float]) -> dict[str, float]:
-    """Micro-benchmarked residual pieces x the in-pipeline factor of the kind they run in. A kind the baseline
-    has no block-only stage of takes the factor over all kinds (`all`), else 1."""
-    fallback = factors.get("all", 1.0)
-    return {p: v * factors.get(PIECE_KIND.get(p, ""), fallback) for p, v in pieces.items()}
+    """Micro-benchmarked residual pieces x the in-pipeline factor over all kinds (1 when there is none)."""
+    factor = factors.get("all", 1.0)
+    return {p: v * factor for p, v in pieces.items()}
 
 
 def insitu_factors(work: dict[str, float], cfg, bench: dict) -> dict[str, float]:

@@ -4,7 +4,8 @@ calibrate_local_for(cfg) -> HardwareSpec `local` with a RuntimeProfile (hardware
   1. micro-benchmarks in this process (runtime_bench.py, 1 thread like a rank): a one-block middle stage through
      the runtime's own Stage code, F, I, W and B, with the plain residual and with each priced residual (their
      difference is the residual's extra cost per sub-layer), plus the recompute rebuild and the stack ends.
-  2. cores(k): how k concurrent single-thread ranks share this host (core_sharing.py), k = 1 .. ranks.
+  2. cores(k): how k concurrent single-thread ranks share this host (core_sharing.py), k = 1 .. ranks, and the
+     OS time slice among `ranks` busy processes.
   3. one measured BASELINE (n = 1) run of the config on its local gloo ranks (never an mHC run: an mHC trace is
      refused), fitted by runtime_fit: full-speed work per action, executor gap, effective P2P latency.
 predict() then prices a baseline action as its fitted work (replay) and an mHC action as that plus sub-layers x
@@ -61,12 +62,14 @@ def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s:
 
 def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int = 4, variants=None,
                         rounds: int = 40, work_dir: str | Path | None = None, quick: bool = True,
-                        timeout_s: float = 300.0, cores: list[float] | None = None):
+                        timeout_s: float = 300.0, cores: list[float] | None = None,
+                        time_slice_us: float | None = None):
     """`local` HardwareSpec for `cfg`: host micro-benchmarks (calibrate_local unless `hardware` is given), the
-    runtime micro-benchmarks, cores(k) for k up to the config's ranks (measured unless `cores` is given) and a
-    measured BASELINE run of cfg (run here unless `baseline_trace` is given), fitted by runtime_fit.
-    variants: [(variant, n)] residuals to price (default: cfg's own)."""
-    from costmodel.core_sharing import measure_core_sharing
+    runtime micro-benchmarks, cores(k) for k up to the config's ranks and the OS time slice among that many
+    busy processes (measured unless given), and a measured BASELINE run of cfg (run here unless
+    `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to price (default:
+    cfg's own)."""
+    from costmodel.core_sharing import measure_core_sharing, measure_time_slice
     from costmodel.hardware import HardwareSpec, get_hardware
     from costmodel.runtime_fit import fit_runtime_profile
 
@@ -79,8 +82,10 @@ def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int =
     bench = bench_runtime_pieces(cfg, variants, rounds=rounds)
     if cores is None:
         cores = measure_core_sharing(cfg, cfg.parallel.ranks, seconds=1.0 if quick else 2.0)
+    if time_slice_us is None:
+        time_slice_us = measure_time_slice(cfg.parallel.ranks)
     if baseline_trace is None:
         tmp = tempfile.mkdtemp(prefix="cal_base_") if work_dir is None else str(work_dir)
         baseline_trace, _ = run_runtime(base_cfg, tmp, steps, timeout_s)
-    profile = fit_runtime_profile(baseline_trace, cfg, bench, cores, hw)
+    profile = fit_runtime_profile(baseline_trace, cfg, bench, cores, hw, time_slice_us=time_slice_us)
     return hw.model_copy(update={"runtime": profile})

@@ -5,11 +5,21 @@ action is slowed depends on how many ranks compute at that moment, and that chan
 warm-up and cool-down of a pipeline have few busy ranks, the steady state has all of them. Here every computing
 rank progresses at
 
-    rate(k) = min(1, cores(k) / k),   k = ranks computing now,
+    rate(k) = min(1, cores(k) / k),   k = ranks computing now (capacity: cores(k) = their summed rate),
 
 re-evaluated whenever an action starts or ends. cores(k) is the measured throughput of k concurrent
-single-thread processes in units of one process alone (calibrate.measure_core_sharing); it is not simply
+single-thread processes in units of one process alone (core_sharing.measure_core_sharing); it is not simply
 min(k, cores) on a shared VM.
+
+The OS does not share a core as a fluid, though: it gives it to one process for a time slice (core_sharing.
+measure_time_slice; 4 ms here) and preempts at the slice's end, wherever the process is. An action much shorter
+than the slice seldom contains a preemption, so its typical (median) duration is its work whatever the others do;
+a long action contains several and gets the cores' share. Measured: baseline actions of 0.3-2 ms, and mHC's
+0.5 ms weight-grads, take the same median time alone and among three computing ranks, while 10 ms mHC actions
+stretch 1.6x. With `slice_us` > 0 every action starts with a slice of full-speed work: the ranks within their
+slice get min(1, cores(k) / their number), the others share what capacity is left. The preemptions the short
+actions escape are paid by the long ones, so the cores' capacity still bounds the progress. slice_us = 0 is the
+fluid model.
 
 Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
 channels per (src, dst) in the sender's program order, a transfer starts when both sides posted and the channel
@@ -33,18 +43,12 @@ from traces.trace import Span, Trace
 _SEND = {Kind.SEND_F: ("XF", Kind.RECV_F), Kind.SEND_B: ("XG", Kind.RECV_B)}
 
 
-def sharing_rate(cores: Sequence[float]) -> Callable[[int], float]:
-    """Per-rank progress rate when k ranks compute: min(1, cores(k) / k); cores[k-1] is cores(k), the last value
-    holds for larger k."""
+def capacity(cores: Sequence[float]) -> Callable[[int], float]:
+    """cores(k), the summed progress rate of k computing ranks; the last value holds for larger k."""
     if not cores or any(c <= 0 for c in cores):
         raise ValueError(f"cores by concurrency must be positive numbers, got {list(cores)}")
     table = [float(c) for c in cores]
-
-    def rate(k: int) -> float:
-        c = table[min(k, len(table)) - 1]
-        return min(1.0, c / k)
-
-    return rate
+    return lambda k: min(float(k), table[min(k, len(table)) - 1])
 
 
 @dataclass
@@ -53,19 +57,24 @@ class _Running:
     gap_left: float  # executor work before the action (us at full speed)
     work_left: float
     posted: float  # when the rank took the action up (gap starts)
+    slice_left: float  # full-speed work left in the action's first time slice
     started: float | None = None  # when the gap ended: the span's start
 
 
 def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfer_time: Callable[[Action], float],
-                    cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us") -> SimResult:
+                    cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us",
+                    slice_us: float = 0.0) -> SimResult:
     """Simulate `schedule` on ranks sharing cores (see the module docstring). `work(a)`: full-speed time of a
     compute action; `transfer_time(a)`: duration of a message, called with its RECV action (peer = sender);
-    `gap_us`: full-speed executor work before every compute action. Busy time per rank counts gaps too."""
+    `gap_us`: full-speed executor work before every compute action; `slice_us`: the OS time slice (0: fluid
+    sharing). Busy time per rank counts gaps too."""
     from schedules.validate import check_structure, raise_deadlock
 
     lowered = check_structure(schedule)
     topo = Topology(lowered)
-    rate = sharing_rate(cores)
+    cap = capacity(cores)
+    if slice_us < 0:
+        raise ValueError(f"slice_us must be >= 0, got {slice_us}")
     P = lowered.num_ranks
     programs = lowered.actions
 
@@ -97,6 +106,23 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     busy = [0.0] * P
     end = [0.0] * P
     t = 0.0
+
+    def rates() -> dict[int, float]:
+        """Progress rate per running rank: the actions within their first slice first, the rest share what is
+        left."""
+        k = len(running)
+        total = cap(k)
+        fresh = [r for r, run in running.items() if run.slice_left > 0]
+        out: dict[int, float] = {}
+        if fresh:
+            each = min(1.0, total / len(fresh))
+            out.update((r, each) for r in fresh)
+            total -= each * len(fresh)
+        rest = [r for r in running if r not in out]
+        if rest:
+            each = min(1.0, max(0.0, total) / len(rest))
+            out.update((r, each) for r in rest)
+        return out
 
     def resolve(ch: int) -> None:
         msgs = messages[ch]
@@ -136,7 +162,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
             else:
                 if any(k not in done for k in needs(a, r, topo)):
                     return
-                running[r] = _Running(a, gap_us, float(work(a)), t)
+                running[r] = _Running(a, gap_us, float(work(a)), t, slice_us)
                 ptr[r] += 1
                 return
             ptr[r] += 1
@@ -144,15 +170,26 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     for r in range(P):
         advance(r)
     while running or arrivals:
-        step = rate(len(running)) if running else 0.0
+        rate = rates()
         t_next = arrivals[0][0] if arrivals else math.inf
-        for run in running.values():
+        for r, run in running.items():
+            if rate[r] <= 0:
+                continue
             left = run.gap_left if run.started is None else run.work_left
-            t_next = min(t_next, t + left / step)
-        progress = (t_next - t) * step
+            if run.slice_left > 0:
+                left = min(left, run.slice_left)
+            t_next = min(t_next, t + left / rate[r])
+        if math.isinf(t_next):
+            raise RuntimeError("shared-cores simulation stalled: no rank can progress (cores(k) must be > 0)")
+        dt = t_next - t
         t = t_next
         finished = []
         for r, run in running.items():
+            progress = dt * rate[r]
+            if run.slice_left > 0:
+                run.slice_left -= progress
+                if run.slice_left <= 1e-9 * max(1.0, slice_us):
+                    run.slice_left = 0.0
             if run.started is None:
                 run.gap_left -= progress
                 if run.gap_left <= 1e-9 * max(1.0, gap_us):
@@ -182,7 +219,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
             "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
                          "microbatches": schedule.num_microbatches},
-            "cores_by_concurrency": [float(c) for c in cores]}
+            "cores_by_concurrency": [float(c) for c in cores], "time_slice_us": float(slice_us)}
     makespan = max(end, default=0.0)
     busy_d = dict(enumerate(busy))
     return SimResult(Trace(spans=spans, meta=meta), makespan, busy_d,

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
-    p.add_argument("--steps", type=int, default=4, help="training steps per run; the first is warm-up")
+    p.add_argument("--steps", type=int, default=8, help="training steps per run; the first is warm-up (a shared "
+                   "VM changes speed within seconds: more steps average it out)")
     p.add_argument("--timeout", type=int, default=300, help="seconds allowed per torchrun launch")
     p.add_argument("--schedule-only", action="store_true",
                    help="only draw DualPipe P=8, M=20 at unit costs (seconds, no training)")

@@ -72,6 +72,18 @@ def test_fit_recovers_known_action_costs(tiny):
     assert pred.baseline.makespan == pytest.approx(prof.meta["baseline_makespan_us"], rel=1e-2)
 
 
+def test_residual_extra_follows_the_in_pipeline_speed(tiny):
+    """The baseline's blocks ran 1.5x their micro-benchmark in the pipeline: the residual's micro-benchmarked
+    extra is scaled the same way."""
+    trace = _measured(tiny, _table(tiny))
+    slow = {k: v / 1.5 for k, v in KNOWN.items()}
+    prof = fit_runtime_profile(trace, tiny, {"block": slow, "residual": {"mhc:4": WRAP}}, [64.0],
+                               BUILTIN["h100"].model_copy(update={"name": "local"}))
+    assert prof.meta["insitu_over_bench"]["all"] == pytest.approx(1.5)
+    assert prof.residual_us["mhc:4"] == pytest.approx({k: 1.5 * v for k, v in WRAP.items()})
+    assert prof.meta["residual_bench_us"]["mhc:4"] == WRAP
+
+
 def test_fit_recovers_the_p2p_latency(tiny):
     table = _table(tiny)
     cores = [64.0]  # medians are taken as work (short actions run unpreempted): a run without sharing

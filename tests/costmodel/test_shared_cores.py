@@ -1,10 +1,11 @@
 """Processor sharing along a schedule (costmodel.shared_cores) and the cores(k) measurement (core_sharing)."""
+import os
 import random
 
 import pytest
 
-from costmodel.core_sharing import measure_core_sharing
-from costmodel.shared_cores import sharing_rate, simulate_shared
+from costmodel.core_sharing import measure_core_sharing, measure_time_slice
+from costmodel.shared_cores import capacity, simulate_shared
 from pipeline.config import load_config
 from schedules.build import build
 from schedules.ir import Kind
@@ -71,11 +72,61 @@ def test_gap_is_work_before_the_span():
                                             if s.rank == 0 and s.stream == "compute"))
 
 
-def test_rate_rules():
-    rate = sharing_rate([1.0, 1.8])
-    assert rate(1) == 1.0 and rate(2) == pytest.approx(0.9) and rate(4) == pytest.approx(0.45)
+def test_capacity_rules():
+    cap = capacity([1.0, 1.8])
+    assert cap(1) == 1.0 and cap(2) == pytest.approx(1.8) and cap(4) == pytest.approx(1.8)
+    assert capacity([3.0])(2) == 2.0  # two ranks cannot use more than two cores
     with pytest.raises(ValueError, match="positive"):
-        sharing_rate([1.0, 0.0])
+        capacity([1.0, 0.0])
+
+
+def _short_after_long(slice_us):
+    """GPipe, 2 ranks, 2 micro-batches on one core; stage 0's F = 10, stage 1's F = 2, B = 0, a forward message
+    takes 5: rank 0 runs F(mb 1) from t = 10 while rank 1's F(mb 0) starts at t = 15."""
+    sched = build("gpipe", 2, 2)
+    sim = simulate_shared(sched, lambda a: 0.0 if a.kind is not Kind.F else (10.0 if a.stage == 0 else 2.0),
+                          lambda a: 5.0 if a.kind is Kind.RECV_F else 0.0, [1.0, 1.0], slice_us=slice_us)
+    return {(s.rank, s.mb): s for s in sim.trace.spans if s.kind == "F"}
+
+
+def test_a_short_action_runs_at_full_speed_within_its_slice():
+    f = _short_after_long(4.0)
+    # rank 0's F(mb 1) used its slice alone (10..14); rank 1's short F has a fresh slice: the core is its own
+    assert f[(1, 0)].start == pytest.approx(15.0) and f[(1, 0)].duration == pytest.approx(2.0)
+    assert f[(0, 1)].end == pytest.approx(22.0)  # 4 + 1 done by 15, it waited 15..17, the 5 left alone
+    fluid = _short_after_long(0.0)
+    assert fluid[(1, 0)].duration == pytest.approx(4.0)  # half a core each
+    assert fluid[(0, 1)].end == pytest.approx(22.0)  # one core: the same work ends at the same time
+
+
+@pytest.mark.parametrize("kind", ["dualpipev", "zb1p", "1f1b"])
+def test_slices_longer_than_every_action_are_the_fluid_model(kind):
+    """Every rank always inside its slice gets min(1, cores(k) / k): the fluid model again."""
+    sched = build(kind, 4, 8)
+    work = _costs(7)
+    a = simulate_shared(sched, work, _transfer, [1.0, 1.7, 1.6, 1.5], gap_us=0.1, slice_us=1e12)
+    b = simulate_shared(sched, work, _transfer, [1.0, 1.7, 1.6, 1.5], gap_us=0.1)
+    assert a.makespan == pytest.approx(b.makespan)
+
+
+@pytest.mark.parametrize("slice_us", [1.5, 2.5, 5.0])
+def test_slices_never_exceed_the_cores(slice_us):
+    """On one core the compute spans can hold no more than one rank's worth of progress at any time."""
+    sched = build("dualpipev", 4, 8)
+    work = _costs(3)
+    free = simulate_shared(sched, work, _transfer, [4.0])
+    one = simulate_shared(sched, work, _transfer, [1.0], slice_us=slice_us)
+    total = sum(s.duration for s in free.trace.spans if s.stream == "compute")
+    assert one.makespan >= total - 1e-6
+    short = [s for s in one.trace.spans if s.stream == "compute" and work_of(s, free) <= slice_us]
+    assert short  # some actions fit in a slice ...
+    assert any(s.duration == pytest.approx(work_of(s, free)) for s in short)  # ... and run at full speed
+
+
+def work_of(span, free):
+    """The full-speed duration of `span`'s action (its duration on enough cores)."""
+    return next(s.duration for s in free.trace.spans if (s.rank, s.kind, s.stage, s.mb) ==
+                (span.rank, span.kind, span.stage, span.mb))
 
 
 @pytest.mark.timeout(180)
@@ -84,3 +135,13 @@ def test_measure_core_sharing_runs_the_block():
     assert len(cores) == 2
     assert 0.5 < cores[0] < 1.5  # one process against itself
     assert 0.3 < cores[1] < 2.6  # two processes on a shared CI machine: anything but nonsense
+
+
+@pytest.mark.timeout(120)
+def test_time_slice_of_more_processes_than_cores():
+    """Two more spinning processes than cores: every one is descheduled again and again; Linux slices last
+    milliseconds (a 100-1000 Hz tick, or EEVDF's base slice), not microseconds or seconds."""
+    slice_us = measure_time_slice((os.cpu_count() or 1) + 2, seconds=0.4)
+    assert 300.0 < slice_us < 200_000.0
+    with pytest.raises(ValueError, match="k must be"):
+        measure_time_slice(0)
