@@ -116,7 +116,7 @@ class RuntimeProfile(BaseModel):
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the
       stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd. Micro-benchmarked (costmodel.runtime_bench)
-      and scaled by the in-pipeline factor measured on the baseline run (costmodel.runtime_fit).
+      and scaled by the in-pipeline factor of its kind measured on the baseline run (costmodel.runtime_fit).
     * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
       sends, recording).
     * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress, the

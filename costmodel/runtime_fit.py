@@ -16,14 +16,14 @@ The fit, on the steady-state steps of the baseline trace (the first step is drop
   refitted at every alpha. It takes up what the model does not have (gloo progress, waking a descheduled
   receiver, an executor preempted between two actions); the directly measured message latency (producer end to
   waiting consumer start, meta `message_latency_us`) is reported next to it;
-* the residual's extra cost: its micro-benchmarked extra (runtime_bench) x the in-pipeline factor, the fitted
-  work of the block-only baseline stages over the same blocks micro-benchmarked (meta `insitu_over_bench`: `all`,
-  and per kind F, I, W, B for information). Inside the pipeline the same code runs at another speed than in the
-  micro-benchmark (measured 0.8-1.2x), because of what runs between two actions of a rank and because the VM's
-  speed moves between the micro-benchmark and the run. One factor over all kinds, not one per kind: per kind it
-  is noisier and carries the baseline's GEMM-heavy mix (its forwards ran 0.6-1.0x, backwards 0.9-1.4x) onto
-  mHC's elementwise-heavy extra; over 11 measured runs the single factor put 9 mHC steps within 15 %, the
-  per-kind one 8, none 8.
+* the residual's extra cost per kind: its micro-benchmarked extra (runtime_bench) x that kind's in-pipeline
+  factor, the fitted work of the block-only baseline stages over the same blocks micro-benchmarked (meta
+  `insitu_over_bench`: F, I, W, B and `all`). Inside the pipeline the same code runs at another speed than in
+  the micro-benchmark (measured: forwards 0.6-1.0x, backwards 0.9-1.4x), because of what runs between two
+  actions of a rank and because the VM's speed moves between the micro-benchmark and the run. Over three
+  series of 5-6 measured runs each, this per-kind factor kept every kind's signed median error within 18 % in
+  every series and 12 of 16 mHC steps within 15 %; one factor for all kinds gave 13 of 16 but forwards +24 % in
+  one series; no factor 11 of 16 and input-grads -27 to -30 % in two.
 The mHC run is never an input: a trace of another residual is refused.
 """
 from __future__ import annotations
@@ -241,10 +241,15 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
                  "source": trace.meta.get("source")}})
 
 
+PIECE_KIND = {"fwd": "F", "expand_fwd": "F", "contract_fwd": "F", "bwd": "I", "rc": "I", "expand_bwd": "I",
+              "contract_bwd": "I", "w": "W", "b": "B"}  # the action kind each residual piece runs in
+
+
 def scale_residual(pieces: dict[str, float], factors: dict[str, float]) -> dict[str, float]:
-    """Micro-benchmarked residual pieces x the in-pipeline factor over all kinds (1 when there is none)."""
-    factor = factors.get("all", 1.0)
-    return {p: v * factor for p, v in pieces.items()}
+    """Micro-benchmarked residual pieces x the in-pipeline factor of the kind they run in. A kind the baseline
+    has no block-only stage of takes the factor over all kinds (`all`), else 1."""
+    fallback = factors.get("all", 1.0)
+    return {p: v * factors.get(PIECE_KIND.get(p, ""), fallback) for p, v in pieces.items()}
 
 
 def insitu_factors(work: dict[str, float], cfg, bench: dict) -> dict[str, float]:

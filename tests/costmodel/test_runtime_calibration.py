@@ -72,15 +72,19 @@ def test_fit_recovers_known_action_costs(tiny):
     assert pred.baseline.makespan == pytest.approx(prof.meta["baseline_makespan_us"], rel=1e-2)
 
 
-def test_residual_extra_follows_the_in_pipeline_speed(tiny):
-    """The baseline's blocks ran 1.5x their micro-benchmark in the pipeline: the residual's micro-benchmarked
-    extra is scaled the same way."""
+def test_residual_extra_follows_the_in_pipeline_speed_of_its_kind(tiny):
+    """In the pipeline the baseline's blocks ran their forwards at 1.5x and their backwards at 0.8x their
+    micro-benchmark: the residual's micro-benchmarked extra of the same kind is scaled the same way."""
     trace = _measured(tiny, _table(tiny))
-    slow = {k: v / 1.5 for k, v in KNOWN.items()}
-    prof = fit_runtime_profile(trace, tiny, {"block": slow, "residual": {"mhc:4": WRAP}}, [64.0],
+    factor = {"F": 1.5, "I": 0.8, "W": 0.8, "B": 0.8}
+    bench_block = {k: v / factor[k] for k, v in KNOWN.items()}
+    prof = fit_runtime_profile(trace, tiny, {"block": bench_block, "residual": {"mhc:4": WRAP}}, [64.0],
                                BUILTIN["h100"].model_copy(update={"name": "local"}))
-    assert prof.meta["insitu_over_bench"]["all"] == pytest.approx(1.5)
-    assert prof.residual_us["mhc:4"] == pytest.approx({k: 1.5 * v for k, v in WRAP.items()})
+    got = prof.meta["insitu_over_bench"]
+    assert {k: got[k] for k in factor} == pytest.approx(factor)
+    want = {p: v * factor["F" if p.endswith("fwd") else "W" if p == "w" else "B" if p == "b" else "I"]
+            for p, v in WRAP.items()}
+    assert prof.residual_us["mhc:4"] == pytest.approx(want)
     assert prof.meta["residual_bench_us"]["mhc:4"] == WRAP
 
 
