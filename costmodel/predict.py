@@ -16,9 +16,9 @@ Steps:
    traffic (the full mHC run). The steps sum exactly to the overhead. The change of the mean idle time per rank
    (bubble) is reported alongside; it is part of those steps, not an extra term.
 
-`local` hardware calibrated for this runtime (a RuntimeProfile): actions are priced as full-speed work (measured
-baseline actions + the micro-benchmarked residual wrapper) and simulated on ranks sharing the host's cores
-(shared_cores.py). `local` without a profile (roofline): compute is stretched by max(1, busy ranks / cores), the
+`local` hardware calibrated for this runtime (a RuntimeProfile): actions are priced as full-speed work (fitted
+baseline actions + the residual's micro-benchmarked extra of that kind) and simulated on ranks sharing the
+host's cores in time slices (shared_cores.py). `local` without a profile (roofline): compute is stretched by max(1, busy ranks / cores), the
 mean concurrency of a first simulation.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ class Pricer:
         self.results[key] = res
         return res.makespan * self.slowdown
 
-    # ---- `local` with a runtime profile: measured baseline actions + micro-benchmarked residual wrapper -----
+    # ---- `local` with a runtime profile: fitted baseline actions + the residual's micro-benchmarked extra ------
     def _residual_extra(self) -> dict[str, float] | None:
         if self.spec.is_baseline:
             return None

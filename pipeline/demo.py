@@ -1,8 +1,8 @@
 """`mhcpipe demo` (what `make demo` runs): predict, run, compare and show mHC's cost on this machine.
 
 For the `tiny` preset on 4 CPU ranks with DualPipeV (configs/tiny.yaml):
-  1. calibrate the `local` hardware spec (micro-benchmarks: matmul, copy, launch, 2-process gloo P2P, and the
-     mHC wrapper's own ops at the config's shape);
+  1. calibrate the `local` hardware spec (micro-benchmarks: matmul, copy, launch, 2-process gloo P2P; one
+     pipeline stage of the runtime with and without mHC at the config's shape; how the ranks share the cores);
   2. run the baseline (n = 1) with torchrun (gloo) and record its trace; fit per-action costs from it
      (calibration on a baseline run, costmodel.md §3 - the mHC run is never an input);
   3. predict baseline and mHC (n = 4);
@@ -174,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
     base_meas = Trace.load(base_path)
     timings["baseline run"] = time.perf_counter() - t
     t = time.perf_counter()
-    _say("3/6", f"micro-benchmarking the runtime's block and mHC wrapper, measuring how 1..{ranks} ranks share "
-                f"the cores, fitting on the baseline run, predicting baseline and mHC (n={n})")
+    _say("3/6", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
+                f"share the cores and the OS time slice, fitting on the baseline run, predicting baseline and mHC "
+                f"(n={n})")
     hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_meas)
     pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False))
     s = pred.summary
