@@ -52,6 +52,23 @@ def _worker(index: int, cfg_dict: dict, plan: list[int], seconds: float, start, 
         start.wait()
 
 
+def _gather(procs, results, count: int, timeout_s: float, what: str) -> list:
+    """Start the worker processes, take `count` results off their queue, and always reap them: a lost worker
+    ends the measurement with an error, not a hang."""
+    for p in procs:
+        p.start()
+    try:
+        return [results.get(timeout=timeout_s) for _ in range(count)]
+    except Exception as err:  # noqa: BLE001 - queue.Empty or a dead worker
+        raise RuntimeError(f"{what} measurement did not finish within {timeout_s:g} s: "
+                           f"{type(err).__name__}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
 def measure_core_sharing(cfg, k_max: int, seconds: float = 0.6, cycles: int = 3,
                          timeout_s: float = 120.0) -> list[float]:
     """[cores(1), ..., cores(k_max)] for cfg's block on this host (see the module docstring). The sweep
@@ -67,21 +84,9 @@ def measure_core_sharing(cfg, k_max: int, seconds: float = 0.6, cycles: int = 3,
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(i, cfg.model_dump(), plan, seconds, start, results), daemon=True)
              for i in range(k_max)]
-    for p in procs:
-        p.start()
     rates: dict[int, float] = {}
-    try:
-        for _ in range(sum(plan)):
-            phase, _, r = results.get(timeout=timeout_s)
-            rates[phase] = rates.get(phase, 0.0) + r
-    except Exception as err:  # noqa: BLE001 - queue.Empty or a dead worker
-        raise RuntimeError(f"core-sharing measurement did not finish within {timeout_s:g} s: "
-                           f"{type(err).__name__}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    for phase, _, r in _gather(procs, results, sum(plan), timeout_s, "core-sharing"):
+        rates[phase] = rates.get(phase, 0.0) + r
     per_k: dict[int, list[float]] = {k: [] for k in sweep}
     for c in range(cycles):
         first = 1 + c * k_max  # phase of this cycle's solo; the next solo closes it
@@ -118,20 +123,7 @@ def measure_time_slice(k: int, seconds: float = 0.5, timeout_s: float = 60.0) ->
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_slice_worker, args=(seconds, results), daemon=True) for _ in range(k)]
-    for p in procs:
-        p.start()
-    runs: list[float] = []
-    try:
-        for _ in procs:
-            runs += results.get(timeout=timeout_s)
-    except Exception as err:  # noqa: BLE001 - queue.Empty or a dead worker
-        raise RuntimeError(f"time-slice measurement did not finish within {timeout_s:g} s: "
-                           f"{type(err).__name__}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    runs = [r for got in _gather(procs, results, k, timeout_s, "time-slice") for r in got]
     # fewer switches than one per 50 ms and process: the processes had their own cores
     if len(runs) < k * seconds / 0.05:
         return 0.0

@@ -18,8 +18,8 @@ Steps:
 
 `local` hardware calibrated for this runtime (a RuntimeProfile): actions are priced as full-speed work (fitted
 baseline actions + the residual's micro-benchmarked extra of that kind) and simulated on ranks sharing the
-host's cores in time slices (shared_cores.py). `local` without a profile (roofline): compute is stretched by max(1, busy ranks / cores), the
-mean concurrency of a first simulation.
+host's cores in time slices (shared_cores.py). `local` without a profile (roofline): compute is stretched by
+max(1, busy ranks / cores), the mean concurrency of a first simulation.
 """
 from __future__ import annotations
 

@@ -151,7 +151,6 @@ def message_latencies(trace, schedule, skip_steps: int = 1) -> list[float]:
             nxt[a], prev[b] = b, a
     spans, out = trace.spans, []
     for idx in steady_steps(trace, skip_steps).values():
-        ends_before: dict[tuple, float] = {}
         by_key, by_rank = {}, {}
         for i in idx:
             s = spans[i]
@@ -224,8 +223,7 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
 
     means, medians, used = baseline_action_stats(trace, skip_steps)
     gap, makespan = gaps_and_makespan(trace, skip_steps)
-    pricer, sched = _baseline_pricer(cfg, hw_base)
-    lat = message_latencies(trace, sched, skip_steps)
+    lat = message_latencies(trace, _baseline_pricer(cfg, hw_base)[1], skip_steps)
     profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
                              action_overhead_us=gap, cores_by_concurrency=list(cores), time_slice_us=time_slice_us)
     work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)

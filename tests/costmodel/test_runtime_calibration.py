@@ -88,16 +88,21 @@ def test_residual_extra_follows_the_in_pipeline_speed_of_its_kind(tiny):
     assert prof.meta["residual_bench_us"]["mhc:4"] == WRAP
 
 
-def test_fit_recovers_the_p2p_latency(tiny):
-    table = _table(tiny)
-    cores = [64.0]  # medians are taken as work (short actions run unpreempted): a run without sharing
-    truth = _hw(tiny, table, cores=cores)
-    truth = truth.model_copy(update={"runtime": truth.runtime.model_copy(update={"p2p_latency_us": 800.0})})
-    pred = predict(tiny, truth, ladder=False)
+def _run_of(cfg, table, cores, alpha):
+    """(truth hardware, its prediction, a 3-step 'measured' baseline trace of it) for known work and latency."""
+    truth = _hw(cfg, table, cores=cores)
+    truth = truth.model_copy(update={"runtime": truth.runtime.model_copy(update={"p2p_latency_us": alpha})})
+    pred = predict(cfg, truth, ladder=False)
     tr = pred.baseline.trace
     span = pred.baseline.makespan * 1.2
     trace = Trace([dataclasses.replace(s, start=s.start + k * span) for k in range(3) for s in tr.spans],
                   {"source": "measured", "schedule": tr.meta["schedule"], "residual": {"variant": "residual", "n": 1}})
+    return truth, pred, trace
+
+
+def test_fit_recovers_the_p2p_latency(tiny):
+    cores = [64.0]  # a run without sharing
+    _, _, trace = _run_of(tiny, _table(tiny), cores, 800.0)
     bench = {"block": dict(KNOWN), "residual": {}}
     prof = fit_runtime_profile(trace, tiny, bench, cores, BUILTIN["h100"].model_copy(update={"name": "local"}))
     assert prof.p2p_latency_us == pytest.approx(800.0, rel=0.05)
@@ -112,13 +117,7 @@ def test_fit_undoes_the_sharing_in_the_measured_durations(tiny):
     count the sharing twice (simulation on top); the fit recovers the work and the latency that produced it."""
     table = _table(tiny)
     cores = [1.0, 1.8, 1.7, 1.6]
-    truth = _hw(tiny, table, cores=cores)
-    truth = truth.model_copy(update={"runtime": truth.runtime.model_copy(update={"p2p_latency_us": 600.0})})
-    pred = predict(tiny, truth, ladder=False)
-    tr = pred.baseline.trace
-    span = pred.baseline.makespan * 1.2
-    trace = Trace([dataclasses.replace(s, start=s.start + k * span) for k in range(3) for s in tr.spans],
-                  {"source": "measured", "schedule": tr.meta["schedule"], "residual": {"variant": "residual", "n": 1}})
+    truth, pred, trace = _run_of(tiny, table, cores, 600.0)
     _, medians, _ = baseline_action_stats(trace)
     assert max(medians[k] / v for k, v in table.items()) > 1.3  # the measured medians are stretched
     prof = fit_runtime_profile(trace, tiny, {"block": dict(KNOWN), "residual": {"mhc:4": WRAP}}, cores,
