@@ -111,7 +111,8 @@ class RuntimeProfile(BaseModel):
       (costmodel.shared_cores simulates that along the schedule). `time_slice_us`: how long the OS lets a rank
       that woke up keep a core (measured); within it the rank runs at full speed.
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
-      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured median durations. Reusing them
+      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (mean without
+      stalls). Reusing them
       for the baseline is replay, not prediction.
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the

@@ -8,16 +8,17 @@ spends full-speed work `gap` before each action; a stage-boundary message takes 
 The fit, on the steady-state steps of the baseline trace (the first step is dropped):
 * gap: the median measured gap between two compute actions that waited for no receive;
 * work per action key ('F/s3', 'FB/s3+s4'): a measured duration already contains the sharing of the cores at
-  that moment and the simulation applies the sharing again, so the measured median is only where the fit starts:
-  each round scales every key's work by the square root of its measured over its simulated median, until the
-  simulated baseline reproduces the measured medians (fit_work; work stays at most the measured median, since
-  sharing only slows);
+  that moment and the simulation applies the sharing again, so the measured duration is only where the fit
+  starts: each round scales every key's work by the square root of its measured over its simulated duration,
+  until the simulated baseline reproduces the measured ones (fit_work; work stays at most the measured duration,
+  since sharing only slows). The measured duration is the key's mean without stalls (robust_mean): a step is a
+  sum of durations, and the mean carries the time slices the key's actions lost, which the median does not;
 * alpha, around that: bisected so that the simulated baseline step equals the measured median step, the work
   refitted at every alpha. It takes up what the model does not have (gloo progress, waking a descheduled
   receiver, an executor preempted between two actions); the directly measured message latency (producer end to
   waiting consumer start, meta `message_latency_us`) is reported next to it;
 * the residual's extra cost per kind: its micro-benchmarked extra (runtime_bench) x that kind's in-pipeline
-  factor, the fitted work of the block-only baseline stages over the same blocks micro-benchmarked (meta
+  factor, the measured median of the block-only baseline stages over the same blocks micro-benchmarked (meta
   `insitu_over_bench`: F, I, W, B and `all`). Inside the pipeline the same code runs at another speed than in
   the micro-benchmark (measured: forwards 0.6-1.0x, backwards 0.9-1.4x), because of what runs between two
   actions of a rank and because the VM's speed moves between the micro-benchmark and the run. Over three
@@ -32,7 +33,7 @@ import statistics
 
 RUNTIME_KINDS = ("F", "I", "W", "B", "FB")
 STALL_FACTOR = 5.0  # a duration above this many medians of its key is a stall (page faults, VM steal), not sharing
-WORK_ROUNDS = 6  # rounds of fit_work; on local runs the simulated medians are then within 1% (median key), 3% (p90)
+WORK_ROUNDS = 6  # rounds of fit_work; on local runs the simulated durations are then within 1% (median key), 3% (p90)
 
 
 def action_key(s) -> str:
@@ -181,25 +182,25 @@ def simulated_medians(cfg, hw) -> tuple[dict[str, float], float]:
     return {k: statistics.median(v) for k, v in durs.items()}, sim.makespan
 
 
-def fit_work(cfg, hw, medians: dict[str, float], rounds: int = WORK_ROUNDS) -> tuple[dict[str, float], float]:
-    """(full-speed work per action key whose shared-cores simulation on `hw` reproduces the measured medians, the
-    simulated step). Damped (square root of the ratio per round): the sharing a key sees depends on every other
-    key's work."""
-    work, makespan = dict(medians), 0.0
+def fit_work(cfg, hw, targets: dict[str, float], rounds: int = WORK_ROUNDS) -> tuple[dict[str, float], float]:
+    """(full-speed work per action key whose shared-cores simulation on `hw` reproduces the measured durations
+    `targets`, the simulated step). Damped (square root of the ratio per round): the sharing a key sees depends on
+    every other key's work."""
+    work, makespan = dict(targets), 0.0
     for _ in range(rounds + 1):
         sim, makespan = simulated_medians(cfg, hw.model_copy(update={"runtime": hw.runtime.model_copy(
             update={"action_us": work})}))
-        work = {k: min(medians[k], v * (medians[k] / sim[k]) ** 0.5) if sim.get(k) else v for k, v in work.items()}
+        work = {k: min(targets[k], v * (targets[k] / sim[k]) ** 0.5) if sim.get(k) else v for k, v in work.items()}
     return work, makespan
 
 
-def fit_work_and_latency(cfg, hw, medians: dict[str, float], target_us: float,
+def fit_work_and_latency(cfg, hw, targets: dict[str, float], target_us: float,
                          iters: int = 14) -> tuple[dict[str, float], float]:
-    """(work per key, alpha): the work reproduces the measured medians at that alpha (fit_work), and alpha is
+    """(work per key, alpha): the work reproduces the measured durations at that alpha (fit_work), and alpha is
     bisected so that the simulated step equals `target_us` (0 when it is already at least as long)."""
     def at(alpha: float) -> tuple[dict[str, float], float]:
         return fit_work(cfg, hw.model_copy(update={"runtime": hw.runtime.model_copy(
-            update={"p2p_latency_us": alpha})}), medians)
+            update={"p2p_latency_us": alpha})}), targets)
 
     work, span = at(0.0)
     if span >= target_us:
@@ -226,8 +227,10 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
     lat = message_latencies(trace, _baseline_pricer(cfg, hw_base)[1], skip_steps)
     profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
                              action_overhead_us=gap, cores_by_concurrency=list(cores), time_slice_us=time_slice_us)
-    work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)
-    factors = insitu_factors(work, cfg, bench)
+    # the step is a sum of durations, so the work reproduces the mean (the time-slice losses a key suffers in
+    # the run); the code's own speed in the pipeline, the factor for the residual's extra, is the median's
+    work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), means, makespan)
+    factors = insitu_factors(medians, cfg, bench)
     return profile.model_copy(update={
         "action_us": work, "p2p_latency_us": alpha,
         "residual_us": {key: scale_residual(pieces, factors) for key, pieces in bench.get("residual", {}).items()},
