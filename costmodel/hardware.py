@@ -108,12 +108,11 @@ class RuntimeProfile(BaseModel):
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
       alone (costmodel.core_sharing). Ranks computing at the same moment progress at min(1, cores(k) / k) each
-      (costmodel.shared_cores simulates that along the schedule). `time_slice_us`: how long the OS lets a rank
-      that woke up keep a core (measured); within it the rank runs at full speed.
+      (costmodel.shared_cores simulates that along the schedule). `time_slice_us`: the OS time slice among more
+      busy ranks than cores (measured); an action runs its first slice at full speed.
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
       "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (mean without
-      stalls). Reusing them
-      for the baseline is replay, not prediction.
+      stalls). Reusing them for the baseline is replay, not prediction.
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the
       stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd. Micro-benchmarked (costmodel.runtime_bench)

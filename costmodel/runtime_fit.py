@@ -21,10 +21,10 @@ The fit, on the steady-state steps of the baseline trace (the first step is drop
   factor, the measured median of the block-only baseline stages over the same blocks micro-benchmarked (meta
   `insitu_over_bench`: F, I, W, B and `all`). Inside the pipeline the same code runs at another speed than in
   the micro-benchmark (measured: forwards 0.6-1.0x, backwards 0.9-1.4x), because of what runs between two
-  actions of a rank and because the VM's speed moves between the micro-benchmark and the run. Over three
-  series of 5-6 measured runs each, this per-kind factor kept every kind's signed median error within 18 % in
-  every series and 12 of 16 mHC steps within 15 %; one factor for all kinds gave 13 of 16 but forwards +24 % in
-  one series; no factor 11 of 16 and input-grads -27 to -30 % in two.
+  actions of a rank and because the VM's speed moves between the micro-benchmark and the run. Re-pricing the
+  same 16 measured runs three ways (with a median-based work fit), the per-kind factor kept every kind's signed
+  median error within 18 % in each of 3 series; one factor for all kinds let forwards reach +24 % in one, no
+  factor let input-grads reach -27 to -30 % in two.
 The mHC run is never an input: a trace of another residual is refused.
 """
 from __future__ import annotations
