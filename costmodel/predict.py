@@ -424,7 +424,7 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "memory_gib": {k: v / 2**30 for k, v in mem.items()},
         "recompute_block": L_r,
         "recompute_mode": cfg.recompute.mode,
-        "pricing": ("runtime profile (measured baseline actions + micro-benchmarked residual extra on ranks "
+        "pricing": ("runtime profile (fitted baseline actions + micro-benchmarked residual extra on ranks "
                     "sharing cores(k) = " + ", ".join(f"{c:.2f}" for c in pb.runtime.cores_by_concurrency) +
                     f" in {pb.runtime.time_slice_us / 1e3:.1f} ms slices; P2P latency "
                     f"{pb.runtime.p2p_latency_us:.0f} us)") if pb.runtime is not None else "roofline",
