@@ -1,14 +1,17 @@
 """Predicted vs measured on this machine: calibrate `local` for the tiny config, predict, run, compare.
 
-    .venv/bin/python bench/predict_local.py [--reuse] [--steps 8] [--repeat 1] [--out runs/bench/predict_local]
+    .venv/bin/python bench/predict_local.py [--reuse] [--steps 8] [--repeat 1] [--sequential]
+                                           [--out runs/bench/predict_local]
 
 1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
    gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
-2. `--repeat` times: run the BASELINE (n = 1) on the config's 4 gloo ranks; runtime calibration on that run
-   (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of a one-block middle stage through the
-   runtime's Stage code, baseline and mHC (costmodel.runtime_bench), cores(k), plus the baseline run);
-   predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; run mHC; compare. The
-   mHC run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
+2. `--repeat` times: run the BASELINE (n = 1) and mHC (n = 4) on the config's 4 gloo ranks, interleaved step by
+   step in one launch (A B B A ...: on a shared host whose speed drifts within seconds, both see the same drift;
+   `--sequential`: the baseline run, then the mHC run after the prediction); runtime calibration on the baseline
+   trace alone (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of a one-block middle stage
+   through the runtime's Stage code, baseline and mHC (costmodel.runtime_bench), cores(k), plus the baseline
+   run); predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; compare. The mHC
+   run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
    run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
    reported step time (max over ranks, incl. optimizer).
 Prints a table and writes bench/results/predict_local.json. Targets (issue 5): mHC step within 15 %, per-kind
@@ -53,13 +56,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped); the VM's speed "
                     "switches within seconds, so longer runs average it out")
     ap.add_argument("--repeat", type=int, default=1, help="measured runs per variant")
+    ap.add_argument("--sequential", action="store_true", help="run the baseline, then mHC, as two launches "
+                    "(default: one launch, the two interleaved step by step)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "predict_local"))
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "predict_local.json"))
     ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args()
 
     from costmodel.calibrate import calibrate_local
-    from costmodel.runtime_profile import calibrate_local_for, run_runtime
+    from costmodel.runtime_profile import calibrate_local_for, run_runtime, run_runtime_interleaved
     from costmodel.hardware import HardwareSpec, local_profile_path
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
@@ -84,14 +89,19 @@ def main() -> int:
     print(f"      P2P alpha {hw0.intra.latency_us:.0f} us, bw {hw0.intra.bandwidth / 1e9:.2f} GB/s, "
           f"{hw0.host_cores} cores")
 
-    # Each repeat calibrates on its own baseline run and predicts the mHC run that follows it, so a change of the
+    # Each repeat calibrates on its own baseline run and predicts the mHC run measured with it, so a change of the
     # machine's speed between repeats (shared VMs) does not leak into the prediction. The mHC run is never an input.
-    print(f"[2/2] {args.repeat} x (baseline run -> runtime calibration on it -> prediction -> mHC run -> compare), "
-          f"{args.steps} steps per run, first step dropped")
+    protocol = ("baseline run -> runtime calibration on it -> prediction -> mHC run" if args.sequential else
+                "baseline and mHC interleaved in one run -> runtime calibration on the baseline -> prediction")
+    print(f"[2/2] {args.repeat} x ({protocol} -> compare), {args.steps} steps per variant, first step dropped")
     runs, cal = [], None
     for rep in range(args.repeat):
         t0 = time.time()
-        tr_b, st_b = run_runtime(base_cfg, out / f"measured_baseline_{rep}", args.steps, args.timeout)
+        dirs = (out / f"measured_baseline_{rep}", out / f"measured_mhc_{rep}")
+        if args.sequential:
+            tr_b, st_b = run_runtime(base_cfg, dirs[0], args.steps, args.timeout)
+        else:
+            (tr_b, st_b), (tr_m, st_m) = run_runtime_interleaved([base_cfg, cfg], dirs, args.steps, args.timeout)
         hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b)
         hw.save(profile)
         hw.save(out / f"local_{rep}.json")  # this repeat's calibration, to re-price offline
@@ -115,10 +125,11 @@ def main() -> int:
               f"{rt.p2p_latency_us:.0f} us; mHC extra per sub-layer F {w['fwd']:.0f} / I {w['bwd']:.0f} / "
               f"W {w['w']:.0f} us; predicted step baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
               f"{s['iteration_us']['mhc'] / 1e3:.1f} ms")
-        tr_m, st_m = run_runtime(cfg, out / f"measured_mhc_{rep}", args.steps, args.timeout)
+        if args.sequential:
+            tr_m, st_m = run_runtime(cfg, dirs[1], args.steps, args.timeout)
         meas = {"baseline": drop_first_step(tr_b), "mhc": drop_first_step(tr_m)}
         rt_steps = {"baseline": st_b[1:] if len(st_b) > 1 else st_b, "mhc": st_m[1:] if len(st_m) > 1 else st_m}
-        print(f"      #{rep}: ran baseline, calibrated, predicted, ran mHC in {time.time() - t0:.0f} s")
+        print(f"      #{rep}: ran, calibrated, predicted in {time.time() - t0:.0f} s")
         cm = compare(pred.mhc.trace, meas["mhc"], baseline=(pred.baseline.trace, meas["baseline"]))
         cb = compare(pred.baseline.trace, meas["baseline"])
         runs.append({"mhc": cm, "baseline": cb, "runtime_step_s": rt_steps, "prediction": s})
@@ -193,6 +204,7 @@ def main() -> int:
           + ", ".join(f"{k} {v:.0f}%" for k, v in summary["mhc_kind_median_abs_pct"].items())
           + f"\ntargets met: {summary['targets_met']}")
     result = {"command": " ".join(["bench/predict_local.py"] + sys.argv[1:]), "config": "tiny",
+              "protocol": "sequential" if args.sequential else "interleaved",
               "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
               "calibration_first_repeat": cal,
               "predictions": [{"iteration_us": r["prediction"]["iteration_us"],

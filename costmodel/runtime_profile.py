@@ -60,6 +60,31 @@ def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s:
     return Trace.load(trace_dir / "trace.json"), res[0].value
 
 
+def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int | None = None,
+                            timeout_s: float = 300.0):
+    """Run several configs in one launch on their local gloo ranks, one step of each in turn
+    (pipeline.local.interleaved_worker): an A/B measurement in which every variant sees the same drift of a
+    shared host's speed. Returns [(Trace, per-step step times in seconds)], one per config."""
+    from pipeline.local import interleaved_worker, launch
+    from traces.trace import Trace
+
+    data = []
+    for cfg in cfgs:
+        d = cfg.model_dump()
+        if steps is not None:
+            d["train"]["steps"] = steps
+        d["train"]["device"] = "cpu"
+        data.append(d)
+    dirs = [Path(t) for t in trace_dirs]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    res = launch(interleaved_worker, cfgs[0].parallel.ranks, (data, [str(d) for d in dirs]), timeout_s=timeout_s)
+    bad = [r for r in res if r.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"runtime run failed: {bad[0].error or f'rank {bad[0].rank} exit {bad[0].exitcode}'}")
+    return [(Trace.load(d / "trace.json"), [s["step_time_s"] for s in stats]) for d, stats in zip(dirs, res[0].value)]
+
+
 def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int = 4, variants=None,
                         rounds: int = 40, work_dir: str | Path | None = None, quick: bool = True,
                         timeout_s: float = 300.0, cores: list[float] | None = None,

@@ -156,16 +156,19 @@ class RankRuntime:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
 
     # -- whole run -----------------------------------------------------------------------------------------
-    def align_clocks(self) -> None:
+    def align_clocks(self) -> int:
         """Common time zero of the ranks' spans: on one host the earliest rank's monotonic clock reading after a
-        barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it."""
+        barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it.
+        Returns that zero (a `time.perf_counter_ns` value), for other recorders of this rank to share."""
         collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s)
         now = time.perf_counter_ns()
         mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64, device=self.device)
         seen = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s)
         one_host = len({int(t[0]) for t in seen}) == 1
-        self.recorder.align(min(int(t[1]) for t in seen) if one_host else None)
+        zero = min(int(t[1]) for t in seen) if one_host else now
+        self.recorder.align(zero)
+        return zero
 
     def save_trace(self, trace_dir: Path, world: int) -> Path | None:
         """Write this rank's spans; rank 0 merges every rank's file into trace.json after a barrier."""
