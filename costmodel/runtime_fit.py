@@ -11,8 +11,11 @@ The fit, on the steady-state steps of the baseline trace (the first step is drop
   that moment and the simulation applies the sharing again, so the measured duration is only where the fit
   starts: each round scales every key's work by the square root of its measured over its simulated duration,
   until the simulated baseline reproduces the measured ones (fit_work; work stays at most the measured duration,
-  since sharing only slows). The measured duration is the key's mean without stalls (robust_mean): a step is a
-  sum of durations, and the mean carries the time slices the key's actions lost, which the median does not;
+  since sharing only slows). The measured duration is the key's median: the simulation already makes a rank lose
+  time slices to the others, and the mean of a short action carries the slices it lost in the run a second time
+  (measured: baseline means 10-20 % above the medians, mHC's mostly under 10 %: its long actions lose slices evenly,
+  as simulated). On 15 interleaved runs (bench/predict_local.py) fitting the means over-predicted the mHC kinds
+  by a median +12 to +20 % (F, W, B, FB) and the step by up to 15 %, the medians by -6 to +14 % and 13 %;
 * alpha, around that: bisected so that the simulated baseline step equals the measured median step, the work
   refitted at every alpha. It takes up what the model does not have (gloo progress, waking a descheduled
   receiver, an executor preempted between two actions); the directly measured message latency (producer end to
@@ -227,9 +230,9 @@ def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, sk
     lat = message_latencies(trace, _baseline_pricer(cfg, hw_base)[1], skip_steps)
     profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
                              action_overhead_us=gap, cores_by_concurrency=list(cores), time_slice_us=time_slice_us)
-    # the step is a sum of durations, so the work reproduces the mean (the time-slice losses a key suffers in
-    # the run); the code's own speed in the pipeline, the factor for the residual's extra, is the median's
-    work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), means, makespan)
+    # the simulation takes the time slices away again, so the work reproduces the median; alpha takes up the
+    # rest of the measured step
+    work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)
     factors = insitu_factors(medians, cfg, bench)
     return profile.model_copy(update={
         "action_us": work, "p2p_latency_us": alpha,

@@ -218,3 +218,19 @@ def test_bench_runtime_pieces_quick(tiny):
     extra = out["residual"]["mhc:4"]
     # mHC's wrapper (coefficients, Sinkhorn, pre, post+res) costs more than the plain residual's add, both ways
     assert extra["fwd"] > 0 and extra["bwd"] > 0 and extra["b"] > 0
+
+
+def test_work_is_the_typical_duration_not_the_tail_of_lost_time_slices(tiny):
+    """In one of three steady steps every F/s3 lost time slices (1.8x, not a stall): the simulation makes ranks lose
+    slices itself, so the work stays the typical (median) duration; the mean would count the loss twice."""
+    table = _table(tiny)
+    trace = _measured(tiny, table, steps=4)
+    key = "F/s3"
+    hit = [i for i, s in enumerate(trace.spans) if s.kind == "F" and s.stage == 3]
+    for i in hit[-len(hit) // 4:]:  # the last step's
+        trace.spans[i] = dataclasses.replace(trace.spans[i], duration=1.8 * trace.spans[i].duration)
+    means, _, _ = baseline_action_stats(trace)
+    assert means[key] > 1.2 * table[key]
+    prof = fit_runtime_profile(trace, tiny, {"block": dict(KNOWN), "residual": {}}, [64.0],
+                               BUILTIN["h100"].model_copy(update={"name": "local"}))
+    assert prof.action_us[key] == pytest.approx(table[key], rel=1e-6)
