@@ -35,15 +35,6 @@ COMPUTE = ("F", "I", "W", "B", "FB")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-def drop_first_step(trace):
-    """The measured trace without the first step's schedule spans (warm-up)."""
-    from traces.compare import step_index
-    from traces.trace import Trace
-
-    first = {i for i, k in step_index(trace).items() if k == 0}
-    return Trace([s for i, s in enumerate(trace.spans) if i not in first], dict(trace.meta))
-
-
 def kind_table(c) -> dict:
     return {k.kind: {"n": k.n, "signed_median_pct": k.signed_median_pct, "median_abs_pct": k.median_abs_pct,
                      "p90_abs_pct": k.p90_abs_pct, "pred_mean_us": k.pred_mean_us, "meas_mean_us": k.meas_mean_us}
@@ -69,7 +60,7 @@ def main() -> int:
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
     from pipeline.config import load_config
-    from traces.compare import compare
+    from traces.compare import compare, drop_warmup_step
 
     t_start = time.time()
     out = Path(args.out)
@@ -127,7 +118,7 @@ def main() -> int:
               f"{s['iteration_us']['mhc'] / 1e3:.1f} ms")
         if args.sequential:
             tr_m, st_m = run_runtime(cfg, dirs[1], args.steps, args.timeout)
-        meas = {"baseline": drop_first_step(tr_b), "mhc": drop_first_step(tr_m)}
+        meas = {"baseline": drop_warmup_step(tr_b), "mhc": drop_warmup_step(tr_m)}
         rt_steps = {"baseline": st_b[1:] if len(st_b) > 1 else st_b, "mhc": st_m[1:] if len(st_m) > 1 else st_m}
         print(f"      #{rep}: ran, calibrated, predicted in {time.time() - t0:.0f} s")
         cm = compare(pred.mhc.trace, meas["mhc"], baseline=(pred.baseline.trace, meas["baseline"]))

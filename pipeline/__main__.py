@@ -1,5 +1,6 @@
 """torchrun entry: `torchrun --nproc-per-node 4 -m pipeline --config configs/tiny.yaml --schedule dualpipev
---trace-dir runs/x`.
+--trace-dir runs/x`. With `--interleave residual:1` the same job also trains the baseline, one step of each in
+turn (pipeline.train.train_interleaved), and writes runs/x/mhc_4/ and runs/x/residual_1/.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from torchrun; the world size is the pipeline's
 rank count (parallel.ranks is set from it). Backend: NCCL when every rank has its own GPU, gloo on CPU, and
@@ -29,6 +30,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
     p.add_argument("--checkpoint-dir", type=Path, help="write per-stage checkpoints here after every step")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--interleave", metavar="VARIANT:N",
+                   help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "
+                        "A/B measurement of the residual's cost in which both see the same machine state; "
+                        "traces go to TRACE_DIR/<variant>_<n>/")
 
 
 def config_from_args(args: argparse.Namespace, ranks: int | None):
@@ -56,18 +61,41 @@ def config_from_args(args: argparse.Namespace, ranks: int | None):
             raise ValueError(f"--recompute {args.recompute!r}: use 'off', 'auto' or a block size")
     cfg = load_config(args.config, {k: v for k, v in over.items() if v})
     if args.residual:
-        variant, _, n = args.residual.partition(":")
-        if not n.isdigit():
-            raise ValueError(f"--residual {args.residual!r}: use VARIANT:N, e.g. mhc:4 or residual:1")
-        try:
-            cfg = cfg.with_residual(variant, int(n))
-        except Exception as err:  # pydantic error -> one line naming the field
-            first = getattr(err, "errors", lambda: [{"msg": str(err)}])()[0]
-            raise ValueError(f"model.residual: {first['msg']}") from None
-        from .config import parse_config
-
-        cfg = parse_config(cfg.model_dump())
+        cfg = with_residual_flag(cfg, "--residual", args.residual)
     return cfg
+
+
+def with_residual_flag(cfg, flag: str, value: str):
+    """cfg with the residual a VARIANT:N flag names, validated like a config file."""
+    from .config import parse_config
+
+    variant, _, n = value.partition(":")
+    if not n.isdigit():
+        raise ValueError(f"{flag} {value!r}: use VARIANT:N, e.g. mhc:4 or residual:1")
+    try:
+        return parse_config(cfg.with_residual(variant, int(n)).model_dump())
+    except Exception as err:  # pydantic error -> one line naming the field
+        first = err.errors()[0]["msg"] if hasattr(err, "errors") else str(err)
+        raise ValueError(f"{flag}: model.residual: {first}") from None
+
+
+def interleaved_configs(cfg, args: argparse.Namespace) -> list:
+    """[cfg] or, with --interleave, [cfg, the same with the other residual]; refuses what cannot be interleaved."""
+    if not args.interleave:
+        return [cfg]
+    if args.checkpoint_dir is not None or args.resume:
+        raise ValueError("--interleave measures two variants side by side; it does not checkpoint or resume "
+                         "(drop --checkpoint-dir/--resume)")
+    other = with_residual_flag(cfg, "--interleave", args.interleave)
+    if other.model.residual == cfg.model.residual:
+        raise ValueError(f"--interleave {args.interleave}: the run already uses that residual; name the other "
+                         "variant, e.g. --residual mhc:4 --interleave residual:1")
+    return [cfg, other]
+
+
+def variant_dir(trace_dir: Path, cfg) -> Path:
+    """TRACE_DIR/<variant>_<n>: where an interleaved variant's trace goes."""
+    return Path(trace_dir) / f"{cfg.model.residual.variant}_{cfg.model.residual.n}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     try:
         cfg = config_from_args(args, world)
+        cfgs = interleaved_configs(cfg, args)
     except ValueError as err:
         # every rank reports: torchrun may kill rank 0 before it prints once another rank has exited
         print(f"python -m pipeline: error (rank {rank}): {err}", file=sys.stderr, flush=True)
@@ -91,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .p2p import PipelineError, init_distributed
-    from .train import pick_device, train
+    from .train import pick_device, train, train_interleaved
 
     try:
         device = pick_device(cfg, local_rank)
@@ -102,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" and not staged else "gloo"
         init_distributed(backend, cfg.train.timeout_s)
-        train(cfg, rank, world, device, trace_dir=args.trace_dir, checkpoint_dir=args.checkpoint_dir,
-              resume=args.resume, staged=staged, log=lambda line: print(line, flush=True))
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        if len(cfgs) > 1:
+            dirs = None if args.trace_dir is None else [variant_dir(args.trace_dir, c) for c in cfgs]
+            train_interleaved(cfgs, rank, world, device, trace_dirs=dirs, staged=staged, log=log)
+        else:
+            train(cfg, rank, world, device, trace_dir=args.trace_dir, checkpoint_dir=args.checkpoint_dir,
+                  resume=args.resume, staged=staged, log=log)
     except PipelineError as err:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -1,15 +1,17 @@
 """`mhcpipe demo` (what `make demo` runs): predict, run, compare and show mHC's cost on this machine.
 
 For the `tiny` preset on 4 CPU ranks with DualPipeV (configs/tiny.yaml):
-  1. calibrate the `local` hardware spec (micro-benchmarks: matmul, copy, launch, 2-process gloo P2P; one
-     pipeline stage of the runtime with and without mHC at the config's shape; how the ranks share the cores);
-  2. run the baseline (n = 1) with torchrun (gloo) and record its trace; fit per-action costs from it
-     (calibration on a baseline run, costmodel.md §3 - the mHC run is never an input);
-  3. predict baseline and mHC (n = 4);
-  4. run mHC with torchrun and record its trace;
-  5. compare predicted with measured, per op kind and as mHC overhead;
-  6. write runs/demo/: report.md, schedule.png (predicted above measured, one steady-state step),
-     overhead.png, trace.json (Perfetto: predicted and measured processes, P2P arrows), the raw traces.
+  1. calibrate the `local` hardware spec (micro-benchmarks: matmul, copy, launch, 2-process gloo P2P);
+  2. run mHC (n = 4) and the baseline (n = 1) in one torchrun job (gloo), one step of each in turn
+     (`--interleave residual:1`: a shared machine's speed drifts within seconds, and both variants see the same
+     drift), and record both traces;
+  3. micro-benchmark one pipeline stage of the runtime with and without mHC at the config's shape, measure how
+     the ranks share the cores, fit per-action costs on the BASELINE trace alone (calibration on a baseline run,
+     costmodel.md §3 - the mHC run is never an input), predict baseline and mHC;
+  4. compare predicted with measured, per op kind and as mHC overhead;
+  5. write runs/demo/: report.md, schedule.png (predicted above measured, one steady-state step),
+     overhead.png, trace.json (Perfetto: predicted and measured processes, P2P arrows), the raw traces
+     (measured/mhc_4/, measured/residual_1/, predicted_*.json).
 `--schedule-only` keeps the old quick picture: DualPipe P=8, M=20 at unit costs.
 """
 from __future__ import annotations
@@ -41,25 +43,28 @@ def _say(step: str, text: str) -> None:
     print(f"[{step}] {text}", flush=True)
 
 
-def run_torchrun(config: str, residual: str, steps: int, trace_dir: Path, timeout: int, ranks: int) -> Path:
-    """One training run through torchrun (gloo on CPU); returns the merged measured trace."""
+def run_torchrun(config: str, residual: str, interleave: str, steps: int, trace_dir: Path, timeout: int,
+                 ranks: int) -> list[str]:
+    """One training job through torchrun (gloo on CPU) training `residual` and `interleave` in turn; the merged
+    measured traces land in trace_dir/<variant>_<n>/. Returns the ranks' step lines."""
     from .local import free_port
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline", "--config", config,
-           "--residual", residual, "--steps", str(steps), "--device", "cpu", "--trace-dir", str(trace_dir)]
+           "--residual", residual, "--interleave", interleave, "--steps", str(steps), "--device", "cpu",
+           "--trace-dir", str(trace_dir)]
     log = trace_dir / "run.log"
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("step ")]
+    lines = [ln for ln in log.read_text().splitlines() if "] step " in ln]
     for ln in lines:
         print(f"      {ln}", flush=True)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-5:])
-        raise RuntimeError(f"torchrun ({residual}) failed with exit {proc.returncode}; see {log}:\n{tail}")
-    return trace_dir / "trace.json"
+        raise RuntimeError(f"torchrun failed with exit {proc.returncode}; see {log}:\n{tail}")
+    return lines
 
 
 def last_step(trace):
@@ -86,12 +91,12 @@ def _bubble(cmp) -> float:
     return sum(r.meas_bubble_pct for r in cmp.ranks) / max(1, len(cmp.ranks))
 
 
-def measured_memory(run_dir: Path) -> tuple[str, str]:
-    """(peak saved activations, peak RSS) of the last step, as the runtime printed them (max over ranks)."""
-    lines = [ln for ln in (run_dir / "run.log").read_text().splitlines() if ln.startswith("step ")]
-    if not lines:
+def measured_memory(lines: list[str], residual: str) -> tuple[str, str]:
+    """(peak saved activations, peak RSS) of `residual`'s last step, as the runtime printed them (max over ranks)."""
+    mine = [ln for ln in lines if ln.startswith(f"[{residual}] step ")]
+    if not mine:
         return ("-", "-")
-    words = lines[-1].split()
+    words = mine[-1].split()
     return (" ".join(words[words.index("peak_act") + 1:][:2]), " ".join(words[words.index("peak_mem") + 1:][:2]))
 
 
@@ -114,8 +119,9 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, me
         f"| mHC step (n={cfg.model.residual.n}) | {mhc_cmp.makespan_pred_us / 1e3:.1f} ms | "
         f"{mhc_cmp.makespan_meas_us / 1e3:.1f} ms | {mhc_cmp.makespan_err_pct:+.1f}% |",
         f"| mHC overhead | {o.pred_pct:.1f}% | {o.meas_pct:.1f}% | {o.diff_pp:+.1f} pp |", "",
-        "Measured step times are medians over the recorded steps after the first; the baseline prediction is "
-        "calibrated on the baseline run (replay), the mHC prediction is not fitted to any mHC run.", "",
+        "Measured step times are medians over the recorded steps after the first; baseline and mHC ran in one "
+        "job, one step of each in turn. The baseline prediction is calibrated on the baseline trace (replay), "
+        "the mHC prediction is not fitted to any mHC run.", "",
         "## Memory and bubble", "",
         "| | baseline | mHC |", "| --- | ---: | ---: |",
         f"| activations, predicted (max over ranks) | {_act_mib(pred, 'baseline'):.2f} MiB | "
@@ -127,8 +133,9 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, me
         f"| peak process memory (RSS), measured | {measured_mem['baseline'][1]} | {measured_mem['mhc'][1]} |",
         f"| bubble (idle share), predicted | {s['bubble']['baseline_pct']:.1f}% | {s['bubble']['mhc_pct']:.1f}% |",
         f"| bubble (idle share), measured | {_bubble(base_cmp):.1f}% | {_bubble(mhc_cmp):.1f}% |",
-        "", "Measured RSS includes the Python interpreter and torch (about 400 MiB per process on CPU); the "
-        "predicted total counts parameters, gradients, optimizer state and activations only.",
+        "", "Measured RSS is the whole process: the Python interpreter and torch (about 400 MiB per process on "
+        "CPU) and, since both variants train in the same processes, both models; the predicted total counts "
+        "one variant's parameters, gradients, optimizer state and activations only.",
         "", (f"Recompute: mode `{cfg.recompute.mode}`, blocks L_r = {s.get('recompute_block')} sub-layers. "
              if cfg.recompute.mode != "off" else "Recompute: off. ") + f"Pricing: {s.get('pricing')}.", "",
     ]
@@ -149,10 +156,11 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
     from traces.chrome import save_chrome
-    from traces.compare import compare
+    from traces.compare import compare, drop_warmup_step
     from traces.trace import Trace
     from traces.view import plot_overhead, write_picture
 
+    from .__main__ import variant_dir
     from .config import load_config
 
     out = Path(args.out)
@@ -163,39 +171,37 @@ def run(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {}
     started = t = time.perf_counter()
 
-    _say("1/6", "calibrating the `local` hardware spec (matmul, copy, launch, 2-process gloo P2P)")
+    _say("1/5", "calibrating the `local` hardware spec (matmul, copy, launch, 2-process gloo P2P)")
     hw = calibrate_local(quick=True)
     print(f"      matmul {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, copy {hw.hbm_bandwidth / 1e9:.1f} GB/s, "
           f"P2P {hw.intra.latency_us:.0f} us + {hw.intra.bandwidth / 1e9:.2f} GB/s", flush=True)
     timings["calibration"] = time.perf_counter() - t
     t = time.perf_counter()
-    _say("2/6", f"running the baseline (n=1) on {ranks} gloo ranks, {args.steps} steps")
-    base_path = run_torchrun(args.config, "residual:1", args.steps, out / "measured_baseline", args.timeout, ranks)
-    base_meas = Trace.load(base_path)
-    timings["baseline run"] = time.perf_counter() - t
+    mhc_res, base_res = f"{cfg.model.residual.variant}:{n}", "residual:1"
+    _say("2/5", f"running mHC (n={n}) and the baseline (n=1) on {ranks} gloo ranks, one step of each in turn, "
+                f"{args.steps} steps each")
+    lines = run_torchrun(args.config, mhc_res, base_res, args.steps, out / "measured", args.timeout, ranks)
+    base_trace = Trace.load(variant_dir(out / "measured", cfg.with_residual("residual", 1)) / "trace.json")
+    base_meas = drop_warmup_step(base_trace)  # compared without the warm-up step; the fit skips it itself
+    mhc_meas = drop_warmup_step(Trace.load(variant_dir(out / "measured", cfg) / "trace.json"))
+    timings["baseline and mHC runs"] = time.perf_counter() - t
     t = time.perf_counter()
-    _say("3/6", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
-                f"share the cores and the OS time slice, fitting on the baseline run, predicting baseline and mHC "
-                f"(n={n})")
-    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_meas)
+    _say("3/5", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
+                f"share the cores and the OS time slice, fitting on the baseline trace, predicting baseline and "
+                f"mHC (n={n})")
+    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace)
     pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False))
     s = pred.summary
     print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
           f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.1f}%", flush=True)
     timings["prediction"] = time.perf_counter() - t
     t = time.perf_counter()
-    _say("4/6", f"running mHC (n={n}) on {ranks} gloo ranks, {args.steps} steps")
-    mhc_path = run_torchrun(args.config, f"{cfg.model.residual.variant}:{n}", args.steps, out / "measured_mhc",
-                            args.timeout, ranks)
-    mhc_meas = Trace.load(mhc_path)
-    timings["mHC run"] = time.perf_counter() - t
-    t = time.perf_counter()
-    _say("5/6", "comparing predicted with measured")
+    _say("4/5", "comparing predicted with measured")
     pred.baseline.trace.save(out / "predicted_baseline.json")
     pred.mhc.trace.save(out / "predicted_mhc.json")
     base_cmp = compare(pred.baseline.trace, base_meas)
     mhc_cmp = compare(pred.mhc.trace, mhc_meas, baseline=(pred.baseline.trace, base_meas))
-    _say("6/6", "writing the report and pictures")
+    _say("5/5", "writing the report and pictures")
     steady = last_step(mhc_meas)
     write_picture(out / "schedule.png", [pred.mhc.trace, steady], streams=("compute", "hp"),
                   title=f"{cfg.model.name} mHC n={n}, {cfg.parallel.schedule} P={ranks}: predicted (top) vs "
@@ -204,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     save_chrome(out / "trace.json", pred.mhc.trace, steady)
     (out / "comparison.json").write_text(json.dumps(mhc_cmp.to_dict(), indent=1, default=str))
     timings["compare and draw"] = time.perf_counter() - t
-    measured_mem = {"baseline": measured_memory(out / "measured_baseline"), "mhc": measured_memory(out / "measured_mhc")}
+    measured_mem = {"baseline": measured_memory(lines, base_res), "mhc": measured_memory(lines, mhc_res)}
     report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings, measured_mem)
     o = mhc_cmp.overhead
     print(f"demo done in {time.perf_counter() - started:.0f} s; report: {report}")

@@ -126,28 +126,11 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
 
 
 def interleaved_worker(rank: int, world: int, cfg_dicts: list[dict], trace_dirs: list[str]) -> list[list[dict]]:
-    """Step k of every config runs before step k+1 of any, in an order that reverses every step (A B B A A B ...),
-    so slow and fast phases of a shared host fall on all variants alike and no variant always follows another.
-    Every config needs the same ranks and steps. Each variant's trace goes to its own folder, all on one time
-    axis; returns each variant's per-step stats."""
+    """pipeline.train.train_interleaved on CPU: the configs take turns step by step (A B B A ...), each variant's
+    trace in its own folder; returns each variant's per-step stats."""
     from .config import parse_config
-    from .train import RankRuntime, manual_gc
+    from .train import train_interleaved
 
-    cfgs = [parse_config(d) for d in cfg_dicts]
-    if len({(c.parallel.ranks, c.train.steps) for c in cfgs}) != 1:
-        raise ValueError("interleaved runs need the same parallel.ranks and train.steps in every config; got "
-                         + ", ".join(f"{c.parallel.ranks} ranks x {c.train.steps} steps" for c in cfgs))
-    runtimes = [RankRuntime(c, rank, torch.device("cpu")) for c in cfgs]
-    stats: list[list[dict]] = [[] for _ in runtimes]
-    with manual_gc(cfgs[0].train.gc_interval) as collect:
-        zero = runtimes[0].align_clocks()
-        for rt in runtimes[1:]:
-            rt.recorder.align(zero)  # one time axis for all the variants' traces
-        for k in range(cfgs[0].train.steps):
-            order = range(len(runtimes)) if k % 2 == 0 else reversed(range(len(runtimes)))
-            for i in order:
-                stats[i].append(vars(runtimes[i].step(k)))
-            collect(k)
-    for rt, trace_dir in zip(runtimes, trace_dirs):
-        rt.save_trace(Path(trace_dir), world)
-    return stats
+    history = train_interleaved([parse_config(d) for d in cfg_dicts], rank, world, torch.device("cpu"),
+                                trace_dirs=[Path(d) for d in trace_dirs], log=lambda *a: None)
+    return [[vars(s) for s in h] for h in history]

@@ -11,7 +11,7 @@ import argparse
 import subprocess
 import sys
 
-from .__main__ import add_run_arguments, config_from_args
+from .__main__ import add_run_arguments, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
-    for flag in ("schedule", "microbatches", "steps", "residual", "recompute", "device", "timeout"):
+    for flag in ("schedule", "microbatches", "steps", "residual", "recompute", "device", "timeout", "interleave"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag}", str(value)]
@@ -44,5 +44,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: must be >= 1")
     cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (pipeline.cli)
+    interleaved_configs(cfg, args)
     nproc = args.nproc or cfg.parallel.ranks
     return subprocess.call(torchrun_command(args, nproc))

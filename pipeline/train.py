@@ -246,8 +246,49 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     return history
 
 
+def residual_label(cfg) -> str:
+    """'mhc:4', 'residual:1': how --residual names a config's residual."""
+    return f"{cfg.model.residual.variant}:{cfg.model.residual.n}"
+
+
+def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *, trace_dirs: list[Path] | None = None,
+                      staged: bool = False, log=print) -> list[list[StepStats]]:
+    """A/B measurement: train every config in this process group, step k of each before step k+1 of any, in an
+    order that reverses every step (A B B A A B ...). On a host whose speed drifts (a shared VM, a busy node) all
+    variants see the same drift, so their step times compare; no variant always runs after another. The configs
+    must agree on ranks and steps; each one's trace goes to its own folder, all on one time axis. Rank 0 prints
+    each step's line prefixed with the variant's residual."""
+    if len({(c.parallel.ranks, c.train.steps) for c in cfgs}) != 1:
+        raise ValueError("interleaved runs need the same parallel.ranks and train.steps in every config; got "
+                         + ", ".join(f"{c.parallel.ranks} ranks x {c.train.steps} steps" for c in cfgs))
+    if world != cfgs[0].parallel.ranks:
+        raise ValueError(f"parallel.ranks={cfgs[0].parallel.ranks} but {world} processes were started "
+                         "(torchrun --nproc-per-node); make them equal")
+    runtimes = [RankRuntime(c, rank, device, staged=staged, record=trace_dirs is not None) for c in cfgs]
+    history: list[list[StepStats]] = [[] for _ in runtimes]
+    steps = cfgs[0].train.steps
+    with manual_gc(cfgs[0].train.gc_interval) as collect:
+        zero = runtimes[0].align_clocks()
+        for rt in runtimes[1:]:
+            rt.recorder.align(zero)  # one time axis for every variant's trace
+        for k in range(steps):
+            for i in (range(len(runtimes)) if k % 2 == 0 else reversed(range(len(runtimes)))):
+                stats = runtimes[i].step(k)
+                history[i].append(stats)
+                if rank == 0:
+                    log(f"[{residual_label(cfgs[i])}] {stats.line(steps)}")
+            collect(k)
+    if trace_dirs is not None:
+        for rt, trace_dir in zip(runtimes, trace_dirs):
+            path = rt.save_trace(trace_dir, world)
+            if path is not None:
+                log(f"trace: {path}")
+    return history
+
+
 def stats_dicts(history: list[StepStats]) -> list[dict]:
     return [asdict(s) for s in history]
 
 
-__all__ = ["PipelineError", "RankRuntime", "StepStats", "pick_device", "train", "stats_dicts"]
+__all__ = ["PipelineError", "RankRuntime", "StepStats", "pick_device", "residual_label", "train", "train_interleaved",
+           "stats_dicts"]

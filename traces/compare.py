@@ -106,6 +106,16 @@ def step_index(trace: Trace) -> dict[int, int]:
     return out
 
 
+def drop_warmup_step(trace: Trace) -> Trace:
+    """The trace without its first step's schedule spans (warm-up: allocator, first-touch pages), when it has
+    more than one step."""
+    steps = step_index(trace)
+    if max(steps.values(), default=0) < 1:
+        return trace
+    first = {i for i, k in steps.items() if k == 0}
+    return Trace([s for i, s in enumerate(trace.spans) if i not in first], dict(trace.meta))
+
+
 # ---- schedule identity -------------------------------------------------------------------------------------
 
 def schedule_descriptor(meta: dict[str, Any]) -> dict[str, Any]:

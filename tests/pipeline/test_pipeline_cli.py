@@ -77,12 +77,30 @@ def test_run_trace_checkpoint_resume(tmp_path):
     (["run", "--config", "tiny", "--recompute", "sometimes"], "--recompute"),
     (["run", "--config", "no-such-preset"], "unknown preset"),
     (["run", "--config", "tiny", "--nproc", "3", "--schedule", "dualpipe"], "parallel"),
+    (["run", "--config", "tiny", "--interleave", "residual"], "--interleave"),
+    (["run", "--config", "tiny", "--interleave", "mhc:4"], "already uses that residual"),
+    (["run", "--config", "tiny", "--interleave", "residual:1", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir"),
 ])
 def test_bad_config_is_one_line_exit_2(args, field):
     out = _mhcpipe(*args, timeout=60)
     assert out.returncode == 2
     err = out.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1 and field in err, err
+
+
+@pytest.mark.timeout(300)
+def test_run_interleaved_writes_both_variants(tmp_path):
+    path = tmp_path / "tiny2.yaml"
+    path.write_text(yaml.safe_dump(tiny_config("dualpipev", 2, steps=2)))
+    out = _mhcpipe("run", "--config", str(path), "--residual", "mhc:4", "--interleave", "residual:1",
+                   "--trace-dir", str(tmp_path / "trace"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if "] step " in ln]
+    assert [ln.split()[0] + ln.split()[2] for ln in lines] == \
+        ["[mhc:4]1/2", "[residual:1]1/2", "[residual:1]2/2", "[mhc:4]2/2"], out.stdout
+    for name, n in (("mhc_4", 4), ("residual_1", 1)):
+        meta = json.loads((tmp_path / "trace" / name / "trace.json").read_text())["meta"]
+        assert meta["residual"]["n"] == n
 
 
 def test_module_entry_outside_torchrun():

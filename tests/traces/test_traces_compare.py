@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from traces.compare import compare
+from traces.compare import compare, drop_warmup_step, step_index
 from traces.report import to_json, to_markdown, to_text
 from traces.trace import Span, Trace, TraceError
 from traces_testlib import one_f_one_b
@@ -89,6 +89,17 @@ def test_measured_steps_are_each_compared_and_spread_reported():
     assert c.makespan_meas_min_us == c.makespan_meas_max_us == c.makespan_meas_us
     f = next(k for k in c.kinds if k.kind == "F")
     assert f.n == 3 * 12 and f.median_abs_pct == pytest.approx(100 * 1 / 11)  # ranks 0, 1, 2 -> 0, 1/11, 2/12
+
+
+def test_warmup_step_is_dropped_only_when_another_step_follows():
+    pred = one_f_one_b(3, 4)
+    meas = one_f_one_b(3, 4, f=lambda r, m: 10 + r, b=20, source="measured", steps=3, origin=123)
+    rest = drop_warmup_step(meas)
+    assert len(rest.spans) == 2 * len(pred.spans) and sorted(set(step_index(rest).values())) == [0, 1]
+    first_end = max(meas.spans[i].end for i, k in step_index(meas).items() if k == 0)
+    assert min(s.start for s in rest.spans) >= first_end
+    assert compare(pred, rest).steps == 2
+    assert drop_warmup_step(pred) is pred  # one step: nothing to drop
 
 
 def test_fb_pairs_match_with_partner_and_children_are_not_unmatched():
