@@ -135,7 +135,10 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, me
         f"| bubble (idle share), measured | {_bubble(base_cmp):.1f}% | {_bubble(mhc_cmp):.1f}% |",
         "", "Measured RSS is the whole process: the Python interpreter and torch (about 400 MiB per process on "
         "CPU) and, since both variants train in the same processes, both models; the predicted total counts "
-        "one variant's parameters, gradients, optimizer state and activations only.",
+        "one variant's parameters, gradients, optimizer state and activations only. Predicted activations count "
+        "what an optimized implementation stores (per tensor, Korthikanti et al.; mHC Table 3 for the streams); "
+        "the measured ones are what eager autograd saves with the reference (unfused) kernels, so the two are "
+        "not expected to agree closely.",
         "", (f"Recompute: mode `{cfg.recompute.mode}`, blocks L_r = {s.get('recompute_block')} sub-layers. "
              if cfg.recompute.mode != "off" else "Recompute: off. ") + f"Pricing: {s.get('pricing')}.", "",
     ]
