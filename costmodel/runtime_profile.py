@@ -106,7 +106,7 @@ def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int =
     base_cfg = cfg.with_residual("residual", 1)
     bench = bench_runtime_pieces(cfg, variants, rounds=rounds)
     if cores is None:
-        cores = measure_core_sharing(cfg, cfg.parallel.ranks, seconds=1.0 if quick else 2.0)
+        cores = measure_core_sharing(cfg, cfg.parallel.ranks, cycles=12 if quick else 24)
     if time_slice_us is None:
         time_slice_us = measure_time_slice(cfg.parallel.ranks)
     if baseline_trace is None:
