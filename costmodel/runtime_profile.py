@@ -30,36 +30,6 @@ def runtime_key(cfg) -> dict:
             "ranks": p.ranks, "recompute": cfg.recompute.model_dump(), "dtype": cfg.train.dtype}
 
 
-def _run_worker(rank: int, world: int, cfg_dict: dict, trace_dir: str):
-    import torch
-
-    from pipeline.config import parse_config
-    from pipeline.train import train
-
-    hist = train(parse_config(cfg_dict), rank, world, torch.device("cpu"), trace_dir=Path(trace_dir),
-                 log=lambda *a: None)
-    return [h.step_time_s for h in hist]
-
-
-def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
-    """Run cfg on its local gloo ranks (pipeline.local.launch + pipeline.train.train) and load the measured trace.
-    Returns (Trace, per-step step times in seconds as the runtime reports them)."""
-    from pipeline.local import launch
-    from traces.trace import Trace
-
-    data = cfg.model_dump()
-    if steps is not None:
-        data["train"]["steps"] = steps
-    data["train"]["device"] = "cpu"
-    trace_dir = Path(trace_dir)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    res = launch(_run_worker, cfg.parallel.ranks, (data, str(trace_dir)), timeout_s=timeout_s)
-    bad = [r for r in res if r.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"runtime run failed: {bad[0].error or f'rank {bad[0].rank} exit {bad[0].exitcode}'}")
-    return Trace.load(trace_dir / "trace.json"), res[0].value
-
-
 def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int | None = None,
                             timeout_s: float = 300.0):
     """Run several configs in one launch on their local gloo ranks, one step of each in turn
@@ -83,6 +53,12 @@ def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int
     if bad:
         raise RuntimeError(f"runtime run failed: {bad[0].error or f'rank {bad[0].rank} exit {bad[0].exitcode}'}")
     return [(Trace.load(d / "trace.json"), [s["step_time_s"] for s in stats]) for d, stats in zip(dirs, res[0].value)]
+
+
+def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
+    """Run cfg on its local gloo ranks and load the measured trace (run_runtime_interleaved with one config).
+    Returns (Trace, per-step step times in seconds as the runtime reports them)."""
+    return run_runtime_interleaved([cfg], [trace_dir], steps, timeout_s)[0]
 
 
 def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int = 4, variants=None,

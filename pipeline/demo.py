@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .__main__ import variant_dir
     from .config import load_config
+    from .train import residual_label
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,11 +181,12 @@ def run(args: argparse.Namespace) -> int:
           f"P2P {hw.intra.latency_us:.0f} us + {hw.intra.bandwidth / 1e9:.2f} GB/s", flush=True)
     timings["calibration"] = time.perf_counter() - t
     t = time.perf_counter()
-    mhc_res, base_res = f"{cfg.model.residual.variant}:{n}", "residual:1"
+    base_cfg = cfg.with_residual("residual", 1)
+    mhc_res, base_res = residual_label(cfg), residual_label(base_cfg)
     _say("2/5", f"running mHC (n={n}) and the baseline (n=1) on {ranks} gloo ranks, one step of each in turn, "
                 f"{args.steps} steps each")
     lines = run_torchrun(args.config, mhc_res, base_res, args.steps, out / "measured", args.timeout, ranks)
-    base_trace = Trace.load(variant_dir(out / "measured", cfg.with_residual("residual", 1)) / "trace.json")
+    base_trace = Trace.load(variant_dir(out / "measured", base_cfg) / "trace.json")
     base_meas = drop_warmup_step(base_trace)  # compared without the warm-up step; the fit skips it itself
     mhc_meas = drop_warmup_step(Trace.load(variant_dir(out / "measured", cfg) / "trace.json"))
     timings["baseline and mHC runs"] = time.perf_counter() - t
