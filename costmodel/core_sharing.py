@@ -9,7 +9,8 @@ can fall beyond c: k > c processes time-slicing c cores refill their caches afte
 measure_time_slice(k) lets k busy processes spin, each stamping the clock every few microseconds; a jump in its
 stamps is a time it was descheduled. The median length of the runs between jumps is the scheduler's time slice
 under that load (4 ms on the 2-vCPU VM this was written on: a 250 Hz tick). An action shorter than the slice
-that starts on a core mostly ends before it is preempted, so it runs at full speed however many ranks compute.
+that starts on a core mostly ends before it is preempted, so it runs at full speed however many ranks compute
+(costmodel.shared_cores schedules the ranks on the cores in such slices).
 """
 from __future__ import annotations
 

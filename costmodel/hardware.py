@@ -107,9 +107,10 @@ class RuntimeProfile(BaseModel):
     torch ops) that a FLOP/byte roofline does not see, and the ranks share fewer cores than there are ranks. So
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
-      alone (costmodel.core_sharing). Ranks computing at the same moment progress at min(1, cores(k) / k) each
-      (costmodel.shared_cores simulates that along the schedule). `time_slice_us`: the OS time slice among more
-      busy ranks than cores (measured); an action runs its first slice at full speed.
+      alone (costmodel.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores
+      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule, a
+      rank on a core progressing at min(1, cores(k) / min(k, cores)); with no slice, every computing rank
+      progresses at min(1, cores(k) / k).
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
       "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (mean without
       stalls). Reusing them for the baseline is replay, not prediction.
@@ -134,7 +135,8 @@ class RuntimeProfile(BaseModel):
     cores_by_concurrency: list[float] = Field(min_length=1, description="cores(k) for k = 1, 2, ... ranks computing "
                                                                         "at once; the last value holds beyond")
     time_slice_us: float = Field(0.0, ge=0, description="the OS time slice among more ranks than cores "
-                                                        "(core_sharing.measure_time_slice); 0 = fluid sharing")
+                                                        "(core_sharing.measure_time_slice); 0 = fluid sharing, "
+                                                        "else ranks scheduled on the cores in slices")
     meta: dict = Field(default_factory=dict)
 
     @pydantic.field_validator("residual_us")

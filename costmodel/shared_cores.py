@@ -11,15 +11,22 @@ re-evaluated whenever an action starts or ends. cores(k) is the measured through
 single-thread processes in units of one process alone (core_sharing.measure_core_sharing); it is not simply
 min(k, cores) on a shared VM.
 
-The OS does not share a core as a fluid, though: it gives it to one process for a time slice (core_sharing.
-measure_time_slice; 4 ms here) and preempts at the slice's end, wherever the process is. An action much shorter
-than the slice seldom contains a preemption, so its typical (median) duration is its work whatever the others do;
-a long action contains several and gets the cores' share. Measured: baseline actions of 0.3-2 ms, and mHC's
-0.5 ms weight-grads, take the same median time alone and among three computing ranks, while 10 ms mHC actions
-stretch 1.6x. With `slice_us` > 0 every action starts with a slice of full-speed work: the ranks within their
-slice get min(1, cores(k) / their number), the others share what capacity is left. The preemptions the short
-actions escape are paid by the long ones, so the cores' capacity still bounds the progress. slice_us = 0 is the
-fluid model.
+The OS does not share a core as a fluid, though: a core runs one process for a time slice (core_sharing.
+measure_time_slice; 4 ms here), then hands it to a process waiting for it. With `slice_us` > 0 the simulation
+schedules the ranks that way: the host has `slots` = round(max cores(k)) cores; a rank holds one while it
+computes, keeps it from one action to the next while its next action is ready, gives it back when it waits for a
+message, and at its slice's end when another rank waits for a core. A rank that wakes up (its message arrived)
+goes first in line: it slept, so it has used the least CPU time, which is what the scheduler picks. A rank on a
+core progresses at min(1, cores(k) / min(k, slots)) with k the ranks that want a core, so the capacity is still
+the measured cores(k) (what k processes lose to switches and refilled caches slows every one of them). What this
+gets right and the fluid model does not: a rank that wakes while the cores are taken waits *before* its action
+(the span starts late, with its work at full speed), and an action is stretched only by the slices it loses
+(whole ones). Measured on a 2-vCPU VM (8 interleaved runs of bench/predict_local.py, each re-priced both ways):
+the mHC forwards' median is within 10 % of their full-speed work while a few take 3-4x as long; against fluid
+sharing with a full-speed first slice (this module's earlier model), replaying the baseline run the per-action
+median |error| of F fell from 18-27 % to 11-19 % and of FB from 11-20 % to 7-14 %, and predicting the mHC run
+the forwards' bias (signed median over 4 runs) fell from +30 % and +41 % to +11 % and +13 % (two batches).
+slice_us = 0 is the fluid model.
 
 Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
 channels per (src, dst) in the sender's program order, a transfer starts when both sides posted and the channel
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -57,7 +65,6 @@ class _Running:
     gap_left: float  # executor work before the action (us at full speed)
     work_left: float
     posted: float  # when the rank took the action up (gap starts)
-    slice_left: float  # full-speed work left in the action's first time slice
     started: float | None = None  # when the gap ended: the span's start
 
 
@@ -67,7 +74,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     """Simulate `schedule` on ranks sharing cores (see the module docstring). `work(a)`: full-speed time of a
     compute action; `transfer_time(a)`: duration of a message, called with its RECV action (peer = sender);
     `gap_us`: full-speed executor work before every compute action; `slice_us`: the OS time slice (0: fluid
-    sharing). Busy time per rank counts gaps too."""
+    sharing, else ranks scheduled on cores in slices). Busy time per rank counts gaps and waits for a core."""
     from schedules.validate import check_structure, raise_deadlock
 
     lowered = check_structure(schedule)
@@ -107,22 +114,33 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     end = [0.0] * P
     t = 0.0
 
+    slots = max(1, round(max(float(c) for c in cores)))
+    on_core: dict[int, float] = {}  # rank -> when its slice ends (slice_us > 0)
+    waiting: deque[int] = deque()  # ranks that want a core and have none
+
     def rates() -> dict[int, float]:
-        """Progress rate per running rank: the actions within their first slice first, the rest share what is
-        left."""
+        """Progress rate per running rank (see the module docstring)."""
         k = len(running)
-        total = cap(k)
-        fresh = [r for r, run in running.items() if run.slice_left > 0]
-        out: dict[int, float] = {}
-        if fresh:
-            each = min(1.0, total / len(fresh))
-            out.update((r, each) for r in fresh)
-            total -= each * len(fresh)
-        rest = [r for r in running if r not in out]
-        if rest:
-            each = min(1.0, max(0.0, total) / len(rest))
-            out.update((r, each) for r in rest)
-        return out
+        if not k:
+            return {}
+        if not slice_us:
+            return dict.fromkeys(running, min(1.0, cap(k) / k))
+        speed = min(1.0, cap(k) / min(k, slots))
+        return {r: speed if r in on_core else 0.0 for r in running}
+
+    def give_cores(woken: list[int]) -> None:
+        """The ranks that woke up first in line; a slice that ended hands its core on when someone waits."""
+        for r in [r for r in on_core if r not in running]:  # waits for a message: the core is free
+            del on_core[r]
+        waiting.extendleft(reversed(woken))
+        for r in [r for r, t_end in on_core.items() if t_end <= t]:
+            del on_core[r]
+            if waiting:
+                waiting.append(r)
+            else:
+                on_core[r] = t + slice_us
+        while waiting and len(on_core) < slots:
+            on_core[waiting.popleft()] = t + slice_us
 
     def resolve(ch: int) -> None:
         msgs = messages[ch]
@@ -162,23 +180,23 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
             else:
                 if any(k not in done for k in needs(a, r, topo)):
                     return
-                running[r] = _Running(a, gap_us, float(work(a)), t, slice_us)
+                running[r] = _Running(a, gap_us, float(work(a)), t)
                 ptr[r] += 1
                 return
             ptr[r] += 1
 
     for r in range(P):
         advance(r)
+    if slice_us:
+        give_cores(sorted(running))
     while running or arrivals:
         rate = rates()
         t_next = arrivals[0][0] if arrivals else math.inf
+        if waiting:  # a slice's end hands a core on
+            t_next = min(t_next, max(t, min(on_core.values())))
         for r, run in running.items():
-            if rate[r] <= 0:
-                continue
-            left = run.gap_left if run.started is None else run.work_left
-            if run.slice_left > 0:
-                left = min(left, run.slice_left)
-            t_next = min(t_next, t + left / rate[r])
+            if rate[r] > 0:
+                t_next = min(t_next, t + (run.gap_left if run.started is None else run.work_left) / rate[r])
         if math.isinf(t_next):
             raise RuntimeError("shared-cores simulation stalled: no rank can progress (cores(k) must be > 0)")
         dt = t_next - t
@@ -186,10 +204,6 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         finished = []
         for r, run in running.items():
             progress = dt * rate[r]
-            if run.slice_left > 0:
-                run.slice_left -= progress
-                if run.slice_left <= 1e-9 * max(1.0, slice_us):
-                    run.slice_left = 0.0
             if run.started is None:
                 run.gap_left -= progress
                 if run.gap_left <= 1e-9 * max(1.0, gap_us):
@@ -210,9 +224,14 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         while arrivals and arrivals[0][0] <= t:
             _, _, key = heapq.heappop(arrivals)
             done[key] = t
+        woken = []
         for r in range(P):
             if r not in running:
-                advance(r)
+                advance(r)  # a rank that finished keeps its core when its next action is ready
+                if r in running and r not in on_core:
+                    woken.append(r)
+        if slice_us:
+            give_cores(woken)
     blocked = {r: programs[r][ptr[r]] for r in range(P) if ptr[r] < len(programs[r])}
     if blocked:
         raise_deadlock(lowered, blocked)

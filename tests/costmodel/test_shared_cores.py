@@ -91,7 +91,7 @@ def _short_after_long(slice_us):
 
 def test_a_short_action_runs_at_full_speed_within_its_slice():
     f = _short_after_long(4.0)
-    # rank 0's F(mb 1) used its slice alone (10..14); rank 1's short F has a fresh slice: the core is its own
+    # rank 0's slice has ended when rank 1 wakes up at 15: rank 1 takes the core and runs its short F whole
     assert f[(1, 0)].start == pytest.approx(15.0) and f[(1, 0)].duration == pytest.approx(2.0)
     assert f[(0, 1)].end == pytest.approx(22.0)  # 4 + 1 done by 15, it waited 15..17, the 5 left alone
     fluid = _short_after_long(0.0)
@@ -99,14 +99,34 @@ def test_a_short_action_runs_at_full_speed_within_its_slice():
     assert fluid[(0, 1)].end == pytest.approx(22.0)  # one core: the same work ends at the same time
 
 
+def test_a_rank_that_wakes_while_the_core_is_taken_waits_before_its_action():
+    """With slices longer than rank 0's work, rank 0 keeps the one core until it waits for a gradient (t = 20):
+    rank 1's forward, ready at 15, starts then and runs at full speed; the fluid model stretches it instead."""
+    f = _short_after_long(100.0)
+    assert f[(0, 1)].end == pytest.approx(20.0)
+    assert f[(1, 0)].start == pytest.approx(20.0) and f[(1, 0)].duration == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("kind", ["dualpipev", "zb1p", "1f1b"])
-def test_slices_longer_than_every_action_are_the_fluid_model(kind):
-    """Every rank always inside its slice gets min(1, cores(k) / k): the fluid model again."""
+def test_slices_on_enough_cores_are_the_event_simulator(kind):
+    """A core per rank: nobody ever waits for one, whatever the slice."""
     sched = build(kind, 4, 8)
     work = _costs(7)
-    a = simulate_shared(sched, work, _transfer, [1.0, 1.7, 1.6, 1.5], gap_us=0.1, slice_us=1e12)
-    b = simulate_shared(sched, work, _transfer, [1.0, 1.7, 1.6, 1.5], gap_us=0.1)
-    assert a.makespan == pytest.approx(b.makespan)
+    ref = simulate(sched, compute_time=work, transfer_time=_transfer)
+    got = simulate_shared(sched, work, _transfer, [1.0, 2.0, 3.0, 4.0], slice_us=1.5)
+    assert got.makespan == pytest.approx(ref.makespan)
+
+
+def test_ranks_share_a_core_in_whole_slices():
+    """Two ranks always ready on one core take turns slice by slice: every span holds its own work plus whole
+    slices of the other rank, and the capacity of one core is used without loss."""
+    sched = build("zb1p", 2, 2)
+    sim = simulate_shared(sched, lambda a: 0.0 if a.kind is Kind.W else 6.0, lambda a: 0.0, [1.0], slice_us=2.0)
+    for s in sim.trace.spans:
+        if s.stream == "compute" and s.duration > 0:
+            assert (s.duration - 6.0) / 2.0 == pytest.approx(round((s.duration - 6.0) / 2.0))
+    total = 6.0 * sum(1 for s in sim.trace.spans if s.stream == "compute" and s.kind != "W")
+    assert sim.makespan == pytest.approx(total)
 
 
 @pytest.mark.parametrize("slice_us", [1.5, 2.5, 5.0])
