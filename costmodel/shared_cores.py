@@ -21,11 +21,13 @@ core progresses at min(1, cores(k) / min(k, slots)) with k the ranks that want a
 the measured cores(k) (what k processes lose to switches and refilled caches slows every one of them). What this
 gets right and the fluid model does not: a rank that wakes while the cores are taken waits *before* its action
 (the span starts late, with its work at full speed), and an action is stretched only by the slices it loses
-(whole ones). Measured on a 2-vCPU VM (8 interleaved runs of bench/predict_local.py, each re-priced both ways):
-the mHC forwards' median is within 10 % of their full-speed work while a few take 3-4x as long; against fluid
-sharing with a full-speed first slice (this module's earlier model), replaying the baseline run the per-action
-median |error| of F fell from 18-27 % to 11-19 % and of FB from 11-20 % to 7-14 %, and predicting the mHC run
-the forwards' bias (signed median over 4 runs) fell from +30 % and +41 % to +11 % and +13 % (two batches).
+(whole ones). Measured on a 2-vCPU VM (13 interleaved runs of bench/predict_local.py in three batches, each
+re-priced both ways): the mHC forwards' median is within 10 % of their full-speed work while a few take 3-4x as
+long; against fluid sharing with a full-speed first slice (this module's earlier model), replaying the baseline
+run the per-action median |error| of F fell from 18-28 % to 11-22 % and of FB from 11-28 % to 7-16 %, and
+predicting the mHC run the forwards' bias (signed median per batch) fell from +30..+41 % to +11..+14 % and the
+F&B pairs' from +12..+16 % to +3..+16 %; the full backwards' (B) went from +21..+29 % to +19..+46 %: the
+simulation lets other ranks take a B's core in 60-80 % of the B actions, the runs show 40-45 %.
 slice_us = 0 is the fluid model.
 
 Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
