@@ -108,9 +108,9 @@ class RuntimeProfile(BaseModel):
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
       alone (costmodel.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores
-      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule, a
-      rank on a core progressing at min(1, cores(k) / min(k, cores)); with no slice, every computing rank
-      progresses at min(1, cores(k) / k).
+      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule,
+      the capacity cores(k) < cores(cores) of more ranks than cores lost at the switches; with no slice,
+      every computing rank progresses at min(1, cores(k) / k).
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
       "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (mean without
       stalls). Reusing them for the baseline is replay, not prediction.

@@ -129,6 +129,27 @@ def test_ranks_share_a_core_in_whole_slices():
     assert sim.makespan == pytest.approx(total)
 
 
+def test_a_rank_that_takes_a_core_from_another_loses_the_switch():
+    """One core that two busy processes share at 0.8 in total: one switch per 4-unit slice costs 1 unit. Rank 1
+    wakes at 15 and takes the core from rank 0 (whose slice has ended): it starts at 16, not 15."""
+    sched = build("gpipe", 2, 2)
+    sim = simulate_shared(sched, lambda a: 0.0 if a.kind is not Kind.F else (10.0 if a.stage == 0 else 2.0),
+                          lambda a: 5.0 if a.kind is Kind.RECV_F else 0.0, [1.0, 0.8], slice_us=4.0)
+    f = {(s.rank, s.mb): s for s in sim.trace.spans if s.kind == "F"}
+    assert f[(1, 0)].start == pytest.approx(16.0) and f[(1, 0)].duration == pytest.approx(2.0)
+    assert f[(0, 1)].end == pytest.approx(23.0)  # alone again at 18: its core back at no cost, 5 units left
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_busy_ranks_on_fewer_cores_progress_at_the_measured_cores(ranks):
+    """What cores(k) measures, the simulation reproduces: k ranks with work always ready (a long GPipe forward)
+    progress at cores(k) in total, not at the cores' count."""
+    sched = build("gpipe", ranks, 64)
+    cores = [1.0, 2.0, 1.8, 1.6]
+    sim = simulate_shared(sched, lambda a: 3.0 if a.kind is Kind.F else 0.0, lambda a: 0.0, cores, slice_us=1.0)
+    assert 3.0 * ranks * 64 / sim.makespan == pytest.approx(cores[ranks - 1], rel=0.03)
+
+
 @pytest.mark.parametrize("slice_us", [1.5, 2.5, 5.0])
 def test_slices_never_exceed_the_cores(slice_us):
     """On one core the compute spans can hold no more than one rank's worth of progress at any time."""
