@@ -354,9 +354,10 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
                                median_abs_pct=_pct(stats[1]), p90_abs_pct=_pct(stats[2]),
                                pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
     fb_halves = _fb_halves(meas, matched_m) - matched_m
+    unpriced_parts = _unpriced_parts(pred, meas, matched_m)
     unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if i not in matched_p]
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
-                   if i not in matched_m and i not in fb_halves]
+                   if i not in matched_m and i not in fb_halves and i not in unpriced_parts]
     ps, ms = time_stats(pred), time_stats(meas)
     ranks = []
     for r in sorted(set(ps.busy) | set(ms.busy)):
@@ -373,6 +374,10 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
     if fb_halves:
         notes.append(f"{len(fb_halves)} measured F/B child ranges of overlapped FB pairs are covered by their FB span")
+    if unpriced_parts:
+        part_kinds = sorted({meas.spans[i].kind for i in unpriced_parts})
+        notes.append(f"{len(unpriced_parts)} measured kernel parts ({', '.join(part_kinds)}) are inside their actions: "
+                     "the prediction prices whole actions, not parts")
     units = {label: t.meta.get("time_unit", "us") for label, t in (("predicted", pred), ("measured", meas))}
     if len(set(units.values())) > 1:
         notes.append(f"time units differ (predicted in {units['predicted']!r}, measured in {units['measured']!r}): "
@@ -420,6 +425,14 @@ def _breakdown(base: TimeStats, mhc: TimeStats) -> dict[str, float]:
         out[kind] = _pct((mhc.kind_time.get(kind, 0.0) - base.kind_time.get(kind, 0.0)) / denom)
     out["idle"] = _pct((sum(mhc.idle.values()) - sum(base.idle.values())) / denom)
     return out
+
+
+def _unpriced_parts(pred: Trace, meas: Trace, matched: set[int]) -> set[int]:
+    """Measured kernel parts (kind "F.post_res", ...) when the prediction has no parts at all (it priced whole
+    actions, e.g. the `local` runtime profile): inside their actions, not missing from the schedule."""
+    if any("." in pred.spans[i].kind for i in schedule_spans(pred)):
+        return set()
+    return {i for i in schedule_spans(meas) if "." in meas.spans[i].kind and i not in matched}
 
 
 def _fb_halves(meas: Trace, matched: set[int]) -> set[int]:

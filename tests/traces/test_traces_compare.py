@@ -123,6 +123,21 @@ def test_fb_pairs_match_with_partner_and_children_are_not_unmatched():
     assert c2.unmatched_pred == ["rank 0 FB/s0/mb1+s1/mb0"] and c2.unmatched_meas == ["rank 0 FB/s0/mb1+s1/mb1"]
 
 
+def test_parts_of_a_prediction_that_prices_whole_actions_are_not_unmatched():
+    """A prediction without kernel parts (the `local` runtime profile) against a run that records them: the
+    parts are inside their matched actions, said in a note; a prediction with parts still lists a missing one."""
+    part = Span(0, "hp", "F.post_res", 0, 0, 3, 2, name="F/s0/mb0/L1.post_res~hp")
+    meas = Trace(spans=meas_trace().spans + [part], meta={"source": "measured"})
+    c = compare(pred_trace(), meas)
+    assert c.unmatched_meas == [] and any("kernel parts (F.post_res)" in n for n in c.notes)
+    assert {k.kind for k in c.kinds} == {"F", "B", "SEND_F", "RECV_F"}
+    to_text(c)  # the report still renders every kind
+    with_parts = Trace(spans=pred_trace().spans + [Span(0, "hp", "F.pre", 0, 0, 1, 1, name="F/s0/mb0/L1.pre~hp")],
+                       meta=pred_trace().meta)
+    c2 = compare(with_parts, meas)
+    assert c2.unmatched_meas == ["rank 0 F/s0/mb0/L1.post_res"] and c2.unmatched_pred == ["rank 0 F/s0/mb0/L1.pre"]
+
+
 def test_different_schedules_are_refused():
     pred = one_f_one_b(2, 4)
     other_kind = one_f_one_b(2, 4, kind="gpipe", source="simulated")
