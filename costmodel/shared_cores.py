@@ -132,7 +132,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     def switch_cost(k: int) -> float:
         """Time a rank loses when it takes a core from another, with k ranks wanting one: what makes k > slots
         busy processes progress at cores(k) in total rather than cores(slots), one switch per slice and core."""
-        return slice_us * (cap(slots) / cap(k) - 1.0) if k > slots else 0.0
+        return slice_us * max(0.0, cap(slots) / cap(k) - 1.0) if k > slots else 0.0
 
     def rates() -> dict[int, float]:
         """Progress rate per running rank (see the module docstring)."""
