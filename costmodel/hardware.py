@@ -108,12 +108,12 @@ class RuntimeProfile(BaseModel):
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
       alone (costmodel.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores
-      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule,
-      the capacity cores(k) < cores(cores) of more ranks than cores lost at the switches; with no slice,
-      every computing rank progresses at min(1, cores(k) / k).
+      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule;
+      what more busy ranks than cores lose (cores(k) falls below the cores' count) is lost at the switches.
+      With no slice, every computing rank progresses at min(1, cores(k) / k).
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
-      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (mean without
-      stalls). Reusing them for the baseline is replay, not prediction.
+      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (their median
+      over the steady steps). Reusing them for the baseline is replay, not prediction.
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"): fwd (in F), bwd (in I), w (in W), b (in B), rc (the recompute rebuild), and the
       stack ends expand_fwd/expand_bwd/contract_fwd/contract_bwd. Micro-benchmarked (costmodel.runtime_bench)

@@ -2,7 +2,8 @@
 
 Model (costmodel.shared_cores): every compute action is full-speed *work*; the ranks that want to compute are
 scheduled on the host's cores in time slices (the slice measured) so that k busy ranks progress at cores(k)
-in total (measured, core_sharing.py); the executor spends full-speed work `gap` before each action; a stage-boundary message takes alpha + bytes / bandwidth.
+in total (measured, core_sharing.py); the executor spends full-speed work `gap` before each action; a
+stage-boundary message takes alpha + bytes / bandwidth.
 
 The fit, on the steady-state steps of the baseline trace (the first step is dropped):
 * gap: the median measured gap between two compute actions that waited for no receive;
