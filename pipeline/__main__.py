@@ -93,6 +93,17 @@ def interleaved_configs(cfg, args: argparse.Namespace) -> list:
     return [cfg, other]
 
 
+def check_resume(cfg, args: argparse.Namespace) -> None:
+    """--resume needs --checkpoint-dir holding a checkpoint of this run with steps left (checked before launch)."""
+    if not args.resume:
+        return
+    if args.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir (the folder a run wrote with --checkpoint-dir)")
+    from .checkpoint import resume_meta
+
+    resume_meta(Path(args.checkpoint_dir), cfg)
+
+
 def variant_dir(trace_dir: Path, cfg) -> Path:
     """TRACE_DIR/<variant>_<n>: where an interleaved variant's trace goes."""
     return Path(trace_dir) / f"{cfg.model.residual.variant}_{cfg.model.residual.n}"
@@ -112,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args, world)
         cfgs = interleaved_configs(cfg, args)
+        check_resume(cfg, args)
     except ValueError as err:
         # every rank reports: torchrun may kill rank 0 before it prints once another rank has exited
         print(f"python -m pipeline: error (rank {rank}): {err}", file=sys.stderr, flush=True)

@@ -46,16 +46,27 @@ def save(directory: Path, rt, step: int) -> None:
     collective(dist.barrier, what="the checkpoint barrier", rank=rt.rank, timeout_s=rt.timeout_s)
 
 
-def load(directory: Path, rt) -> int:
-    """Load this rank's stages; returns the next step to run."""
+def resume_meta(directory: Path, cfg) -> dict:
+    """latest.json of the checkpoint a run of `cfg` resumes from, checked against the run before any process
+    group exists: present, same schedule and ranks, and steps left to train (train.steps counts from step 0)."""
     latest = directory / "latest.json"
     if not latest.exists():
         raise ValueError(f"--resume: no checkpoint in {directory} (latest.json missing)")
     meta = json.loads(latest.read_text())
-    par = rt.cfg.parallel
+    par = cfg.parallel
     if meta["schedule"] != par.schedule or meta["ranks"] != par.ranks:
         raise ValueError(f"--resume: checkpoint was written by schedule={meta['schedule']}, ranks={meta['ranks']}; "
                          f"this run has parallel.schedule={par.schedule}, parallel.ranks={par.ranks}")
+    done = int(meta["step"]) + 1
+    if done >= cfg.train.steps:
+        raise ValueError(f"--resume: the checkpoint in {directory} has trained {done} steps and train.steps is "
+                         f"{cfg.train.steps}: nothing left to run; raise --steps (it counts from step 0)")
+    return meta
+
+
+def load(directory: Path, rt) -> int:
+    """Load this rank's stages; returns the next step to run."""
+    meta = resume_meta(directory, rt.cfg)
     for s, stage in rt.stages.items():
         blob = torch.load(directory / f"stage{s}.pt", map_location=rt.device, weights_only=True)
         if blob["step"] != meta["step"]:

@@ -11,7 +11,7 @@ import argparse
 import subprocess
 import sys
 
-from .__main__ import add_run_arguments, config_from_args, interleaved_configs
+from .__main__ import add_run_arguments, check_resume, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc {args.nproc}: must be >= 1")
     cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (pipeline.cli)
     interleaved_configs(cfg, args)
+    check_resume(cfg, args)
     nproc = args.nproc or cfg.parallel.ranks
     return subprocess.call(torchrun_command(args, nproc))

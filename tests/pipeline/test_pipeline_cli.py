@@ -69,6 +69,9 @@ def test_run_trace_checkpoint_resume(tmp_path):
     last = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
     assert len(last) == 1 and last[0].startswith("step 3/3")
     assert float(re.search(r"loss (\S+)", last[0]).group(1)) == losses[2]
+    again = _mhcpipe("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume", timeout=60)
+    err = again.stderr.strip()
+    assert again.returncode == 2 and len(err.splitlines()) == 1 and "nothing left to run; raise --steps" in err, err
 
 
 @pytest.mark.parametrize("args,field", [
@@ -80,6 +83,8 @@ def test_run_trace_checkpoint_resume(tmp_path):
     (["run", "--config", "tiny", "--interleave", "residual"], "--interleave"),
     (["run", "--config", "tiny", "--interleave", "mhc:4"], "already uses that residual"),
     (["run", "--config", "tiny", "--interleave", "residual:1", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir"),
+    (["run", "--config", "tiny", "--resume"], "--resume needs --checkpoint-dir"),
+    (["run", "--config", "tiny", "--resume", "--checkpoint-dir", "/nonexistent/ckpt"], "no checkpoint in"),
 ])
 def test_bad_config_is_one_line_exit_2(args, field):
     out = _mhcpipe(*args, timeout=60)
