@@ -117,6 +117,7 @@ def main() -> int:
         rt = hw.runtime
         if cal is None:
             cal = {"cores_by_concurrency": rt.cores_by_concurrency, "time_slice_us": rt.time_slice_us,
+                   "protect_us": rt.protect_us,
                    "action_overhead_us": rt.action_overhead_us,
                    "p2p_latency_us": rt.p2p_latency_us, "block_bench_us": rt.meta["block_bench_us"],
                    "insitu_over_bench": rt.meta["insitu_over_bench"],
@@ -129,7 +130,7 @@ def main() -> int:
         pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")
         factors = " ".join(f"{k} {v:.2f}" for k, v in rt.meta["insitu_over_bench"].items())
         print(f"      #{rep}: cores(k) {', '.join(f'{c:.2f}' for c in rt.cores_by_concurrency)}, time slice "
-              f"{rt.time_slice_us / 1e3:.1f} ms; in-pipeline / "
+              f"{rt.time_slice_us / 1e3:.1f} ms, protection {rt.protect_us / 1e3:.1f} ms; in-pipeline / "
               f"micro-benchmark {factors}; executor gap {rt.action_overhead_us:.0f} us, P2P latency "
               f"{rt.p2p_latency_us:.0f} us; mHC extra per sub-layer F {w['fwd']:.0f} / I {w['bwd']:.0f} / "
               f"W {w['w']:.0f} us; predicted step baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "

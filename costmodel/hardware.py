@@ -107,8 +107,9 @@ class RuntimeProfile(BaseModel):
     torch ops) that a FLOP/byte roofline does not see, and the ranks share fewer cores than there are ranks. So
     `local` carries, for one shape (fitted by costmodel.runtime_fit on a measured baseline run):
     * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
-      alone (costmodel.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores
-      (measured). costmodel.shared_cores schedules the ranks on the cores in such slices along the schedule;
+      alone (costmodel.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores, the
+      scheduler tick (measured); `protect_us`: how long a rank that got a core keeps it before a tick may take
+      it (measured). costmodel.shared_cores schedules the ranks on the cores that way along the schedule;
       what more busy ranks than cores lose (cores(k) falls below the cores' count) is lost at the switches.
       With no slice, every computing rank progresses at min(1, cores(k) / k).
     * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
@@ -136,7 +137,10 @@ class RuntimeProfile(BaseModel):
                                                                         "at once; the last value holds beyond")
     time_slice_us: float = Field(0.0, ge=0, description="the OS time slice among more ranks than cores "
                                                         "(core_sharing.measure_time_slice); 0 = fluid sharing, "
-                                                        "else ranks scheduled on the cores in slices")
+                                                        "else ranks scheduled on the cores, preempted at "
+                                                        "this scheduler tick")
+    protect_us: float = Field(0.0, ge=0, description="how long a rank that takes a core runs before a tick may "
+                                                     "preempt it (core_sharing.measure_protection)")
     meta: dict = Field(default_factory=dict)
 
     @pydantic.field_validator("residual_us")

@@ -272,7 +272,8 @@ class Pricer:
         if self.runtime is not None and not self.opt.unit_costs:
             rt = self.runtime
             return simulate_shared(schedule, self.compute_time, self.transfer_time, rt.cores_by_concurrency,
-                                   rt.action_overhead_us, slice_us=rt.time_slice_us)
+                                   rt.action_overhead_us, slice_us=rt.time_slice_us,
+                                   protect_us=rt.protect_us)
         result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency

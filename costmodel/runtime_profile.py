@@ -64,13 +64,13 @@ def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s:
 def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int = 4, variants=None,
                         rounds: int = 40, work_dir: str | Path | None = None, quick: bool = True,
                         timeout_s: float = 300.0, cores: list[float] | None = None,
-                        time_slice_us: float | None = None):
+                        time_slice_us: float | None = None, protect_us: float | None = None):
     """`local` HardwareSpec for `cfg`: host micro-benchmarks (calibrate_local unless `hardware` is given), the
-    runtime micro-benchmarks, cores(k) for k up to the config's ranks and the OS time slice among that many
-    busy processes (measured unless given), and a measured BASELINE run of cfg (run here unless
-    `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to price (default:
+    runtime micro-benchmarks, cores(k) for k up to the config's ranks, the OS time slice among that many busy
+    processes and the protection after a wake-up (each measured unless given), and a measured BASELINE run of
+    cfg (run here unless `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to price (default:
     cfg's own)."""
-    from costmodel.core_sharing import measure_core_sharing, measure_time_slice
+    from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
     from costmodel.hardware import HardwareSpec, get_hardware
     from costmodel.runtime_fit import fit_runtime_profile
 
@@ -85,8 +85,11 @@ def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int =
         cores = measure_core_sharing(cfg, cfg.parallel.ranks, cycles=12 if quick else 24)
     if time_slice_us is None:
         time_slice_us = measure_time_slice(cfg.parallel.ranks)
+    if protect_us is None:
+        protect_us = measure_protection(cfg.parallel.ranks, time_slice_us)
     if baseline_trace is None:
         tmp = tempfile.mkdtemp(prefix="cal_base_") if work_dir is None else str(work_dir)
         baseline_trace, _ = run_runtime(base_cfg, tmp, steps, timeout_s)
-    profile = fit_runtime_profile(baseline_trace, cfg, bench, cores, hw, time_slice_us=time_slice_us)
+    profile = fit_runtime_profile(baseline_trace, cfg, bench, cores, hw, time_slice_us=time_slice_us,
+                                  protect_us=protect_us)
     return hw.model_copy(update={"runtime": profile})

@@ -11,31 +11,38 @@ re-evaluated whenever an action starts or ends. cores(k) is the measured through
 single-thread processes in units of one process alone (core_sharing.measure_core_sharing); it is not simply
 min(k, cores) on a shared VM.
 
-The OS does not share a core as a fluid, though: a core runs one process for a time slice (core_sharing.
-measure_time_slice; 4 ms here), then hands it to a process waiting for it. With `slice_us` > 0 the simulation
-schedules the ranks that way: the host has `slots` = round(max cores(k)) cores; a rank holds one while it
-computes, keeps it from one action to the next while its next action is ready, gives it back when it waits for a
-message, and at its slice's end when another rank waits for a core. A rank that wakes up (its message arrived)
-goes first in line: it slept, so it has used the least CPU time, which is what the scheduler picks. A rank on a
-core progresses at min(1, cores(m) / m), m = min(k, slots) ranks on cores; what k > slots busy processes lose
-beyond that (cores(k) < cores(slots)) is lost at the switches: a rank taking a core from another first loses
-slice x (cores(slots) / cores(k) - 1), so that k always-ready ranks progress at exactly cores(k) in total, one
-switch per slice and core. What this gets right and the fluid model does not: a rank that wakes while the cores
-are taken waits *before* its action (the span starts late, with its work at full speed), an action is stretched
-only by the slices it loses (whole ones), and an action's speed does not depend on how many ranks wait.
+The OS does not share a core as a fluid, though. With `slice_us` > 0 the simulation schedules the ranks the
+way Linux does on the VM this was measured on: the host has `slots` = round(max cores(k)) cores; a rank holds one
+while it computes, keeps it from one action to the next while its next action is ready, and gives it back when
+it waits for a message. A rank that takes a core is protected for `protect_us` (the base slice; core_sharing.
+measure_protection, 2 ms here); after that, the scheduler tick (every `slice_us`; core_sharing.
+measure_time_slice, 4 ms here) hands its core to a rank waiting for one. A rank that wakes up (its message
+arrived) goes first in line: it slept, so it has used the least CPU time. A rank that posts a message to a rank
+blocked waiting for one gives its core up at once when its protection is over: on loopback TCP the receiver is
+woken inside the sender's send call, on the sender's core, and preempts it (measured: a process waking into
+busy cores gets one within 0.07 ms, median); it takes a core again, with a fresh protection, as soon as one is
+free. A rank on a core progresses at min(1, cores(m) / m), m = min(k, slots) ranks on cores; what k > slots busy
+processes lose beyond that (cores(k) < cores(slots)) is lost at the switches: a rank taking a core from another
+first loses slice x (cores(slots) / cores(k) - 1), so that k always-ready ranks progress at exactly cores(k) in
+total, one switch per slice and core. What this gets right and the fluid model does not: a rank that wakes while
+the cores are taken waits *before* its action (the span starts late, with its work at full speed), an action is
+stretched only by the time it loses at ticks, and an action's speed does not depend on how many ranks wait.
 
-Measured on a 2-vCPU VM (13 interleaved runs of bench/predict_local.py in three batches, each re-priced with
+Measured on a 2-vCPU VM (18 interleaved runs of bench/predict_local.py in four batches, each re-priced with
 every model; the mHC run is never an input):
 * the mHC forwards' median is within 10 % of their full-speed work while a few take 3-4x as long, and an mHC
   action's median is as many times its micro-benchmark as a baseline action's (backwards 1.3-1.5x), although
   more ranks want a core during the mHC run: the oversubscription shows in the step, not in the actions;
 * replaying the baseline run, the per-action median |error| of F fell from 18-28 % (fluid sharing with a
-  full-speed first slice, this module's earlier model) to 11-22 %, of FB from 11-28 % to 7-16 %;
-* predicting the mHC run, the signed median per kind (per batch) went from F +30..+41 %, I +5..+8 %,
-  W +13..+20 %, B +21..+29 %, FB +12..+16 % (fluid) to F +5..+7 %, I +4..+7 %, W +9..+13 %, B +17..+22 %,
-  FB +0..+3 %, the step from -5.8..-7.7 % to -5.4..-8.4 % (median per batch). Slowing every rank on a core to
-  cores(k) / slots instead of losing the capacity at the switches gave B +19..+46 %, F +11..+14 %; slowing
-  none (no loss at all) the step -12.6..-13.7 %.
+  full-speed first slice) to 11-22 %, of FB from 11-28 % to 7-16 % (whole slices);
+* predicting the mHC run, the signed median per kind (per batch of 4-5 runs): fluid F +30..+41 %, B +21..+29 %;
+  whole 4 ms slices handed on at their end (this module's previous model) F -3..+7 %, W +9..+27 %,
+  B +17..+38 %, FB 0..+7 %, step -2.3..-8.4 %, median |e| of F 18-26 %; ticks with the 2 ms protection and the
+  sender preempted by the receiver it wakes: F -3..+6 %, W +8..+26 %, B +7..+18 %, FB -5..+2 %, step
+  -0.3..-6.9 %, median |e| of F 14-20 %.
+  Without the sender's preemption B rose to +7..+19 %; preempting at a wake-up after the message's latency as
+  well (instead of at the post) B +13..+58 %; with the directly measured message latency instead of the fitted
+  one every kind got worse (B +16..+58 %, step -3..-12 %).
 slice_us = 0 is the fluid model.
 
 Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
@@ -80,18 +87,20 @@ class _Running:
 
 def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfer_time: Callable[[Action], float],
                     cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us",
-                    slice_us: float = 0.0) -> SimResult:
+                    slice_us: float = 0.0, protect_us: float = 0.0) -> SimResult:
     """Simulate `schedule` on ranks sharing cores (see the module docstring). `work(a)`: full-speed time of a
     compute action; `transfer_time(a)`: duration of a message, called with its RECV action (peer = sender);
-    `gap_us`: full-speed executor work before every compute action; `slice_us`: the OS time slice (0: fluid
-    sharing, else ranks scheduled on cores in slices). Busy time per rank counts gaps and waits for a core."""
+    `gap_us`: full-speed executor work before every compute action; `slice_us`: the OS time slice, i.e. the
+    scheduler tick (0: fluid sharing, else ranks scheduled on cores, preempted at ticks); `protect_us`: how long
+    a rank that takes a core runs before a tick may preempt it. Busy time per rank counts gaps and waits for a
+    core."""
     from schedules.validate import check_structure, raise_deadlock
 
     lowered = check_structure(schedule)
     topo = Topology(lowered)
     cap = capacity(cores)
-    if slice_us < 0:
-        raise ValueError(f"slice_us must be >= 0, got {slice_us}")
+    if slice_us < 0 or protect_us < 0:
+        raise ValueError(f"slice_us and protect_us must be >= 0, got {slice_us}, {protect_us}")
     P = lowered.num_ranks
     programs = lowered.actions
 
@@ -125,14 +134,18 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     t = 0.0
 
     slots = max(1, round(max(float(c) for c in cores)))
-    on_core: dict[int, float] = {}  # rank -> when its slice ends (slice_us > 0)
+    on_core: dict[int, float] = {}  # rank -> when its protection ends (slice_us > 0)
     waiting: deque[int] = deque()  # ranks that want a core and have none
     switching: dict[int, float] = {}  # rank -> what is left of the time it loses getting a core back
+    woke_a_peer: set[int] = set()  # ranks that just posted a message to a rank waiting for one
 
     def switch_cost(k: int) -> float:
         """Time a rank loses when it takes a core from another, with k ranks wanting one: what makes k > slots
-        busy processes progress at cores(k) in total rather than cores(slots), one switch per slice and core."""
-        return slice_us * max(0.0, cap(slots) / cap(k) - 1.0) if k > slots else 0.0
+        always-ready ranks progress at cores(k) in total rather than cores(slots), with min(k - slots, slots)
+        switches per tick."""
+        if k <= slots:
+            return 0.0
+        return slice_us * slots * max(0.0, 1.0 - cap(k) / cap(slots)) / min(k - slots, slots)
 
     def rates() -> dict[int, float]:
         """Progress rate per running rank (see the module docstring)."""
@@ -144,22 +157,38 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         speed = min(1.0, cap(min(k, slots)) / min(k, slots))
         return {r: speed if r in on_core and r not in switching else 0.0 for r in running}
 
+    def at_tick() -> bool:
+        return abs(t - round(t / slice_us) * slice_us) <= 1e-9 * max(1.0, t)
+
+    def next_tick(after: float) -> float:
+        """The first tick at or after `after` that is later than now."""
+        tick = math.ceil(after / slice_us - 1e-9) * slice_us
+        return tick + slice_us if tick <= t + 1e-9 * max(1.0, t) else tick
+
+    def take_core(r: int) -> None:
+        del on_core[r]
+        switching.pop(r, None)
+        waiting.append(r)
+
     def give_cores(woken: list[int]) -> None:
-        """The ranks that woke up first in line; a slice that ended hands its core on when someone waits."""
+        """Hand the cores on (see the module docstring): ranks that woke up go first in line; a rank past its
+        protection gives its core up when it woke a waiting peer, or at a tick when someone waits."""
         for r in [r for r in on_core if r not in running]:  # waits for a message: the core is free
             del on_core[r]
             switching.pop(r, None)
         waiting.extendleft(reversed(woken))
-        for r in [r for r, t_end in on_core.items() if t_end <= t]:
-            del on_core[r]
-            if waiting:
-                waiting.append(r)
-            else:
-                on_core[r] = t + slice_us
+        for r in sorted(woke_a_peer & set(on_core), key=lambda r: on_core[r]):
+            if on_core[r] <= t:
+                take_core(r)
+        woke_a_peer.clear()
+        want = len(waiting) - (slots - len(on_core))
+        if want > 0 and at_tick():
+            for r in sorted([r for r, until in on_core.items() if until <= t], key=lambda r: on_core[r])[:want]:
+                take_core(r)
         lost = switch_cost(len(running))
         while waiting and len(on_core) < slots:
             r = waiting.popleft()
-            on_core[r] = t + lost + slice_us
+            on_core[r] = t + lost + protect_us
             if lost > 0:
                 switching[r] = lost
 
@@ -197,6 +226,8 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
                     return
                 ch, i = slot[(_SEND[a.kind][0], a.stage, a.mb)]
                 send_at[ch][i] = t
+                if a.peer not in running:
+                    woke_a_peer.add(r)
                 resolve(ch)
             else:
                 if any(k not in done for k in needs(a, r, topo)):
@@ -213,11 +244,13 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     while running or arrivals:
         rate = rates()
         t_next = arrivals[0][0] if arrivals else math.inf
-        if waiting:  # a slice's end hands a core on
-            t_next = min(t_next, max(t, min(on_core.values())))
+        if waiting and on_core:  # the first tick after a protection's end hands a core on
+            t_next = min(t_next, next_tick(max(t, min(on_core.values()))))
         for left in switching.values():
             t_next = min(t_next, t + left)
         for r, run in running.items():
+            if run.started is None and run.gap_left <= 1e-9 * max(1.0, gap_us) and rate[r] > 0:
+                run.started = t  # no gap left: the span starts when the rank progresses
             if rate[r] > 0:
                 t_next = min(t_next, t + (run.gap_left if run.started is None else run.work_left) / rate[r])
         if math.isinf(t_next):
@@ -233,7 +266,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
             progress = dt * rate[r]
             if run.started is None:
                 run.gap_left -= progress
-                if run.gap_left <= 1e-9 * max(1.0, gap_us):
+                if run.gap_left <= 1e-9 * max(1.0, gap_us) and progress > 0:
                     run.started = t
             else:
                 run.work_left -= progress
@@ -265,7 +298,8 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
             "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
                          "microbatches": schedule.num_microbatches},
-            "cores_by_concurrency": [float(c) for c in cores], "time_slice_us": float(slice_us)}
+            "cores_by_concurrency": [float(c) for c in cores], "time_slice_us": float(slice_us),
+            "protect_us": float(protect_us)}
     makespan = max(end, default=0.0)
     busy_d = dict(enumerate(busy))
     return SimResult(Trace(spans=spans, meta=meta), makespan, busy_d,

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from costmodel.runtime_fit import baseline_action_stats, fit_runtime_profile
+from costmodel.runtime_fit import baseline_action_stats, fit_runtime_profile, scale_residual
 from costmodel.runtime_bench import bench_runtime_pieces
 from costmodel.runtime_profile import runtime_key
 from costmodel.hardware import BUILTIN, RuntimeProfile
@@ -86,6 +86,17 @@ def test_residual_extra_follows_the_in_pipeline_speed_of_its_kind(tiny):
             for p, v in WRAP.items()}
     assert prof.residual_us["mhc:4"] == pytest.approx(want)
     assert prof.meta["residual_bench_us"]["mhc:4"] == WRAP
+
+
+def test_full_backward_piece_takes_the_factors_of_its_input_and_weight_gradient_parts():
+    """The residual's B piece is its I piece plus its W piece: it is scaled by their factors, weighted by those
+    pieces, not by the baseline B's factor (which weights the block's own weight gradients)."""
+    pieces = {**WRAP, "bwd": 90.0, "w": 10.0, "b": 100.0}
+    factors = {"F": 1.0, "I": 1.2, "W": 2.0, "B": 1.6, "all": 1.3}
+    got = scale_residual(pieces, factors)
+    assert got["b"] == pytest.approx(100.0 * (90 * 1.2 + 10 * 2.0) / 100)
+    assert got["bwd"] == pytest.approx(90 * 1.2) and got["w"] == pytest.approx(10 * 2.0)
+    assert scale_residual({**pieces, "bwd": 0.0, "w": 0.0}, factors)["b"] == pytest.approx(100 * 1.6)
 
 
 def _run_of(cfg, table, cores, alpha):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from costmodel.core_sharing import measure_core_sharing, measure_time_slice
+from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
 from costmodel.shared_cores import capacity, simulate_shared
 from pipeline.config import load_config
 from schedules.build import build
@@ -80,20 +80,21 @@ def test_capacity_rules():
         capacity([1.0, 0.0])
 
 
-def _short_after_long(slice_us):
+def _short_after_long(slice_us, protect_us=0.0):
     """GPipe, 2 ranks, 2 micro-batches on one core; stage 0's F = 10, stage 1's F = 2, B = 0, a forward message
     takes 5: rank 0 runs F(mb 1) from t = 10 while rank 1's F(mb 0) starts at t = 15."""
     sched = build("gpipe", 2, 2)
     sim = simulate_shared(sched, lambda a: 0.0 if a.kind is not Kind.F else (10.0 if a.stage == 0 else 2.0),
-                          lambda a: 5.0 if a.kind is Kind.RECV_F else 0.0, [1.0, 1.0], slice_us=slice_us)
+                          lambda a: 5.0 if a.kind is Kind.RECV_F else 0.0, [1.0, 1.0], slice_us=slice_us,
+                          protect_us=protect_us)
     return {(s.rank, s.mb): s for s in sim.trace.spans if s.kind == "F"}
 
 
 def test_a_short_action_runs_at_full_speed_within_its_slice():
     f = _short_after_long(4.0)
-    # rank 0's slice has ended when rank 1 wakes up at 15: rank 1 takes the core and runs its short F whole
-    assert f[(1, 0)].start == pytest.approx(15.0) and f[(1, 0)].duration == pytest.approx(2.0)
-    assert f[(0, 1)].end == pytest.approx(22.0)  # 4 + 1 done by 15, it waited 15..17, the 5 left alone
+    # rank 1 wakes up at 15 and takes the core at the next tick (16): its short F runs whole
+    assert f[(1, 0)].start == pytest.approx(16.0) and f[(1, 0)].duration == pytest.approx(2.0)
+    assert f[(0, 1)].end == pytest.approx(22.0)  # 6 done by 16, it waited 16..18, the 4 left alone
     fluid = _short_after_long(0.0)
     assert fluid[(1, 0)].duration == pytest.approx(4.0)  # half a core each
     assert fluid[(0, 1)].end == pytest.approx(22.0)  # one core: the same work ends at the same time
@@ -105,6 +106,18 @@ def test_a_rank_that_wakes_while_the_core_is_taken_waits_before_its_action():
     f = _short_after_long(100.0)
     assert f[(0, 1)].end == pytest.approx(20.0)
     assert f[(1, 0)].start == pytest.approx(20.0) and f[(1, 0)].duration == pytest.approx(2.0)
+
+
+def test_a_rank_that_took_a_core_is_protected_until_a_tick_after_its_protection():
+    """Rank 0 posted its first forward to rank 1, who was blocked waiting for it, at t = 10: the wake-up preempts
+    the sender, who takes the free core again with a fresh protection. Protected until 18, the tick at 16 cannot
+    take it and it keeps the core to the end of its work (20); protected until 14, the tick at 16 hands the core
+    to rank 1, who woke at 15. (Protected only from its first pick at 0, the tick at 16 would take it in both.)"""
+    f = _short_after_long(4.0, protect_us=8.0)
+    assert f[(0, 1)].end == pytest.approx(20.0)
+    assert f[(1, 0)].start == pytest.approx(20.0) and f[(1, 0)].duration == pytest.approx(2.0)
+    f = _short_after_long(4.0, protect_us=4.0)
+    assert f[(1, 0)].start == pytest.approx(16.0) and f[(0, 1)].end == pytest.approx(22.0)
 
 
 @pytest.mark.parametrize("kind", ["dualpipev", "zb1p", "1f1b"])
@@ -130,14 +143,14 @@ def test_ranks_share_a_core_in_whole_slices():
 
 
 def test_a_rank_that_takes_a_core_from_another_loses_the_switch():
-    """One core that two busy processes share at 0.8 in total: one switch per 4-unit slice costs 1 unit. Rank 1
-    wakes at 15 and takes the core from rank 0 (whose slice has ended): it starts at 16, not 15."""
+    """One core that two busy processes share at 0.8 in total: one switch per 4-unit tick costs 0.8 units. Rank 1
+    wakes at 15 and takes the core from rank 0 at the tick at 16: it starts at 16.8, not 16."""
     sched = build("gpipe", 2, 2)
     sim = simulate_shared(sched, lambda a: 0.0 if a.kind is not Kind.F else (10.0 if a.stage == 0 else 2.0),
                           lambda a: 5.0 if a.kind is Kind.RECV_F else 0.0, [1.0, 0.8], slice_us=4.0)
     f = {(s.rank, s.mb): s for s in sim.trace.spans if s.kind == "F"}
-    assert f[(1, 0)].start == pytest.approx(16.0) and f[(1, 0)].duration == pytest.approx(2.0)
-    assert f[(0, 1)].end == pytest.approx(23.0)  # alone again at 18: its core back at no cost, 5 units left
+    assert f[(1, 0)].start == pytest.approx(16.8) and f[(1, 0)].duration == pytest.approx(2.0)
+    assert f[(0, 1)].end == pytest.approx(22.8)  # alone again at 18.8: its core back at no cost, 4 units left
 
 
 @pytest.mark.parametrize("ranks", [3, 4])
@@ -186,3 +199,15 @@ def test_time_slice_of_more_processes_than_cores():
     assert 300.0 < slice_us < 200_000.0
     with pytest.raises(ValueError, match="k must be"):
         measure_time_slice(0)
+
+
+def test_protection_after_a_wake_up():
+    """More processes than cores: a process waking into busy cores keeps its core for less than a few ticks
+    before a tick takes it; no slice, or one process, means nothing to measure; bad input is refused."""
+    k = (os.cpu_count() or 1) + 2
+    slice_us = measure_time_slice(k, seconds=0.4)
+    protect = measure_protection(k, slice_us, seconds=0.6)
+    assert 0.0 <= protect < 3 * max(slice_us, 1000.0)
+    assert measure_protection(1, slice_us) == 0.0 and measure_protection(k, 0.0) == 0.0
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        measure_protection(0, slice_us)
