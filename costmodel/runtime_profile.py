@@ -68,8 +68,8 @@ def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int =
     """`local` HardwareSpec for `cfg`: host micro-benchmarks (calibrate_local unless `hardware` is given), the
     runtime micro-benchmarks, cores(k) for k up to the config's ranks, the OS time slice among that many busy
     processes and the protection after a wake-up (each measured unless given), and a measured BASELINE run of
-    cfg (run here unless `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to price (default:
-    cfg's own)."""
+    cfg (run here unless `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to
+    price (default: cfg's own)."""
     from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
     from costmodel.hardware import HardwareSpec, get_hardware
     from costmodel.runtime_fit import fit_runtime_profile

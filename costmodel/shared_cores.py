@@ -23,8 +23,8 @@ woken inside the sender's send call, on the sender's core, and preempts it (meas
 busy cores gets one within 0.07 ms, median); it takes a core again, with a fresh protection, as soon as one is
 free. A rank on a core progresses at min(1, cores(m) / m), m = min(k, slots) ranks on cores; what k > slots busy
 processes lose beyond that (cores(k) < cores(slots)) is lost at the switches: a rank taking a core from another
-first loses slice x (cores(slots) / cores(k) - 1), so that k always-ready ranks progress at exactly cores(k) in
-total, one switch per slice and core. What this gets right and the fluid model does not: a rank that wakes while
+first loses slice x slots x (1 - cores(k) / cores(slots)) / min(k - slots, slots), so that k always-ready ranks
+progress at exactly cores(k) in total, with min(k - slots, slots) switches per tick. What this gets right and the fluid model does not: a rank that wakes while
 the cores are taken waits *before* its action (the span starts late, with its work at full speed), an action is
 stretched only by the time it loses at ticks, and an action's speed does not depend on how many ranks wait.
 
@@ -165,7 +165,8 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         tick = math.ceil(after / slice_us - 1e-9) * slice_us
         return tick + slice_us if tick <= t + 1e-9 * max(1.0, t) else tick
 
-    def take_core(r: int) -> None:
+    def preempt(r: int) -> None:
+        """r loses its core and gets in line for one."""
         del on_core[r]
         switching.pop(r, None)
         waiting.append(r)
@@ -179,12 +180,12 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         waiting.extendleft(reversed(woken))
         for r in sorted(woke_a_peer & set(on_core), key=lambda r: on_core[r]):
             if on_core[r] <= t:
-                take_core(r)
+                preempt(r)
         woke_a_peer.clear()
         want = len(waiting) - (slots - len(on_core))
         if want > 0 and at_tick():
             for r in sorted([r for r, until in on_core.items() if until <= t], key=lambda r: on_core[r])[:want]:
-                take_core(r)
+                preempt(r)
         lost = switch_cost(len(running))
         while waiting and len(on_core) < slots:
             r = waiting.popleft()
