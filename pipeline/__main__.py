@@ -163,4 +163,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip interpreter finalization: gloo's threads outlive destroy_process_group, and tearing down the
+    # interpreter under them aborts the process now and then ("terminate called without an active exception")
+    # after a run that has finished and written everything.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

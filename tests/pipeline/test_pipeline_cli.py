@@ -16,6 +16,12 @@ from pipeline.local import launch, variants_worker
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _why(proc) -> str:
+    """A failed run's stderr: the ranks' own messages come first, torchrun's summary of the failure last."""
+    err = proc.stderr
+    return err if len(err) <= 4000 else f"{err[:3000]}\n[...]\n{err[-1000:]}"
+
+
 def _mhcpipe(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
@@ -27,7 +33,7 @@ def test_run_trace_checkpoint_resume(tmp_path):
     path = tmp_path / "tiny2.yaml"
     path.write_text(yaml.safe_dump(cfg))
     full = _mhcpipe("run", "--config", str(path), "--trace-dir", str(tmp_path / "trace"))
-    assert full.returncode == 0, full.stderr[-2000:]
+    assert full.returncode == 0, _why(full)
     lines = [ln for ln in full.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 3, full.stdout
     for ln in lines:
@@ -62,10 +68,10 @@ def test_run_trace_checkpoint_resume(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     two = _mhcpipe("run", "--config", str(path), "--steps", "2", "--checkpoint-dir", str(ckpt))
-    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.returncode == 0, _why(two)
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json"] + [f"stage{s}.pt" for s in range(4)]
     resumed = _mhcpipe("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.returncode == 0, _why(resumed)
     last = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
     assert len(last) == 1 and last[0].startswith("step 3/3")
     assert float(re.search(r"loss (\S+)", last[0]).group(1)) == losses[2]
@@ -99,7 +105,7 @@ def test_run_interleaved_writes_both_variants(tmp_path):
     path.write_text(yaml.safe_dump(tiny_config("dualpipev", 2, steps=2)))
     out = _mhcpipe("run", "--config", str(path), "--residual", "mhc:4", "--interleave", "residual:1",
                    "--trace-dir", str(tmp_path / "trace"))
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, _why(out)
     lines = [ln for ln in out.stdout.splitlines() if "] step " in ln]
     assert [ln.split()[0] + ln.split()[2] for ln in lines] == \
         ["[mhc:4]1/2", "[residual:1]1/2", "[residual:1]2/2", "[mhc:4]2/2"], out.stdout
