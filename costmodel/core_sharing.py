@@ -125,19 +125,22 @@ def _slice_worker(seconds: float, results) -> None:
     results.put(runs)
 
 
-def measure_time_slice(k: int, seconds: float = 0.5, timeout_s: float = 60.0) -> float:
+def measure_time_slice(k: int, seconds: float = 0.5, timeout_s: float = 60.0, repeats: int = 3) -> float:
     """Median on-CPU run (us) of k processes that all want a core (see the module docstring); 0 when they were
-    almost never descheduled (k <= cores: there is nothing to share)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_slice_worker, args=(seconds, results), daemon=True) for _ in range(k)]
-    runs = [r for got in _gather(procs, results, k, timeout_s, "time-slice") for r in got]
-    # fewer switches than one per 50 ms and process: the processes had their own cores
-    if len(runs) < k * seconds / 0.05:
-        return 0.0
-    return statistics.median(runs) * 1e6
+    almost never descheduled (k <= cores: there is nothing to share). The median over `repeats` independent
+    measurements of `seconds` each: one of them, disturbed by another process waking up, once came out at a
+    quarter of the others."""
+    if k < 1 or repeats < 1:
+        raise ValueError(f"k and repeats must be >= 1, got k={k}, repeats={repeats}")
+    slices = []
+    for _ in range(repeats):
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_slice_worker, args=(seconds, results), daemon=True) for _ in range(k)]
+        runs = [r for got in _gather(procs, results, k, timeout_s, "time-slice") for r in got]
+        # fewer switches than one per 50 ms and process: the processes had their own cores
+        slices.append(statistics.median(runs) * 1e6 if len(runs) >= k * seconds / 0.05 else 0.0)
+    return statistics.median(slices)
 
 
 def _wake_worker(seconds: float, spin_limit_s: float, results) -> None:

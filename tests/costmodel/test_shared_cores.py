@@ -197,8 +197,10 @@ def test_time_slice_of_more_processes_than_cores():
     milliseconds (a 100-1000 Hz tick, or EEVDF's base slice), not microseconds or seconds."""
     slice_us = measure_time_slice((os.cpu_count() or 1) + 2, seconds=0.4)
     assert 300.0 < slice_us < 200_000.0
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(ValueError, match="k and repeats must be >= 1"):
         measure_time_slice(0)
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_time_slice(2, repeats=0)
 
 
 def test_protection_after_a_wake_up():
