@@ -165,6 +165,9 @@ def _p2p_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out_f
 
         Path(out_file).write_text(json.dumps(rows))
     dist.destroy_process_group()
+    # a spawned child tears the interpreter down on return, and doing that under gloo's threads aborts the
+    # process now and then (pipeline/__main__.py): leave without it, everything is written
+    os._exit(0)
 
 
 def measure_p2p(sizes_bytes: list[int], repeats: int, threads: int = 1) -> tuple[float, float, list[dict]]:
