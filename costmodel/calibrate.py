@@ -165,8 +165,8 @@ def _p2p_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out_f
 
         Path(out_file).write_text(json.dumps(rows))
     dist.destroy_process_group()
-    # a spawned child tears the interpreter down on return, and doing that under gloo's threads aborts the
-    # process now and then (pipeline/__main__.py): leave without it, everything is written
+    # a spawned child finalizes the interpreter on return, which aborted pipeline ranks now and then after
+    # destroy_process_group (pipeline/__main__.py): leave without it, everything is written
     os._exit(0)
 
 
