@@ -44,7 +44,8 @@ from schedules.simulate import SimResult, simulate
 class Options:
     """Modelling switches. fb_mode: how an F&B step is priced (overlap.MODES). hp_stream: MLP-side post+res on the
     high-priority stream. sigma: interference (None = the hardware's). pp_bandwidth: override of the PP link
-    bandwidth in bytes/s (sweeps). allow_uneven: accept stages with different block counts."""
+    bandwidth in bytes/s (sweeps). allow_uneven: accept stages with different block counts (as the config's
+    parallel.uneven_stages does)."""
 
     fb_mode: str = "streams"
     hp_stream: bool = True
@@ -63,12 +64,12 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> di
         if nb < S:
             raise ValueError(f"{nb} blocks cannot fill {S} pipeline stages ({schedule.kind}, {schedule.num_ranks} "
                              "ranks); use fewer ranks")
-        if nb % S and not allow_uneven:
+        if nb % S and not (allow_uneven or cfg.parallel.uneven_stages):
             sizes = [len(r) for r in stage_blocks(nb, S)]
             divisors = [p for p in range(1, nb + 1) if nb % p == 0]
             raise ValueError(f"{nb} blocks do not divide evenly into {S} stages (would be {sizes}); choose a layout "
                              f"whose stage count divides {nb} (stages per pipeline: {divisors}) or allow uneven "
-                             "stages (--uneven)")
+                             "stages (--uneven, or parallel.uneven_stages: true in the config)")
         for pos, (st, blocks) in enumerate(zip(chain, stage_blocks(nb, S))):
             out[st] = (blocks, pos == 0, pos == S - 1)
     return out

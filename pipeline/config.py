@@ -65,6 +65,9 @@ class ParallelConfig(BaseModel):
     microbatch_size: int = Field(1, ge=1, description="sequences per micro-batch")
     seq_len: int = Field(ge=1, description="tokens per sequence")
     expert_parallel: int = Field(1, ge=1, description="expert-parallel degree EP (MoE all-to-all), 1 = none")
+    uneven_stages: bool = Field(False, description="the layout may give stages different block counts (the first "
+                                "num_blocks % stages stages take one more, as the runtime splits them); false: "
+                                "the cost model rejects a layout whose stage count does not divide the blocks")
 
     @property
     def tokens_per_microbatch(self) -> int:

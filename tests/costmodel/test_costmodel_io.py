@@ -8,7 +8,7 @@ from costmodel.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardw
 from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import Options, predict
 from pipeline.cli import main
-from pipeline.config import load_config
+from pipeline.config import load_config, presets
 from traces.compare import compare
 
 
@@ -21,10 +21,26 @@ def test_unknown_hardware_lists_names():
 
 def test_uneven_layers_rejected_unless_allowed():
     cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 16}})
-    with pytest.raises(ValueError, match="do not divide evenly.*--uneven"):
+    with pytest.raises(ValueError, match="do not divide evenly.*--uneven.*uneven_stages"):
         predict(cfg, "h800")
     pred = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
     assert pred.summary["overhead_pct"] > 0
+
+
+@pytest.mark.parametrize("preset", presets())
+def test_every_preset_predicts_as_shipped(preset, capsys):
+    """`mhcpipe predict --preset X --hardware h800` with no layout flags: a shipped preset must carry a layout the
+    cost model accepts (v4-flash's 43 and v4-pro's 61 blocks need parallel.uneven_stages)."""
+    assert main(["predict", "--preset", preset, "--hardware", "h800"]) == 0, capsys.readouterr().err
+    assert "mHC overhead:" in capsys.readouterr().out
+
+
+def test_uneven_stages_in_the_config_is_the_flag():
+    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 16}})
+    by_flag = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
+    by_config = predict(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"uneven_stages": True})}),
+                        "h800", ladder=False)
+    assert by_config.summary["iteration_us"] == by_flag.summary["iteration_us"]
 
 
 def test_cli_errors_are_one_line(capsys):
