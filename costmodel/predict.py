@@ -143,12 +143,19 @@ class Pricer:
         expand, contract = stack_ends(spec, s.T, s.C, s.d)
         subs = list(self._sublayers(stage))
         ops: list[TimedOp] = []
+        last_i: list[int] = []  # index of the I chain's latest kernel: the gradient flows along that chain only
 
         def add(kernels: list[Kernel], anchor: int | None = None) -> None:
             timed = self._ops(kernels, backward=True)
             if anchor is not None:  # W kernels wait only for the sub-layer's first I kernel
                 timed = [TimedOp(o.name, o.group, o.stream, o.duration, (anchor - len(ops) - j,) if anchor >= 0 else (),
                                  o.preemptible) for j, o in enumerate(timed)]
+            elif timed:  # an I kernel waits for the previous I kernel, not for W kernels queued in between
+                o = timed[0]
+                assert o.deps == (-1,), f"{o.name}: a chain's first kernel depends on the previous one"
+                timed[0] = TimedOp(o.name, o.group, o.stream, o.duration,
+                                   (last_i[-1] - len(ops),) if last_i else (), o.preemptible)
+                last_i.append(len(ops) + len(timed) - 1)
             ops.extend(timed)
 
         if last:
@@ -333,8 +340,8 @@ def residual_spec_of(cfg: RunConfig, variant: str | None = None, n: int | None =
     r = cfg.model.residual
     v = variant or r.variant
     n = n if n is not None else r.n
-    if v != "xhc" and n == 1:
-        v = "residual"
+    if n == 1:  # one stream: nothing to mix or select, the plain residual (xHC's k <= N = 1 too)
+        v, k = "residual", None
     return ResidualSpec(v, n, k, fused, r.sinkhorn_iters)
 
 

@@ -5,23 +5,39 @@ import pytest
 
 from costmodel.memory import eq20_objective, optimal_block
 from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import Options, predict
+from costmodel.overlap import overlap
+from costmodel.predict import Options, predict, residual_spec_of
 from pipeline.config import load_config, stage_blocks
 from schedules import Durations, build
 from schedules.formulas import bubble_formula
 
 
 def test_n1_has_zero_overhead(small_cfg):
-    for variant in ("mhc", "hc", "mhc-lite"):
-        pred = predict(small_cfg, "h800", ResidualSpec("residual", 1) if variant else None)
+    for variant in ("mhc", "hc", "mhc-lite", "xhc"):
+        spec = residual_spec_of(small_cfg, variant, 1, 1 if variant == "xhc" else None)
+        assert spec.is_baseline, variant
+        pred = predict(small_cfg, "h800", spec)
         assert pred.summary["overhead_pct"] == 0.0
-    from costmodel.predict import residual_spec_of
+        assert pred.mhc.makespan == pred.baseline.makespan
+        assert pred.summary["memory_gib"]["mhc"] == pred.summary["memory_gib"]["baseline"]
 
-    spec = residual_spec_of(small_cfg, "mhc", 1)
-    assert spec.is_baseline
-    pred = predict(small_cfg, "h800", spec)
-    assert pred.summary["overhead_pct"] == 0.0
-    assert pred.mhc.makespan == pred.baseline.makespan
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 8}}),
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 1}}),
+    ("v4-flash", {"parallel": {"schedule": "1f1b"}})])
+@pytest.mark.parametrize("variant", ["residual", "mhc"])
+def test_full_backward_costs_at_least_its_parts(preset, overrides, variant):
+    """B = I + W on the same streams: never shorter than I or W alone (the gradient flows along I; W only fills
+    gaps), never longer than both back to back."""
+    cfg = load_config(preset, overrides)
+    pred = predict(cfg, "h800", residual_spec_of(cfg, variant, 1 if variant == "residual" else 4), ladder=False)
+    pricer = pred.pricers["mhc"]
+    for stage in pricer.layout:
+        i, w, b = (overlap([chain], "streams", pricer.sigma, True).makespan for chain in (
+            pricer.backward_ops(stage, with_w=False), pricer.backward_ops(stage, with_w=True, with_i=False),
+            pricer.backward_ops(stage, with_w=True)))
+        assert max(i, w) <= b * (1 + 1e-9) and b <= (i + w) * (1 + 1e-9), (stage, i, w, b)
 
 
 def test_mhc_costs_time_and_traffic(small_cfg):
@@ -71,15 +87,16 @@ def test_eq20_auto_minimises_within_the_stage(n, L):
 
 
 def test_predict_chooses_eq20_block_for_each_stage():
-    cfg = load_config("paper-27b")  # 30 blocks on 6 stages: 10 sub-layers per stage
-    pred = predict(cfg, "h800", ladder=False)
-    L = 2 * len(stage_blocks(30, 6)[0])
-    assert pred.summary["recompute_block"] == [optimal_block(4, L)] == [2]
-    big = predict(cfg, "h800", options=Options(), ladder=False)
-    assert big.summary["recompute_block"] == pred.summary["recompute_block"]
+    chosen = []
+    for ranks, M in ((6, 24), (2, 8)):  # paper-27b's 30 blocks on 6 or 2 stages: 10 or 30 sub-layers per stage
+        cfg = load_config("paper-27b", {"parallel": {"ranks": ranks, "microbatches": M}})
+        L = 2 * len(stage_blocks(30, ranks)[0])
+        chosen.append(predict(cfg, "h800", ladder=False).summary["recompute_block"])
+        assert chosen[-1] == [optimal_block(4, L)]
+    assert chosen == [[2], [5]]
 
 
-@pytest.mark.parametrize("kind, P, M", [("dualpipe", 4, 8), ("dualpipe", 8, 20), ("dualpipev", 4, 10),
+@pytest.mark.parametrize("kind, P, M", [("gpipe", 4, 8), ("dualpipe", 4, 8), ("dualpipe", 8, 20), ("dualpipev", 4, 10),
                                         ("1f1b", 4, 8), ("zb1p", 4, 12)])
 def test_unit_cost_bubble_equals_schedule_formula(kind, P, M):
     blocks = 2 * P * 2 if kind == "dualpipev" else P * 2
