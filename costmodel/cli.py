@@ -10,6 +10,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from costmodel.hardware import hardware_names
@@ -72,8 +73,10 @@ def load(args: argparse.Namespace):
     source = args.config or args.preset
     if source is None:
         raise ValueError("give --preset NAME or --config FILE.yaml")
-    cfg = load_config(source, _overrides(args))
-    return cfg
+    try:
+        return load_config(source, _overrides(args))
+    except ValueError as err:  # the layout rules speak of the pipeline CLI's --ranks; here it is --pp
+        raise ValueError(str(err).replace("--ranks", "--pp")) from None
 
 
 def _parse_sweep(text: str) -> tuple[str, list[float]]:
@@ -83,15 +86,47 @@ def _parse_sweep(text: str) -> tuple[str, list[float]]:
         raise ValueError(f"--sweep {text!r}: write n=1..8, n=1,2,4 or bw=12.5,25,50 (GB/s)")
     try:
         if ".." in values:
-            lo, hi = values.split("..")
-            vals = [float(v) for v in range(int(lo), int(hi) + 1)]
+            lo, hi = (int(v) for v in values.split(".."))
+            if hi < lo:
+                raise ValueError(f"--sweep {text!r}: the range runs from {lo} down to {hi}; write {hi}..{lo}")
+            vals = [float(v) for v in range(lo, hi + 1)]
         else:
             vals = [float(v) for v in values.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--sweep {text!r}: values must be numbers") from None
-    if not vals or min(vals) <= 0:
-        raise ValueError(f"--sweep {text!r}: need positive values")
+    except ValueError as err:
+        if str(err).startswith("--sweep"):
+            raise
+        what = "integers" if key == "n" else "numbers"
+        raise ValueError(f"--sweep {text!r}: values must be {what} (n=1..8, n=1,2,4 or bw=12.5,25,50)") from None
+    if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
+        raise ValueError(f"--sweep {text!r}: need finite positive values")
+    if key == "n" and any(v != int(v) for v in vals):
+        raise ValueError(f"--sweep {text!r}: stream counts n must be integers")
     return key, vals
+
+
+def _check_output(flag: str, path: str | None, suffix: str) -> Path | None:
+    """Refuse an output path before minutes of work rather than after: empty, a directory, or a missing parent
+    that cannot be made."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise ValueError(f"{flag}: empty path; give a file name such as out{suffix}")
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name such as {out / ('out' + suffix)}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot create its folder ({err.strerror}); choose a writable path") from None
+    existed = out.exists()
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror}); choose a writable path") from None
+    if not existed:
+        out.unlink()
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.predict import Options, predict, residual_spec_of
     from costmodel.report import format_table, write_json
 
+    if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma >= 0):
+        raise ValueError(f"--sigma {args.sigma}: the compute slowdown under all-to-all must be a finite number >= 0 "
+                         "(0 = no interference; the hardware's own value when omitted)")
+    _check_output("--json", args.json, ".json")
+    _check_output("--trace-out", args.trace_out, ".json")
+    _check_output("-o/--output", args.output, ".png")
     cfg = load(args)
     hw = get_hardware(args.hardware)
     opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven)
@@ -130,16 +171,19 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     from costmodel.predict import predict
 
     key, values = _parse_sweep(args.sweep)
-    rows = []
+    points = []  # every point is checked before the first (slow) prediction
     for v in values:
         if key == "n":
             n = int(v)
-            s = ResidualSpec("residual", 1) if n == 1 and spec.variant != "xhc" else dataclasses.replace(
+            s = ResidualSpec("residual", 1) if n == 1 else dataclasses.replace(
                 spec, n=n, variant=spec.variant if spec.variant != "residual" else "mhc",
                 k=min(spec.k, n) if spec.k else None)
-            pred = predict(cfg, hw, s, opts)
+            points.append((v, s, opts))
         else:
-            pred = predict(cfg, hw, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9))
+            points.append((v, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9)))
+    rows = []
+    for v, s, o in points:
+        pred = predict(cfg, hw, s, o)
         b = pred.summary["breakdown_pp"]
         rows.append((v, pred.summary["overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
                      pred.summary["memory_gib"]["mhc"]))
@@ -161,6 +205,8 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     ax.grid(alpha=0.3)
     ax.legend()
     out = Path(args.output or "predict_sweep.png")
+    if not out.suffix:  # matplotlib would add it; say where the file really is
+        out = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -36,6 +36,7 @@ Sources of the numbers (all dense, no sparsity):
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -186,6 +187,14 @@ class HardwareSpec(BaseModel):
                                                              "for one shape (calibrate_local_for)")
     meta: dict = Field(default_factory=dict, description="source, calibration date, versions...")
 
+    @pydantic.field_validator("peak_flops")
+    @classmethod
+    def _positive_peaks(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: r for k, r in v.items() if not (math.isfinite(r) and r > 0)}
+        if bad:
+            raise ValueError(f"peak FLOP/s must be finite and > 0, got {bad} (e.g. \"bf16\": 9.894e14)")
+        return v
+
     # ---- kernel pricing -----------------------------------------------------------------------------
     def peak(self, dtype: str) -> float:
         if dtype in self.peak_flops:
@@ -230,7 +239,10 @@ class HardwareSpec(BaseModel):
             raise ValueError(f"{path}: no such hardware profile") from None
         except pydantic.ValidationError as err:
             first = err.errors()[0]
-            where = ".".join(map(str, first["loc"]))
+            where = ".".join(map(str, first["loc"])) or "file"
+            if first["type"] == "json_invalid":
+                raise ValueError(f"{path}: not valid JSON ({first['msg']}); a hardware profile is what "
+                                 "HardwareSpec.save writes (see runs/hardware/local.json)") from None
             fix = ("; the runtime part comes from another version of the calibration: recalibrate (`mhcpipe demo` "
                    "or bench/predict_local.py)") if where.startswith("runtime") else ""
             raise ValueError(f"{path}: {where}: {first['msg']}{fix}") from None

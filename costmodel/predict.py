@@ -339,7 +339,7 @@ def residual_spec_of(cfg: RunConfig, variant: str | None = None, n: int | None =
                      fused: bool = True) -> ResidualSpec:
     r = cfg.model.residual
     v = variant or r.variant
-    n = n if n is not None else r.n
+    n = n if n is not None else (1 if v == "residual" else r.n)
     if n == 1:  # one stream: nothing to mix or select, the plain residual (xHC's k <= N = 1 too)
         v, k = "residual", None
     return ResidualSpec(v, n, k, fused, r.sinkhorn_iters)
@@ -412,6 +412,18 @@ def summarize(pred: Prediction) -> dict[str, Any]:
                             f"{hw.memory_bytes / 2**30:.0f} GiB")
     L_r = sorted({m.recompute_block for m in pm.stage_mem.values() if m.recompute_block})
     cfg = pred.config
+    if hw.runtime is not None and pb.runtime is None:
+        from costmodel.runtime_profile import runtime_key
+
+        have, want = hw.runtime.key, runtime_key(cfg)
+        diff = [f"{k} {have.get(k)!r} vs {want[k]!r}" for k in want if have.get(k) != want[k]]
+        warnings.append(f"{hw.name}'s runtime profile was calibrated for another shape ({'; '.join(diff)[:200]}): "
+                        "priced by the roofline of the host micro-benchmarks, which misses the runtime's per-action "
+                        "overheads; calibrate for this config (costmodel.runtime_profile.calibrate_local_for)")
+    rc = cfg.recompute
+    if rc.mode == "block" and rc.block_size and L_r and max(L_r) < rc.block_size:
+        warnings.append(f"recompute.block_size {rc.block_size} exceeds the sub-layers of a stage: blocks of "
+                        f"{', '.join(map(str, L_r))} (a whole stage) are used")
     return {
         "config": cfg.model.name, "hardware": hw.name, "residual": pred.spec.label(),
         "schedule": {"kind": pred.schedule.kind, "ranks": pred.schedule.num_ranks,

@@ -18,6 +18,11 @@ def _mb(b: float) -> str:
     return f"{b / 1e6:,.1f} MB"
 
 
+def _col(text: str, width: int = 14) -> str:
+    """Right-aligned, and never run into its left neighbour when wider than the column."""
+    return " " + f"{text:>{width - 1}}"
+
+
 def format_table(pred: Prediction) -> str:
     s = pred.summary
     sch = s["schedule"]
@@ -33,23 +38,26 @@ def format_table(pred: Prediction) -> str:
     ob, om = s["op_us"]["baseline"], s["op_us"]["mhc"]
     for k in KIND_ORDER:
         if k in ob:
-            lines.append(f"  {'mean ' + k + ' action':<34}{_ms(ob[k]):>14}{_ms(om[k]):>14}"
+            lines.append(f"  {'mean ' + k + ' action':<34}{_col(_ms(ob[k]))}{_col(_ms(om[k]))}"
                          f"{100 * (om[k] / ob[k] - 1) if ob[k] else 0:>11.2f}%")
     bd = s["boundary"]
-    lines.append(f"  {'stage-boundary message':<34}{_mb(bd['bytes_baseline']):>14}{_mb(bd['bytes_mhc']):>14}"
+    lines.append(f"  {'stage-boundary message':<34}{_col(_mb(bd['bytes_baseline']))}{_col(_mb(bd['bytes_mhc']))}"
                  f"{bd['bytes_mhc'] / bd['bytes_baseline']:>11.1f}x")
-    lines.append(f"  {'  time per message':<34}{_ms(bd['us_baseline']):>14}{_ms(bd['us_mhc']):>14}   "
+    lines.append(f"  {'  time per message':<34}{_col(_ms(bd['us_baseline']))}{_col(_ms(bd['us_mhc']))}   "
                  f"({bd['link']})")
     ec = s["exposed_comm_us"]
-    lines.append(f"  {'exposed P2P per rank (mean)':<34}{_ms(ec['baseline']):>14}{_ms(ec['mhc']):>14}")
+    lines.append(f"  {'exposed P2P per rank (mean)':<34}{_col(_ms(ec['baseline']))}{_col(_ms(ec['mhc']))}")
     bub = s["bubble"]
     lines.append(f"  {'bubble (idle share of rank-time)':<34}{bub['baseline_pct']:>13.1f}%{bub['mhc_pct']:>13.1f}%")
     mem = s["memory_gib"]
     lines.append(f"  {'peak memory per rank':<34}{mem['baseline']:>10.1f} GiB{mem['mhc']:>10.1f} GiB"
                  f"   (no recompute: {mem['mhc_no_recompute']:.1f} GiB; device {pred.hardware.memory_bytes / 2**30:.0f} GiB)")
     lr = s["recompute_block"]
+    how = {"auto": "mode auto: Eq. 20 within the stage", "block": "mode block: the config's block size",
+           "off": "mode off: mHC intermediates kept"}[s["recompute_mode"]]
     lines.append(f"  {'recompute block L_r (sub-layers)':<34}{'':>14}{(', '.join(map(str, lr)) or 'off'):>14}"
-                 f"   (mode {s['recompute_mode']}; Eq. 20 within the stage)")
+                 f"   ({how})")
+    lines.append(f"  pricing: {s['pricing']}")
     lines.append("")
     lines.append(f"  mHC overhead: {s['overhead_pct']:.2f}% of the iteration"
                  + (f"; {s['fb_step_overhead_pct']:.2f}% of the overlapped F&B step" if s["fb_step_overhead_pct"]

@@ -135,6 +135,9 @@ class RunConfig(BaseModel):
         except ValueError as err:
             raise ValueError(f"parallel: {err}") from None
         moe = self.model.moe
+        if moe is None and self.parallel.expert_parallel > 1:
+            raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel}, but model "
+                             f"{self.model.name!r} has no MoE (model.moe) to split over experts; use 1")
         if moe is not None and moe.num_experts % self.parallel.expert_parallel:
             raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel} must divide "
                              f"model.moe.num_experts={moe.num_experts}")
@@ -184,9 +187,14 @@ def load_config(source: str | Path, overrides: dict | None = None) -> RunConfig:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping with model/parallel/recompute/train sections")
     for section, values in (overrides or {}).items():
-        data.setdefault(section, {})
         if isinstance(values, dict):
-            data[section].update(values)
+            current = data.get(section)
+            if current is None:  # `parallel:` with nothing under it
+                current = data[section] = {}
+            if not isinstance(current, dict):
+                raise ValueError(f"{path}: {section}: expected a mapping of fields, got {type(current).__name__} "
+                                 f"{current!r}")
+            current.update(values)
         else:
             data[section] = values
     return parse_config(data, str(path))
@@ -197,5 +205,6 @@ def parse_config(data: dict, source: str = "<config>") -> RunConfig:
         return RunConfig.model_validate(data)
     except pydantic.ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        raise ValueError(f"{source}: {where}: {first['msg']}") from None
+        where = ".".join(str(p) for p in first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")  # our validators' messages name their fields
+        raise ValueError(f"{source}: {where}: {msg}" if where else f"{source}: {msg}") from None

@@ -2,13 +2,14 @@
 import json
 
 import pytest
+import yaml
 
 from costmodel.calibrate import calibrate_local, fit_from_trace, measure_p2p
 from costmodel.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardware_names
 from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import Options, predict
 from pipeline.cli import main
-from pipeline.config import load_config, presets
+from pipeline.config import CONFIG_DIR, load_config, presets
 from traces.compare import compare
 
 
@@ -48,8 +49,38 @@ def test_cli_errors_are_one_line(capsys):
                         (["predict", "--preset", "tiny", "--hardware", "x"], "h800"),
                         (["predict", "--preset", "paper-27b", "--microbatches", "4"], "at least 12"),
                         (["predict", "--preset", "paper-27b", "--pp", "8"], "--uneven"),
-                        (["predict", "--preset", "paper-27b", "--variant", "xhc", "--n", "16"], "k")):
+                        (["predict", "--preset", "paper-27b", "--variant", "xhc", "--n", "16"], "k"),
+                        (["predict", "--preset", "paper-27b", "--pp", "7"], "even --pp"),
+                        (["predict", "--preset", "tiny", "--ep", "8"], "no MoE"),
+                        (["predict", "--preset", "tiny", "--sigma", "nan"], "--sigma"),
+                        (["predict", "--preset", "tiny", "--sigma", "-1"], "--sigma"),
+                        (["predict", "--preset", "tiny", "--sweep", "n=3..1"], "1..3"),
+                        (["predict", "--preset", "tiny", "--sweep", "n=1.5"], "integers"),
+                        (["predict", "--preset", "tiny", "--sweep", "bw=nan"], "finite positive"),
+                        (["predict", "--preset", "tiny", "--variant", "mhc-lite", "--sweep", "n=3..5"], "n <= 4"),
+                        (["predict", "--preset", "tiny", "--json", ""], "--json: empty path")):
         assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+
+
+def test_cli_bad_files_are_one_line(tmp_path, capsys):
+    """Output paths are refused before the work; broken hardware profiles and config sections name the field."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(get_hardware("h800").model_copy(update={"peak_flops": {"bf16": 0.0}}).model_dump_json())
+    (tmp_path / "broken.json").write_text("{not json")
+    cfg = yaml.safe_load((CONFIG_DIR / "tiny.yaml").read_text())
+    cfg["parallel"] = None  # `parallel:` with nothing under it
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "sub").mkdir()
+    for argv, words in ((["--json", str(tmp_path / "sub")], "is a directory"),
+                        (["--trace-out", str(tmp_path / "sub")], "is a directory"),
+                        (["--hardware", str(zero)], "peak_flops"),
+                        (["--hardware", str(tmp_path / "broken.json")], "not valid JSON"),
+                        (["--config", str(tmp_path / "cfg.yaml"), "--pp", "4"], "parallel.microbatches: Field required")):
+        if argv[0] != "--config":
+            argv = ["--preset", "tiny"] + argv
+        assert main(["predict"] + argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and words in err, err
 
