@@ -2,9 +2,10 @@
 
 `python -m costmodel.calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with torch on CPU
 (or the current CUDA device with --device cuda):
-* matmul rate over sizes (square fp32 GEMMs, 2n^3 FLOPs): peak = the best rate; the matrix curve is the
-  measured efficiency per size after removing the per-op launch cost (costmodel.md §3: median per bucket, made
-  monotone);
+* matmul rate over sizes (square fp32 GEMMs, 2n^3 FLOPs; on CUDA also bf16, 256 .. 8192, whose curve is kept):
+  peak = the best rate; the matrix curve is the measured efficiency per size after removing the per-op launch
+  cost (costmodel.md §3: median per bucket, made monotone); on CUDA the memory capacity and SM count are the
+  device's, the P2P link is still the host's gloo (no NCCL measurement here);
 * copy bandwidth over sizes (dst.copy_(src), read + write bytes): peak and the memory curve (on a CPU it falls
   with size once the working set leaves the caches; it is kept as measured, not made monotone);
 * launch cost: a tiny op recorded by autograd (forward) and the per-node cost of autograd's backward;
@@ -202,8 +203,16 @@ def calibrate_local(quick: bool = False, threads: int = 1, p2p: bool = True, dev
     reps = 5 if quick else 15
     launch_f, launch_b = measure_launch(100 if quick else 400)
     raw = measure_raw_dispatch(device)
-    mm_sizes = [16, 64, 256] if quick else [16, 32, 64, 128, 256, 512, 1024]
+    on_gpu = device == "cuda"
+    if on_gpu:  # tensor cores reach their rate only at large shapes, and bf16 is what models train in
+        mm_sizes = [256, 1024, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
+    else:
+        mm_sizes = [16, 64, 256] if quick else [16, 32, 64, 128, 256, 512, 1024]
     peak, mcurve, mrows = measure_matmul(mm_sizes, reps, raw, device)
+    peaks = {"fp32": peak, "bf16": peak}
+    if on_gpu:
+        peaks["bf16"], mcurve, brows = measure_matmul(mm_sizes, reps, raw, device, "bfloat16")
+        mrows = [{**r, "dtype": "float32"} for r in mrows] + [{**r, "dtype": "bfloat16"} for r in brows]
     cp_sizes = [1 << 12, 1 << 20, 1 << 24] if quick else [1 << k for k in range(12, 28, 2)]
     bw, ccurve, crows = measure_copy(cp_sizes, reps, raw, device)
     if p2p:
@@ -213,11 +222,15 @@ def calibrate_local(quick: bool = False, threads: int = 1, p2p: bool = True, dev
         alpha, pbw, prows = 50.0, 1e9, []
     link = Link(name="local gloo (2 processes)", bandwidth=pbw, latency_us=alpha, efficiency=1.0)
     cores = os.cpu_count() or 1
+    if on_gpu:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        memory, units = float(props.total_memory), props.multi_processor_count
+    else:
+        memory, units = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), cores
     return HardwareSpec(
         name="local", description=f"this machine ({platform.processor() or platform.machine()}, {cores} cores, "
                                   f"{threads} thread(s) per rank, {device})",
-        peak_flops={"fp32": peak, "bf16": peak}, vector_flops=peak / 8, hbm_bandwidth=bw,
-        memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), sms=cores,
+        peak_flops=peaks, vector_flops=peak / 8, hbm_bandwidth=bw, memory_bytes=memory, sms=units,
         matrix_eff=Curve(unit="GFLOP", points=mcurve), vector_eff=Curve(unit="GFLOP", points=[(0, 1.0)]),
         memory_eff=Curve(unit="MB", points=ccurve), launch_us=launch_f, bwd_launch_us=launch_b,
         intra=link, inter=link, gpus_per_node=64, interference=0.0,
