@@ -34,7 +34,7 @@ def format_table(pred: Prediction) -> str:
         f"  {'':<34}{'baseline':>14}{'mHC':>14}{'delta':>12}",
     ]
     ib, im = s["iteration_us"]["baseline"], s["iteration_us"]["mhc"]
-    lines.append(f"  {'iteration (makespan)':<34}{_ms(ib):>14}{_ms(im):>14}{100 * (im / ib - 1):>11.2f}%")
+    lines.append(f"  {'iteration (makespan)':<34}{_col(_ms(ib))}{_col(_ms(im))}{100 * (im / ib - 1):>11.2f}%")
     ob, om = s["op_us"]["baseline"], s["op_us"]["mhc"]
     for k in KIND_ORDER:
         if k in ob:
