@@ -292,7 +292,7 @@ def _fit_main(args: argparse.Namespace) -> int:
         cfg = load_config(source)
         hw = get_hardware(args.hardware)
         trace = load_trace(args.from_trace)
-        fit = fit_trace(trace, cfg.with_residual("residual", 1), hw)
+        fit = fit_trace(trace, cfg, hw)
     except ValueError as err:
         print(f"python -m costmodel.calibrate: error: {err}", file=sys.stderr)
         return 2

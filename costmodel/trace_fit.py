@@ -105,23 +105,19 @@ def priced_action_us(cfg, hw: HardwareSpec, keys, spec=None) -> dict[str, float]
 
 
 def fit_trace(trace, cfg, hw: HardwareSpec) -> TraceFit:
-    """Fit `hw`'s efficiencies and launch gap to `trace`, a measured run of `cfg` (see the module docstring)."""
+    """Fit `hw`'s efficiencies and launch gap to `trace`, a measured baseline (n = 1) run of `cfg`'s model and
+    layout (see the module docstring)."""
     from costmodel.runtime_fit import check_baseline_trace
 
     check_baseline_trace(trace)
     _check_same_run(trace, cfg)
-    spec = None
-    res = trace.meta.get("residual")
-    if isinstance(res, dict) and res.get("n") == 1:
-        from costmodel.mhc_cost import ResidualSpec
-
-        spec = ResidualSpec.baseline()
+    cfg = cfg.with_residual("residual", 1)  # the trace is a baseline run, whatever residual the config names
     measured = measured_action_us(trace)
     keys = sorted(measured)
 
     def loss(x: list[float]) -> float:
         hw_x = scaled_hardware(hw, *(math.exp(v) for v in x))
-        priced = priced_action_us(cfg, hw_x, keys, spec)
+        priced = priced_action_us(cfg, hw_x, keys)
         err = statistics.fmean(math.log(priced[k] / measured[k]) ** 2 for k in keys)
         return err + PULL * sum(v * v for v in x)
 
@@ -139,8 +135,7 @@ def fit_trace(trace, cfg, hw: HardwareSpec) -> TraceFit:
         "runtime": None, "name": f"{hw.name}-fitted", "description": f"{hw.description or hw.name}, efficiencies fitted to a trace",
         "meta": {**hw.meta, "fitted_from": trace.meta.get("source", "trace"), "fit_scales": scales,
                  "fit_base": hw.name, "fit_actions": len(keys)}})
-    return TraceFit(fitted, scales, measured, priced_action_us(cfg, hw, keys, spec),
-                    priced_action_us(cfg, fitted, keys, spec))
+    return TraceFit(fitted, scales, measured, priced_action_us(cfg, hw, keys), priced_action_us(cfg, fitted, keys))
 
 
 def _check_same_run(trace, cfg) -> None:
