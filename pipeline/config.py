@@ -60,11 +60,19 @@ class ParallelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     schedule: ScheduleKind = Field("dualpipev", description="pipeline schedule")
-    ranks: int = Field(ge=1, description="pipeline ranks P")
-    microbatches: int = Field(ge=1, description="micro-batches M per step")
+    ranks: int = Field(ge=1, description="pipeline ranks P (--pp)")
+    data_parallel: int = Field(1, ge=1, description="data-parallel replicas of the pipeline (--dp); the world is "
+                               "ranks x data_parallel processes")
+    microbatches: int = Field(ge=1, description="micro-batches M of one step's global batch; each of the "
+                              "data_parallel pipelines runs M / data_parallel of them")
     microbatch_size: int = Field(1, ge=1, description="sequences per micro-batch")
     seq_len: int = Field(ge=1, description="tokens per sequence")
-    expert_parallel: int = Field(1, ge=1, description="expert-parallel degree EP (MoE all-to-all), 1 = none")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel degree EP (--ep): the MoE experts of a stage "
+                                 "are split over EP data-parallel ranks that exchange tokens by all-to-all; 1 = none. "
+                                 "The runtime needs EP to divide data_parallel")
+    overlap: bool = Field(True, description="run each F&B pair overlapped: the forward of one micro-batch "
+                          "interleaved with the backward of another, each one's communication under the other's "
+                          "compute (pipeline.overlap); false = forward then backward (--no-overlap, for A/B)")
     uneven_stages: bool = Field(False, description="the layout may give stages different block counts (the first "
                                 "num_blocks % stages stages take one more, as the runtime splits them); false: "
                                 "the cost model rejects a layout whose stage count does not divide the blocks")
@@ -72,6 +80,15 @@ class ParallelConfig(BaseModel):
     @property
     def tokens_per_microbatch(self) -> int:
         return self.microbatch_size * self.seq_len
+
+    @property
+    def microbatches_per_replica(self) -> int:
+        """Micro-batches one pipeline (one data-parallel replica) runs per step: M / data_parallel."""
+        return self.microbatches // self.data_parallel
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks * self.data_parallel
 
     @property
     def num_stages(self) -> int:
@@ -103,7 +120,9 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     seed: int = Field(0, description="seed for parameters and synthetic data")
     data: str = Field("synthetic", description="'synthetic' (seeded random tokens) or a path to a token file")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="activation dtype")
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32", description="activation dtype; parameters are fp32, or fp64 with 'float64' (CPU equivalence "
+        "tests: sums in another order then differ by ~1e-16 instead of ~1e-7)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "
@@ -130,10 +149,15 @@ class RunConfig(BaseModel):
                              "use fewer ranks or more blocks")
         from schedules.build import build
 
+        par = self.parallel
+        if par.microbatches % par.data_parallel:
+            raise ValueError(f"parallel.microbatches={par.microbatches} must be a multiple of parallel.data_parallel="
+                             f"{par.data_parallel} (--dp): each data-parallel pipeline runs M / data_parallel")
         try:  # the generator owns the M/P rules and their messages
-            build(self.parallel.schedule, self.parallel.ranks, self.parallel.microbatches)
+            build(par.schedule, par.ranks, par.microbatches_per_replica)
         except ValueError as err:
-            raise ValueError(f"parallel: {err}") from None
+            per = f" (per data-parallel pipeline: {par.microbatches} / {par.data_parallel})" if par.data_parallel > 1 else ""
+            raise ValueError(f"parallel: {err}{per}") from None
         moe = self.model.moe
         if moe is None and self.parallel.expert_parallel > 1:
             raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel}, but model "

@@ -3,17 +3,26 @@
 Shape letters: T tokens of a micro-batch, n streams, C hidden, M micro-batches, P ranks.
 
 Actions (schedules/ir.py), in list order:
-* RECV_F/RECV_B: post a receive of the [T, n, C] activation / output-grad (labelled with the producer's stage);
-  SEND_F/SEND_B: post a send of this rank's output / input-grad. Consecutive comm actions go out as one
-  `batch_isend_irecv`; nothing waits for them here (schedules.md §6).
+* RECV_F/RECV_B: post a receive of the [T, n, C] activation / output-grad (consecutive receives go out as one
+  `batch_isend_irecv`); nothing waits for them here.
+* SEND_F/SEND_B: a send is posted the moment its tensor exists, by the half that produced it (so an F&B's
+  forward output leaves before its backward half ends, and an input-grad before its W work); the SEND action
+  only checks that it was. Sends to one peer keep the lowered order (the receiver posts in that order): a send
+  whose predecessors on its channel are not out yet waits for them.
 * F: wait only for its own input (a receive, or a local hand-off at the bottom of a V), run the stage forward.
-* B: full backward. I: backward with the Linears' weight-grads deferred into the FIFO store, flushed under
-  (stage, mb). W: pop the oldest group and check it is the (stage, mb) the schedule names.
-* FB: forward of one chunk and full backward of another, interleaved segment by segment.
-Sends are reaped as they complete after every compute action and drained at the end of the step, each with a
-deadline; the step ends with checks that nothing is left over (receives, hand-offs, W groups, live chunks).
+* B: the input-grad chain with the Linears' weight-grads deferred, the send, then the deferred weight-grads.
+  I: the same without the last part: the group is flushed to the FIFO store under (stage, mb).
+  W: pop the oldest group and check it is the (stage, mb) the schedule names.
+* FB: the forward of one chunk and the full backward of another. With a `PairRunner` (default) they overlap:
+  each half on its own thread, interleaved at every segment boundary and every expert all-to-all
+  (pipeline.overlap), each waiting only for its own receive. Without (`--no-overlap`): F, then B.
+After each action the stages whose gradients it finished have them reduced (pipeline.grad_reduce). Sends are
+reaped as they complete and drained at the end, each with a deadline; the step ends with checks that nothing is
+left over (receives, hand-offs, W groups, live chunks).
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
@@ -21,17 +30,16 @@ from schedules import Kind, lower_comms
 from schedules.ir import COMM_KINDS
 
 from .data import Batch
-from .p2p import Pending, PipelineError, Transport
+from .p2p import Pending, PipelineError
 from .partition import RankPlan, global_microbatch
-from .recorder import Recorder
 from .stage import ChunkRun, Stage, StageEnv
 from .weight_grad import WeightGradStore
 
 
 class Executor:
-    def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport: Transport, recorder: Recorder,
-                 env: StageEnv, store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, on_action=None):
+    def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport, recorder, env: StageEnv,
+                 store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device, pair=None, expert=None, grads=None, on_action=None):
         self.plan = plan
         self.rank = plan.rank
         self.schedule = lower_comms(plan.schedule)
@@ -40,65 +48,86 @@ class Executor:
         self.stages = stages
         self.transport, self.recorder, self.env, self.store = transport, recorder, env, store
         self.shape, self.dtype, self.device = boundary_shape, dtype, device
+        self.pair, self.expert, self.grads = pair, expert, grads
         self.on_action = on_action
+        # every send of the step in lowered order, per peer: the channel order the receiver expects
+        self.send_order: dict[int, list[tuple[Kind, int, int]]] = defaultdict(list)
+        self.send_peer: dict[tuple[Kind, int, int], int] = {}
+        for a in self.actions:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                self.send_order[a.peer].append((a.kind, a.stage, a.mb))
+                self.send_peer[(a.kind, a.stage, a.mb)] = a.peer
         self._reset()
 
     def _reset(self) -> None:
         self.runs: dict[tuple[int, int], ChunkRun] = {}
         self.mail_f: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> input from a local prev stage
         self.mail_b: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output-grad from a local next stage
-        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}  # input-grads waiting for their SEND_B
         self.recvs: dict[tuple[Kind, int, int], Pending] = {}
         self.sends: list[Pending] = []
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.ready: dict[tuple[Kind, int, int], torch.Tensor] = {}  # produced, not yet posted (channel order)
+        self.posted: set[tuple[Kind, int, int]] = set()
+        self.next_send = {peer: 0 for peer in self.send_order}
+        self.loss_sum = torch.zeros((), dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
+                                    device=self.device)
 
     def _local(self, stage: int | None) -> bool:
         return stage is not None and self.specs[stage].rank == self.rank
 
     # -- comm ----------------------------------------------------------------------------------------------
-    def _post(self, group) -> None:
-        ops, tokens = [], []
+    def _post_recvs(self, group) -> None:
+        ops, labels = [], []
         for a in group:
-            name = f"{a.kind.value}/s{a.stage}/mb{a.mb}"
-            if a.kind is Kind.SEND_F:
-                tensor = self.runs[(a.stage, a.mb)].output
-            elif a.kind is Kind.SEND_B:
-                tensor = self.grads_out.pop((a.stage, a.mb))
-            else:
-                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            if tensor is None:
-                raise PipelineError(f"rank {self.rank}: {name} has nothing to send (schedule order broken)")
-            ops.append((a.kind in (Kind.SEND_F, Kind.SEND_B), name, a.peer, tensor))
-            tokens.append(self.recorder.begin_async(a.kind.value, a.stage, a.mb, a.peer, f"{name}~comm"))
-        for a, p, tok in zip(group, self.transport.post(ops), tokens):
-            p.token = tok
-            if p.is_send:
-                self.sends.append(p)
-            else:
-                self.recvs[(a.kind, a.stage, a.mb)] = p
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                if (a.kind, a.stage, a.mb) not in self.posted and (a.kind, a.stage, a.mb) not in self.ready:
+                    raise PipelineError(f"rank {self.rank}: {a.kind.value}/s{a.stage}/mb{a.mb} has nothing to send "
+                                        "(schedule order broken)")
+                continue
+            ops.append((False, f"{a.kind.value}/s{a.stage}/mb{a.mb}", a.peer,
+                        torch.empty(self.shape, dtype=self.dtype, device=self.device)))
+            labels.append((a.kind.value, a.stage, a.mb))
+        if ops:
+            for (kind, stage, mb), p in zip(labels, self.transport.post(ops, labels)):
+                self.recvs[(Kind(kind), stage, mb)] = p
+
+    def _produced(self, kind: Kind, stage: int, mb: int, tensor: torch.Tensor) -> None:
+        """A tensor to send exists: post it now, after any earlier send to the same peer that is not out yet."""
+        key = (kind, stage, mb)
+        peer = self.send_peer.get(key)
+        if peer is None:
+            raise PipelineError(f"rank {self.rank}: produced {kind.value}/s{stage}/mb{mb} but the lowered schedule "
+                                "has no send for it")
+        self.ready[key] = tensor
+        order, ops, labels = self.send_order[peer], [], []
+        i = self.next_send[peer]
+        while i < len(order) and order[i] in self.ready:
+            k = order[i]
+            ops.append((True, f"{k[0].value}/s{k[1]}/mb{k[2]}", peer, self.ready.pop(k)))
+            labels.append((k[0].value, k[1], k[2]))
+            self.posted.add(k)
+            i += 1
+        self.next_send[peer] = i
+        if ops:
+            self.sends.extend(self.transport.post(ops, labels))
 
     def _take_recv(self, kind: Kind, producer: int, mb: int) -> torch.Tensor:
         p = self.recvs.pop((kind, producer, mb), None)
         if p is None:
             raise PipelineError(f"rank {self.rank}: needs {kind.value}/s{producer}/mb{mb} but never posted its "
                                 "receive (the lowered schedule is inconsistent)")
-        tensor = self.transport.wait(p)
-        self.recorder.end_async(p.token)
-        return tensor
+        return self.transport.wait(p)
 
     def _reap_sends(self, drain: bool = False) -> None:
         still = []
         for p in self.sends:
             if drain:
                 self.transport.wait(p)
-            if p.done or self.transport.poll(p):
-                self.recorder.end_async(p.token)
-            else:
+            if not self.transport.poll(p):
                 still.append(p)
         self.sends = still
 
-    # -- compute halves ------------------------------------------------------------------------------------
-    def _start_forward(self, stage: int, mb: int, batch: Batch):
+    # -- halves ------------------------------------------------------------------------------------------
+    def _forward_input(self, stage: int, mb: int, batch: Batch):
         spec = self.specs[stage]
         ids, labels = batch.microbatch(global_microbatch(self.plan, spec.pipeline, mb))
         if spec.has_embed:
@@ -107,19 +136,34 @@ class Executor:
             inp = self.mail_f.pop((stage, mb))
         else:
             inp = self._take_recv(Kind.RECV_F, spec.prev, mb)
+        return inp, (labels.to(self.device) if spec.has_head else None)
+
+    def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None) -> None:
+        """The forward of (stage, mb); `side` "F" inside an overlapped pair (turn hand-over at segments)."""
+        inp, labels = self._forward_input(stage, mb, batch)
         run = ChunkRun(stage, mb)
         self.runs[(stage, mb)] = run
-        lab = labels.to(self.device) if spec.has_head else None
-        return run, self.stages[stage].forward_steps(run, inp, lab, self.env)
-
-    def _finish_forward(self, run: ChunkRun) -> None:
-        spec = self.specs[run.stage]
+        st = self.stages[stage]
+        if self.expert is not None:
+            self.expert.set_chunk(stage, mb)
+        pair = self.pair if side else None
+        if pair is not None:
+            pair.resume(side, st.labels[0])
+        for k, _ in enumerate(st.forward_steps(run, inp, labels, self.env)):
+            if pair is not None and k + 1 < len(st.labels):
+                pair.switch(side)
+                pair.resume(side, st.labels[k + 1])
+        spec = self.specs[stage]
         if spec.has_head:
-            self.loss_sum += run.loss.float()
+            self.loss_sum += run.loss.to(self.loss_sum.dtype)
         elif self._local(spec.next):
-            self.mail_f[(spec.next, run.mb)] = run.output
+            self.mail_f[(spec.next, mb)] = run.output
+        else:
+            self._produced(Kind.SEND_F, stage, mb, run.output)
 
-    def _start_backward(self, stage: int, mb: int):
+    def _backward(self, stage: int, mb: int, *, split: bool, side: str | None = None) -> None:
+        """The input-grad chain of (stage, mb) with the Linears' weight-grads deferred, the input-grad handed
+        on (send or local), then the weight-grads (full B) or their group flushed to the store (I)."""
         spec = self.specs[stage]
         run = self.runs.pop((stage, mb), None)
         if run is None:
@@ -130,39 +174,41 @@ class Executor:
             grad = self.mail_b.pop((stage, mb))
         else:
             grad = self._take_recv(Kind.RECV_B, spec.next, mb)
-        return run, self.stages[stage].backward_steps(run, grad, self.env)
-
-    def _finish_backward(self, run: ChunkRun) -> None:
-        spec = self.specs[run.stage]
-        if spec.has_embed:
-            return
-        if self._local(spec.prev):
-            self.mail_b[(spec.prev, run.mb)] = run.input_grad
-        else:
-            self.grads_out[(run.stage, run.mb)] = run.input_grad
+        labels = self.stages[stage].labels[::-1]
+        pair = self.pair if side else None
+        if pair is not None:
+            pair.resume(side, labels[0])
+        self.store.enabled = True
+        try:
+            for k, _ in enumerate(self.stages[stage].backward_steps(run, grad, self.env)):
+                if pair is not None and k + 1 < len(labels):
+                    pair.switch(side)
+                    pair.resume(side, labels[k + 1])
+        finally:
+            self.store.enabled = False
+        if not spec.has_embed:
+            if self._local(spec.prev):
+                self.mail_b[(spec.prev, mb)] = run.input_grad
+            else:
+                self._produced(Kind.SEND_B, stage, mb, run.input_grad)
         run.output = None
+        if split:
+            self.store.flush((stage, mb))
+            return
+        if pair is not None:  # the input-grad is out: let the forward half go on before the W work
+            pair.switch(side)
+            pair.resume(side, f"L{2 * spec.blocks[0]}.wgrad")
+        self.store.run_current()
 
     # -- actions -------------------------------------------------------------------------------------------
     def _compute(self, a, batch: Batch) -> None:
         rec, kind = self.recorder, a.kind
         if kind is Kind.F:
-            run, steps = self._start_forward(a.stage, a.mb, batch)
             with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
-                for _ in steps:
-                    pass
-            self._finish_forward(run)
+                self._forward(a.stage, a.mb, batch)
         elif kind in (Kind.B, Kind.I):
-            run, steps = self._start_backward(a.stage, a.mb)
             with rec.range(kind.value, a.stage, a.mb, name=f"{kind.value}/s{a.stage}/mb{a.mb}"):
-                self.store.enabled = kind is Kind.I
-                try:
-                    for _ in steps:
-                        pass
-                finally:
-                    self.store.enabled = False
-                if kind is Kind.I:
-                    self.store.flush((a.stage, a.mb))
-            self._finish_backward(run)
+                self._backward(a.stage, a.mb, split=kind is Kind.I)
         elif kind is Kind.W:
             with rec.range("W", a.stage, a.mb, name=f"W/s{a.stage}/mb{a.mb}"):
                 label = self.store.pop()
@@ -170,30 +216,23 @@ class Executor:
                 raise PipelineError(f"rank {self.rank}: W/s{a.stage}/mb{a.mb} popped the weight-grads of "
                                     f"s{label[0]}/mb{label[1]}; the W queue must be FIFO in I order")
         elif kind is Kind.FB:
-            self._overlapped(a, batch)
+            name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
+            with rec.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name):
+                if self.pair is None:
+                    with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
+                        self._forward(a.stage, a.mb, batch)
+                    with rec.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
+                        self._backward(a.b_stage, a.b_mb, split=False)
+                else:
+                    self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
+                                  lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
+                                  f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
         else:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
 
-    def _overlapped(self, a, batch: Batch) -> None:
-        """F of (stage, mb) and full B of (b_stage, b_mb), interleaved one segment at a time, forward first."""
-        rec = self.recorder
-        run_f, steps_f = self._start_forward(a.stage, a.mb, batch)
-        run_b, steps_b = self._start_backward(a.b_stage, a.b_mb)
-        name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
-        with rec.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name):
-            tf = rec.begin("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}", nvtx=False)
-            tb = rec.begin("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}", nvtx=False)
-            live = [steps_f, steps_b]
-            while live:
-                for gen in list(live):
-                    if next(gen, StopIteration) is StopIteration:
-                        live.remove(gen)
-                        rec.end(tf if gen is steps_f else tb, pop=False)
-        self._finish_forward(run_f)
-        self._finish_backward(run_b)
-
     def run_step(self, batch: Batch) -> torch.Tensor:
-        """Execute every action of this rank for one step; returns this rank's summed loss contributions."""
+        """Execute every action of this rank for one step; returns this rank's summed loss contributions.
+        Gradient reductions posted during the step are finished by the caller (`GradReducer.finish`)."""
         self._reset()
         acts, i = self.actions, 0
         while i < len(acts):
@@ -204,10 +243,12 @@ class Executor:
                 j = i
                 while j < len(acts) and acts[j].kind in COMM_KINDS:
                     j += 1
-                self._post(acts[i:j])
+                self._post_recvs(acts[i:j])
                 i = j
                 continue
             self._compute(a, batch)
+            if self.grads is not None:
+                self.grads.action_done(i)
             if self.sends:
                 self._reap_sends()
             i += 1
@@ -217,7 +258,7 @@ class Executor:
 
     def _check_clean(self) -> None:
         leftovers = {"receives": list(self.recvs), "hand-offs": list(self.mail_f) + list(self.mail_b),
-                     "unsent grads": list(self.grads_out), "chunks without backward": list(self.runs)}
+                     "unsent": list(self.ready), "chunks without backward": list(self.runs)}
         bad = {k: v for k, v in leftovers.items() if v}
         if bad or len(self.store):
             raise PipelineError(f"rank {self.rank}: step ended with leftovers {bad}, "

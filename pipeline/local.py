@@ -108,12 +108,13 @@ def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, in
 def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bool, on_action=None) -> list[dict]:
     """Train each config for its train.steps steps in this process group; one result dict per variant."""
     from .config import parse_config
-    from .train import RankRuntime
+    from .train import RankRuntime, make_groups
 
     out = []
     for cfg_dict in cfg_dicts:
         cfg = parse_config(cfg_dict)
-        rt = RankRuntime(cfg, rank, torch.device("cpu"), on_action=on_action)
+        groups = make_groups(cfg, rank, world, torch.device("cpu"))
+        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, on_action=on_action)
         rt.align_clocks()
         hist, grads = [], None
         for k in range(cfg.train.steps):

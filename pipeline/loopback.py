@@ -29,13 +29,13 @@ class LoopbackTransport:
         self.sends = 0
         self.recvs = 0
 
-    def post(self, ops: list[tuple[bool, str, int, torch.Tensor]]) -> list[Pending]:
+    def post(self, ops: list[tuple[bool, str, int, torch.Tensor]], labels=None) -> list[Pending]:
         """ops: (is_send, name, peer, tensor); names start with the action kind (SEND_F/, RECV_B/, ...)."""
         out = []
         for is_send, name, peer, tensor in ops:
             if is_send:
                 self.sends += 1
-                out.append(Pending(True, name, peer, tensor, tensor, done=True))
+                out.append(Pending(True, name, peer, tensor=tensor, wire=tensor, done=True))
                 continue
             kind = name.split("/", 1)[0]
             if kind == "RECV_F":
@@ -51,7 +51,7 @@ class LoopbackTransport:
                                  "the executor's boundary_shape and dtype")
             tensor.copy_(src)
             self.recvs += 1
-            out.append(Pending(False, name, peer, tensor, tensor, done=True))
+            out.append(Pending(False, name, peer, tensor=tensor, wire=tensor, done=True))
         return out
 
     def wait(self, p: Pending, deadline_s: float | None = None) -> torch.Tensor:

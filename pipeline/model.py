@@ -11,6 +11,12 @@ single-process model, and DualPipe's two copies of a block are identical.
 
 Linear layers are `DeferLinear` (B/W split); the norm is a small autograd function that saves only its input
 and 1/rms, like fused norm kernels, so the activations it holds are exactly mhc.md Table 3's H_pre x_l.
+Statistics (norm, router softmax, loss) run in fp32, or fp64 when the activations are fp64 (`acc_dtype`).
+
+MoE: tokens are grouped by expert with one stable argsort (no per-expert `nonzero`), and the routed experts run
+through `pipeline.expert.ExpertComm`, which is the identity on one rank and the all-to-all dispatch/combine of
+expert parallelism on an EP group; a rank then holds only its E / EP experts, built under the same per-expert
+seeds as the single-process model (parameter names `...experts.<global id>...` on every layout).
 """
 from __future__ import annotations
 
@@ -37,20 +43,27 @@ def seeded(seed: int, tag: str):
         yield
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Dtype of statistics and reductions: fp64 for fp64 activations, fp32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 class _RMSNormFn(torch.autograd.Function):
-    """y = x / rms(x) * w over the last dim; saves x and 1/rms only (fp32 statistics)."""
+    """y = x / rms(x) * w over the last dim; saves x and 1/rms only (fp32 statistics, fp64 for fp64 x)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
+        acc = acc_dtype(x)
+        xf = x.to(acc)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.float()).to(x.dtype)
+        return (xf * rstd * weight.to(acc)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        xf, dyf, wf = x.float(), dy.float(), weight.float()
+        acc = rstd.dtype
+        xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
         xhat = xf * rstd
         dxhat = dyf * wf
         dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
@@ -102,29 +115,64 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Local mixture of experts: softmax router, top-k routed SwiGLU experts (weights renormalised over the
-    chosen k) plus always-on shared experts (one SwiGLU of num_shared x expert_hidden). No capacity limit, so
-    every token's output depends on that token only and micro-batching does not change the math."""
+    """Mixture of experts: softmax router, top-k routed SwiGLU experts (weights renormalised over the chosen k)
+    plus always-on shared experts (one SwiGLU of num_shared x expert_hidden). No capacity limit, so every token's
+    output depends on that token only and neither micro-batching nor expert parallelism changes the math.
+
+    The T*k (token, expert) slots are sorted by expert (stable argsort), their rows gathered, and `comm.routed`
+    runs them through the experts (here, or on the EP ranks that hold them) and returns one output row per slot in
+    the same order; the outputs are weighted and summed back per token with one index_add."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, num_shared: int, expert_hidden: int,
-                 store: WeightGradStore | None):
+                 store: WeightGradStore | None, *, seed: int = 0, tag: str = "moe", comm=None, layer: int = 0):
         super().__init__()
-        self.top_k = top_k
-        self.router = DeferLinear(hidden, num_experts, store)
-        self.experts = nn.ModuleList(SwiGLU(hidden, expert_hidden, store) for _ in range(num_experts))
-        self.shared = SwiGLU(hidden, num_shared * expert_hidden, store) if num_shared else None
+        self.top_k, self.num_experts, self.layer = top_k, num_experts, layer
+        self.comm = comm  # pipeline.expert.ExpertComm, or None: every expert here, nothing exchanged
+        ep_size, ep_rank = (1, 0) if comm is None else (comm.size, comm.rank)
+        self.num_local = num_experts // ep_size
+        self.first_local = ep_rank * self.num_local
+        with seeded(seed, f"{tag}/router"):
+            self.router = DeferLinear(hidden, num_experts, store)
+        experts = {}
+        for e in range(self.first_local, self.first_local + self.num_local):
+            with seeded(seed, f"{tag}/expert{e}"):
+                experts[str(e)] = SwiGLU(hidden, expert_hidden, store)
+        self.experts = nn.ModuleDict(experts)
+        self.shared = None
+        if num_shared:
+            with seeded(seed, f"{tag}/shared"):
+                self.shared = SwiGLU(hidden, num_shared * expert_hidden, store)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.router(h).float(), dim=-1)  # [T, E]
+        probs = torch.softmax(self.router(h).to(acc_dtype(h)), dim=-1)  # [T, E]
         weight, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
+        slots = chosen.reshape(-1)  # [T*k] expert of each (token, choice)
+        order = torch.argsort(slots, stable=True)  # slots grouped by expert, hence by EP rank
+        tok = torch.div(order, self.top_k, rounding_mode="floor")
+        counts = slots.new_zeros(self.num_experts).index_add_(0, slots, torch.ones_like(slots))  # [E], no host sync
         out = self.shared(h) if self.shared is not None else torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.nonzero(chosen == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            out = out.index_add(0, tok, expert(h.index_select(0, tok)) * weight[tok, slot, None])
-        return out
+        rows = h.index_select(0, tok)  # [T*k, C]
+        y = run_routed(self, rows, counts)  # [T*k, C], row i = expert output for slot order[i]
+        w = weight.reshape(-1).index_select(0, order)
+        return out.index_add(0, tok, y * w[:, None])
+
+    def local_experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (per_expert[j] rows for expert first_local + j) -> their outputs."""
+        outs, off = [], 0
+        for j, rows in enumerate(per_expert):
+            if rows:
+                outs.append(self.experts[str(self.first_local + j)](x[off:off + rows]))
+                off += rows
+        # no rows at all: keep the (empty) graph connected, so the backward still joins every all-to-all
+        return torch.cat(outs) if outs else x * 0
+
+
+def run_routed(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Expert outputs for `rows` (sorted by expert, counts[e] rows for expert e): here, or over the EP group."""
+    if moe.comm is None or moe.comm.size == 1:
+        return moe.local_experts(rows, counts.tolist())
+    return moe.comm.routed(moe, rows, counts)
 
 
 class Sublayer(nn.Module):
@@ -143,14 +191,16 @@ class Sublayer(nn.Module):
 class Block(nn.Module):
     """One Transformer block: attention sub-layer l = 2b, MLP/MoE sub-layer l = 2b + 1, both in mHC."""
 
-    def __init__(self, model_cfg, seq_len: int, index: int, store: WeightGradStore | None):
+    def __init__(self, model_cfg, seq_len: int, index: int, store: WeightGradStore | None, *, seed: int = 0,
+                 comm=None):
         super().__init__()
         c, res = model_cfg.hidden, model_cfg.residual
         self.index = index
         attn = Sublayer(c, Attention(c, model_cfg.num_heads, model_cfg.head_dim, seq_len, store))
         moe = model_cfg.moe
         if moe is not None and index >= moe.first_dense_blocks:
-            core: nn.Module = MoE(c, moe.num_experts, moe.top_k, moe.num_shared, moe.expert_hidden, store)
+            core: nn.Module = MoE(c, moe.num_experts, moe.top_k, moe.num_shared, moe.expert_hidden, store,
+                                  seed=seed, tag=f"block{index}/moe", comm=comm, layer=2 * index + 1)
         else:
             core = SwiGLU(c, model_cfg.mlp_hidden, store)
         self.attn = MHCSublayer(res, attn, c, layer_index=2 * index)
@@ -187,11 +237,17 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, total_tokens: int) -> torch.Tensor:
         """Loss contribution of this micro-batch: sum of token losses / tokens of the whole step."""
-        return F_.cross_entropy(self.logits(x).float(), labels, reduction="sum") / total_tokens
+        logits = self.logits(x)
+        return F_.cross_entropy(logits.to(acc_dtype(logits)), labels, reduction="sum") / total_tokens
 
 
 def activation_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def param_dtype(name: str) -> torch.dtype:
+    """Parameters are fp32 (bf16 activations compute against fp32 masters), fp64 for fp64 runs."""
+    return torch.float64 if name == "float64" else torch.float32
 
 
 def build_embedding(model_cfg, seed: int, dtype: torch.dtype) -> Embedding:
@@ -199,9 +255,11 @@ def build_embedding(model_cfg, seed: int, dtype: torch.dtype) -> Embedding:
         return Embedding(model_cfg, dtype)
 
 
-def build_block(model_cfg, seq_len: int, index: int, seed: int, store: WeightGradStore | None = None) -> Block:
+def build_block(model_cfg, seq_len: int, index: int, seed: int, store: WeightGradStore | None = None,
+                comm=None) -> Block:
+    """Block `index`; `comm` (pipeline.expert.ExpertComm) splits its MoE experts over an EP group."""
     with seeded(seed, f"block{index}"):
-        return Block(model_cfg, seq_len, index, store)
+        return Block(model_cfg, seq_len, index, store, seed=seed, comm=comm)
 
 
 def build_head(model_cfg, seed: int, store: WeightGradStore | None = None) -> Head:

@@ -1,15 +1,11 @@
-"""P2P transport of the [T, n, C] residual and its gradient, asynchronous, with a deadline on every wait.
+"""P2P transport of the [T, n, C] residual and its gradient between pipeline ranks, asynchronous.
 
 Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
-`Transport.post(ops)` issues one `batch_isend_irecv` for a group of consecutive SEND/RECV actions of the
-lowered schedule (receives are posted one compute action ahead of their consumer, sends right after their
-producer; schedules/lowering.py); it returns one `Pending` per op and never waits. Compute waits only on the
-receive it consumes (`wait`), and sends are reaped when they complete (`poll`) or at the end of the step.
-
-Every wait has a deadline: `Work.wait(timeout)` where the backend supports it (gloo does), otherwise a poll
-of `is_completed()` until the deadline. Failures become a `PipelineError` naming the rank, the op (trace
-name, e.g. RECV_F/s1/mb3) and the peer: a timeout, or a peer that closed its connection (it died).
+`Transport.post(ops)` issues one `batch_isend_irecv` for a group of SEND/RECV ops over the pipeline's process
+group (the mesh's `pp` dimension; peers are pipeline ranks) and returns one `comm.Handle` per op without waiting.
+Compute waits only on the receive it consumes and sends are reaped when they complete; waits, deadlines and
+their spans are `comm.Comms`' business.
 
 Backends: gloo on CPU, NCCL on CUDA. `staged=True` is the host-staged transport for several ranks sharing one
 GPU (NCCL and gloo refuse that): device tensors are copied to host memory, sent with gloo, and received into
@@ -18,127 +14,80 @@ host buffers that are copied to the device after the wait.
 from __future__ import annotations
 
 import datetime
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .comm import Comms, Handle, PipelineError, describe
 
-class PipelineError(RuntimeError):
-    """A distributed failure with a one-line, user-facing message (rank, op, peer, cause)."""
+__all__ = ["Transport", "PipelineError", "Pending", "init_distributed", "collective"]
 
-
-@dataclass
-class Pending:
-    is_send: bool
-    name: str  # trace name, e.g. SEND_F/s3/mb7
-    peer: int
-    tensor: torch.Tensor  # the device tensor sent, or the buffer the receive will deliver
-    wire: torch.Tensor  # what the backend actually reads/writes (host copy when staged)
-    work: object | None = None
-    posted_at: float = field(default_factory=time.monotonic)
-    token: object = None  # recorder handle
-    done: bool = False
-
-
-def _describe(err: BaseException) -> str:
-    text = str(err)
-    if "Connection closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
-        return "the peer closed its connection (it probably died)"
-    if "Timed out" in text or "timed out" in text or "Timeout" in text:
-        return "the backend timed out"
-    return text.splitlines()[0][:200] if text else type(err).__name__
+Pending = Handle  # the name the executor and the loopback transport use for a P2P handle
 
 
 class Transport:
-    """Posts and waits P2P ops for one rank. `group` None = the default process group."""
+    """Posts and waits P2P ops for one rank. `group`: the pipeline's process group (None = the default group,
+    whose ranks are then the pipeline ranks)."""
 
-    def __init__(self, rank: int, device: torch.device, timeout_s: float, staged: bool = False, group=None):
-        self.rank = rank
+    def __init__(self, rank: int, device: torch.device, comms: Comms, staged: bool = False, group=None):
+        self.rank = rank  # this rank's pipeline rank
         self.device = device
-        self.timeout_s = float(timeout_s)
+        self.comms = comms
         self.staged = staged
         self.group = group
+
+    @property
+    def timeout_s(self) -> float:
+        return self.comms.timeout_s
 
     def _peer(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
-    def post(self, ops: list[tuple[bool, str, int, torch.Tensor]]) -> list[Pending]:
-        """ops: (is_send, name, peer, tensor) - for a receive, `tensor` is the buffer to fill."""
-        pendings, p2p = [], []
-        for is_send, name, peer, tensor in ops:
+    def post(self, ops: list[tuple[bool, str, int, torch.Tensor]], labels=None) -> list[Handle]:
+        """ops: (is_send, name, peer, tensor) - for a receive, `tensor` is the buffer to fill. `labels`: the
+        (kind, stage, mb) of each op for its span (default: parsed from nothing, no span stage)."""
+        handles, p2p = [], []
+        rec = self.comms.recorder
+        for i, (is_send, name, peer, tensor) in enumerate(ops):
+            kind, stage, mb = labels[i] if labels is not None else (name.split("/", 1)[0], None, None)
             if is_send:
                 wire = tensor.detach().to("cpu", copy=True) if self.staged else tensor.detach().contiguous()
                 op = dist.P2POp(dist.isend, wire, self._peer(peer), self.group)
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
                 op = dist.P2POp(dist.irecv, wire, self._peer(peer), self.group)
-            pendings.append(Pending(is_send, name, peer, tensor, wire))
+            h = Handle(is_send, name, peer, stage, mb, tensor, wire)
+            h.token = rec.begin_async(kind, stage, mb, peer, f"{name}~comm")
+            handles.append(h)
             p2p.append(op)
         if not p2p:
-            return pendings
+            return handles
         try:
             works = dist.batch_isend_irecv(p2p)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
-            names = ", ".join(p.name for p in pendings)
-            raise PipelineError(f"rank {self.rank}: posting {names} failed: {_describe(err)}") from None
-        for p, w in zip(pendings, works):
-            p.work = w
-        return pendings
+            names = ", ".join(h.name for h in handles)
+            raise PipelineError(f"rank {self.rank}: posting {names} failed: {describe(err)}") from None
+        for h, w in zip(handles, works):
+            h.work = w
+        return handles
 
-    def wait(self, p: Pending, deadline_s: float | None = None) -> torch.Tensor:
-        """Block until `p` completes (at most the timeout); returns the received/sent device tensor."""
-        if p.done:
-            return p.tensor
-        limit = self.timeout_s if deadline_s is None else deadline_s
-        direction = "to" if p.is_send else "from"
-        started = time.monotonic()
-        try:
-            ok = self._wait_work(p.work, limit)
-        except PipelineError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            cause = _describe(err)
-            if cause == "the backend timed out":
-                raise PipelineError(f"rank {self.rank}: timed out after {limit:g} s waiting for {p.name} "
-                                    f"{direction} rank {p.peer}") from None
-            raise PipelineError(f"rank {self.rank}: {p.name} {direction} rank {p.peer} failed after "
-                                f"{time.monotonic() - started:.1f} s: {cause}") from None
-        if not ok:
-            raise PipelineError(f"rank {self.rank}: timed out after {limit:g} s waiting for {p.name} "
-                                f"{direction} rank {p.peer}")
-        if self.staged and not p.is_send:
-            p.tensor.copy_(p.wire, non_blocking=False)
-        p.done = True
-        return p.tensor
+    def wait(self, h: Handle, deadline_s: float | None = None) -> torch.Tensor:
+        """Block until `h` completes (at most the timeout); returns the received/sent device tensor."""
+        if not h.done:
+            self.comms.wait(h, deadline_s)
+            if self.staged and not h.is_send:
+                h.tensor.copy_(h.wire, non_blocking=False)
+        return h.tensor
 
-    def _wait_work(self, work, limit: float) -> bool:
-        try:
-            return work.wait(datetime.timedelta(seconds=limit)) is not False
-        except (TypeError, NotImplementedError):
-            pass  # backend without a timed wait: poll
-        deadline = time.monotonic() + limit
-        pause = 1e-5
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        work.wait()
-        return True
-
-    def poll(self, p: Pending) -> bool:
-        """Non-blocking: has `p` completed? Errors surface as PipelineError."""
-        if p.done:
+    def poll(self, h: Handle) -> bool:
+        """Non-blocking: has `h` completed?"""
+        if h.done:
             return True
-        try:
-            finished = p.work.is_completed()
-        except Exception as err:  # noqa: BLE001
-            raise PipelineError(f"rank {self.rank}: {p.name} to rank {p.peer} failed: {_describe(err)}") from None
-        if finished:
-            self.wait(p)
-        return finished
+        if self.comms.poll(h):
+            if self.staged and not h.is_send:
+                h.tensor.copy_(h.wire, non_blocking=False)
+            return True
+        return False
 
 
 def init_distributed(backend: str, timeout_s: float) -> None:
@@ -146,7 +95,7 @@ def init_distributed(backend: str, timeout_s: float) -> None:
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001
-        raise PipelineError(f"could not join the process group ({backend}): {_describe(err)}") from None
+        raise PipelineError(f"could not join the process group ({backend}): {describe(err)}") from None
 
 
 def collective(fn, *args, what: str, rank: int, timeout_s: float, **kwargs):
@@ -155,7 +104,7 @@ def collective(fn, *args, what: str, rank: int, timeout_s: float, **kwargs):
         work = fn(*args, async_op=True, **kwargs)
         work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001
-        cause = _describe(err)
+        cause = describe(err)
         if cause == "the backend timed out":
             raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what}") from None
         raise PipelineError(f"rank {rank}: {what} failed: {cause}") from None

@@ -44,10 +44,11 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class RankPlan:
-    rank: int
-    schedule: Schedule
+    rank: int  # pipeline rank
+    schedule: Schedule  # of one data-parallel replica (M / data_parallel micro-batches)
     stages: tuple[StageSpec, ...]  # all stages, by global stage id
-    mirror: int | None  # DualPipe: the rank holding the other copy of this rank's parameters
+    mirror: int | None  # DualPipe: the pipeline rank holding the other copy of this rank's parameters
+    dp_rank: int = 0  # which data-parallel replica: its micro-batches are the dp_rank-th slice of the batch
 
     def local(self) -> list[StageSpec]:
         return [s for s in self.stages if s.rank == self.rank]
@@ -80,16 +81,19 @@ def plan_stages(cfg: RunConfig, schedule: Schedule) -> tuple[StageSpec, ...]:
     return tuple(specs)
 
 
-def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None) -> RankPlan:
+def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None, dp_rank: int = 0) -> RankPlan:
+    """The plan of pipeline rank `rank` in data-parallel replica `dp_rank`."""
     par = cfg.parallel
     if schedule is None:
-        schedule = build(par.schedule, par.ranks, par.microbatches)
+        schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
     if not 0 <= rank < schedule.num_ranks:
         raise ValueError(f"rank {rank} outside the {schedule.num_ranks} ranks of parallel.ranks")
     mirror = schedule.num_ranks - 1 - rank if par.schedule == "dualpipe" else None
-    return RankPlan(rank, schedule, plan_stages(cfg, schedule), mirror)
+    return RankPlan(rank, schedule, plan_stages(cfg, schedule), mirror, dp_rank)
 
 
 def global_microbatch(plan: RankPlan, pipeline: int, mb: int) -> int:
-    """Index into the step's batch of micro-batch `mb` of pipeline `pipeline` (DualPipe: d * M/2 + mb)."""
-    return pipeline * plan.schedule.microbatches_per_pipeline + mb
+    """Index into the step's global batch of micro-batch `mb` of pipeline `pipeline` of this replica: replicas take
+    consecutive slices of M / data_parallel (DualPipe: direction d holds the d-th half of its slice)."""
+    per_replica = plan.schedule.num_microbatches
+    return plan.dp_rank * per_replica + pipeline * plan.schedule.microbatches_per_pipeline + mb

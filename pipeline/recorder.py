@@ -6,9 +6,11 @@ at a common instant (`align`), so per-rank files merge into one timeline: ranks 
 monotonic clock and share the earliest rank's zero (exact); across hosts the barrier's exit is the common instant
 (off by the barrier's exit jitter, milliseconds on a loaded host).
 
-CPU: `time.perf_counter_ns`. CUDA: events recorded on the span's stream (the high-priority stream for `~hp`
-ranges), converted after a synchronize in `flush_step`; comm spans use events on the compute stream at post
-and after the wait. The `nvtx` package is optional: without it (or without a profiler attached, where its
+CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completion (pipeline.comm) and a `WAIT`
+span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
+high-priority stream for `~hp` ranges), converted after a synchronize in `flush_step`; comm spans use events on
+the compute stream at post and after the wait. Spans come from the two threads of an overlapped F&B pair, one at
+a time (pipeline.overlap). The `nvtx` package is optional: without it (or without a profiler attached, where its
 calls cost little) only spans are kept. NVTX domain `mhc_pipe`, category = op kind.
 """
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Recorder:
             start = self._now_us()
         return (kind, stage, mb, stream, partner, peer, name, start, cuda_stream)
 
-    def end(self, token: tuple, *, pop: bool = True) -> None:
+    def end(self, token: tuple, *, pop: bool = True, end_ns: int | None = None) -> None:
+        """Close a span now, or (CPU) at `end_ns`, a `time.perf_counter_ns` reading taken earlier."""
         if _nvtx is not None and pop:
             _nvtx.pop_range(domain=DOMAIN)
         if not self.enabled:
@@ -84,7 +87,7 @@ class Recorder:
             ev.record(cuda_stream) if cuda_stream is not None else ev.record()
             self._open.append((kind, stage, mb, stream, partner, peer, name, start, ev))
         else:
-            now = self._now_us()
+            now = self._now_us() if end_ns is None else (end_ns - self._t0_ns) / 1e3
             self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, now - start), partner, peer,
                                    name))
 
@@ -108,8 +111,9 @@ class Recorder:
             start = self._now_us()
         return (kind, stage, mb, "comm", None, peer, name, start, None)
 
-    def end_async(self, token: tuple) -> None:
-        self.end(token, pop=False)
+    def end_async(self, token: tuple, end_ns: int | None = None) -> None:
+        """Close a comm span at its completion time `end_ns` when the backend reported it, else now."""
+        self.end(token, pop=False, end_ns=end_ns)
 
     # -- output ------------------------------------------------------------------------------------------
     def flush_step(self) -> None:

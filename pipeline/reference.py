@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .data import Batch, make_batch
-from .model import activation_dtype, build_block, build_embedding, build_head, make_optimizer
+from .model import activation_dtype, build_block, build_embedding, build_head, make_optimizer, param_dtype
 
 
 class ReferenceModel(nn.Module):
@@ -36,7 +36,7 @@ class ReferenceModel(nn.Module):
 
 def reference_run(cfg, steps: int = 1, device: str | torch.device = "cpu"):
     """Train `steps` optimizer steps on one process. Returns (losses, grads of step 0 by name, final params)."""
-    model = ReferenceModel(cfg).to(device)
+    model = ReferenceModel(cfg).to(device=device, dtype=param_dtype(cfg.train.dtype))
     opt = make_optimizer(model.parameters(), cfg.train)
     losses, first_grads = [], {}
     for step in range(steps):

@@ -10,7 +10,9 @@ that is what lets an overlapped F&B interleave the forward of one micro-batch wi
 rebuilds recompute blocks one at a time, and yields the stage's input-grad as the first segment's leaf grad.
 
 Forward and backward are generators that yield after every segment; the executor drives them (plain F/B/I:
-to the end; FB: alternately).
+to the end; FB: each half on its own thread, handing the turn over at every segment boundary, pipeline.overlap).
+`labels` names the segments in forward order (`L0.embed`, `L4.block`, `L16.head`: the first sub-layer, then
+what it is), for the spans of an overlapped pair.
 
 On CUDA the post+res kernel of every MLP sub-layer runs on the rank's high-priority stream (paper §4.3.3):
 the hp stream waits for the compute stream, the compute stream waits for the result, and every tensor that
@@ -47,16 +49,19 @@ class ChunkRun:
 
 class Stage(nn.Module):
     def __init__(self, spec: StageSpec, cfg, *, store: WeightGradStore | None, dtype: torch.dtype,
-                 rc_block: int | None):
+                 rc_block: int | None, expert=None):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed
         self.spec = spec
         self.embed = build_embedding(mc, seed, dtype) if spec.has_embed else None
-        self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store)
+        self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store, comm=expert)
                                      for b in spec.blocks})
         self.head = build_head(mc, seed, store) if spec.has_head else None
         subs = [(l, m, l % 2 == 1) for b in spec.blocks for l, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
+        first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
+        self.labels = ([f"L{first}.embed"] if self.embed is not None else []) + \
+            [f"L{g[0][0]}.block" for g in self.groups] + ([f"L{end}.head"] if self.head is not None else [])
         self.recompute = rc_block is not None
         self.residual = mc.residual.variant == "residual"
 

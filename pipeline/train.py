@@ -1,13 +1,14 @@
 """The training loop of one rank: build its stages, run steps through the executor, reduce, step AdamW.
 
-Shape letters: T tokens per micro-batch, n streams, C hidden, M micro-batches, P ranks.
+Shape letters: T tokens per micro-batch, n streams, C hidden, M micro-batches, P pipeline ranks, D replicas.
 
 `RankRuntime` owns everything one rank needs (plan, stages, optimizer, transport, recorder, saved-tensor
-accounting, executor); the process group, rank and device are passed in, never read from globals. One step:
-zero grads, run the rank's actions, sum DualPipe's mirrored gradient copies (ranks r and P-1-r exchange
-their flattened grads and both add them in the same order, so the copies stay bitwise identical), all-reduce
-the loss, AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks), tokens/s and
-peak memory (saved activations per rank; plus CUDA allocator peak or host RSS).
+accounting, F&B pair runner, expert-parallel exchanges, gradient reducer, executor); the process groups
+(pipeline.layout, from a DeviceMesh), rank and device are passed in, never read from globals. One step: zero
+grads, run the rank's actions (each stage's gradients are all-reduced over its data-parallel and DualPipe
+mirrored copies as soon as its last backward work is done), wait for those reductions, all-reduce the loss,
+AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks), tokens/s and peak memory
+(saved activations per rank; plus CUDA allocator peak or host RSS).
 """
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .comm import Comms
 from .data import load_tokens, make_batch
 from .executor import Executor
+from .expert import ExpertComm
+from .grad_reduce import GradReducer
+from .layout import Layout, ParallelGroups, build_groups
 from .memory import SavedTensors
-from .model import activation_dtype, make_optimizer
+from .model import activation_dtype, make_optimizer, param_dtype
+from .overlap import PairRunner
 from .p2p import PipelineError, Transport, collective
 from .partition import plan_rank
 from .recompute import block_size
@@ -61,23 +67,35 @@ def pick_device(cfg, local_rank: int) -> torch.device:
 
 
 class RankRuntime:
-    def __init__(self, cfg, rank: int, device: torch.device, *, staged: bool = False, on_action=None,
-                 record: bool = True):
+    """One rank of a run. `groups`: its place in the layout and its process groups (pipeline.layout.build_groups);
+    None = no process group at all (a stage benchmark with a loopback transport). F&B pairs run overlapped unless
+    `parallel.overlap` is false."""
+
+    def __init__(self, cfg, rank: int, device: torch.device, *, groups: ParallelGroups | None = None,
+                 staged: bool = False, on_action=None, record: bool = True):
         par = cfg.parallel
-        if par.expert_parallel != 1:
-            raise ValueError(f"parallel.expert_parallel={par.expert_parallel}: the runtime runs MoE experts "
-                             "locally on each stage; set it to 1 (EP is modelled by the cost model only)")
-        self.cfg, self.rank, self.device = cfg, rank, device
-        self.plan = plan_rank(cfg, rank)
+        layout = Layout.of(cfg)
+        if groups is None:
+            layout.check(cfg)
+            groups = ParallelGroups.single(layout, rank)
+        self.cfg, self.rank, self.device, self.groups = cfg, groups.rank, device, groups
+        self.plan = plan_rank(cfg, groups.pp_rank, dp_rank=groups.dp_rank)
         self.dtype = activation_dtype(cfg.train.dtype)
         self.store = WeightGradStore()
         n = cfg.model.residual.n
+        self.recorder = Recorder(groups.rank, device, enabled=record)
+        self.timeout_s = cfg.train.timeout_s
+        self.comms = Comms(groups.rank, self.recorder, self.timeout_s)
+        self.pair = PairRunner(self.recorder, device) if par.overlap else None
+        self.expert = None
+        if groups.ep_group is not None:
+            self.expert = ExpertComm(groups.ep_group, layout.ep, groups.ep_rank, self.comms, self.pair)
         # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
         # cost model prices it; blocks never cross a stage boundary
         rc_blocks = {sp.stage: block_size(cfg.recompute, 2 * len(sp.blocks), n) for sp in self.plan.local()}
         self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
-        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype,
-                                       rc_block=rc_blocks[sp.stage]).to(device)
+        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
+                                       expert=self.expert).to(device=device, dtype=param_dtype(cfg.train.dtype))
                        for sp in self.plan.local()}
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():
@@ -87,42 +105,22 @@ class RankRuntime:
                 self.params[name] = p
         self.optimizer = make_optimizer(self.params.values(), cfg.train)
         self.saved = SavedTensors(self.params.values())
-        self.recorder = Recorder(rank, device, enabled=record)
         hp = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self.tokens_per_mb = par.tokens_per_microbatch
         self.total_tokens = self.tokens_per_mb * par.microbatches
         self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
-        self.timeout_s = cfg.train.timeout_s
-        self.transport = Transport(rank, device, self.timeout_s, staged=staged)
+        self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged, group=groups.pp_group)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store, boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
-                                 dtype=self.dtype, device=device, on_action=on_action)
+                                 dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
+                                 on_action=on_action)
+        self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
+        if self.grads_reducer.active:
+            self.executor.grads = self.grads_reducer
         self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
         self.start_step = 0
 
     # -- per step ------------------------------------------------------------------------------------------
-    def reduce_mirrored(self) -> None:
-        """DualPipe: sum the two copies' gradients between ranks r and P-1-r (same order on both)."""
-        mirror = self.plan.mirror
-        if mirror is None or mirror == self.rank:
-            return
-        names = sorted(self.params)
-        flat = torch.cat([(self.params[k].grad if self.params[k].grad is not None
-                           else torch.zeros_like(self.params[k])).reshape(-1) for k in names])
-        other = torch.empty_like(flat)
-        with self.recorder.range("RG", None, None, name="RG"):
-            pend = self.transport.post([(True, f"RG/rank{self.rank}", mirror, flat),
-                                        (False, f"RG/rank{mirror}", mirror, other)])
-            for p in pend:
-                self.transport.wait(p)
-        low, high = (flat, other) if self.rank < mirror else (other, flat)
-        total = low + high
-        offset = 0
-        for k in names:
-            p = self.params[k]
-            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-
     def step(self, step: int) -> StepStats:
         cfg = self.cfg
         batch = make_batch(cfg, step, self.tokens)
@@ -133,9 +131,10 @@ class RankRuntime:
         started = time.perf_counter()
         with self.recorder.range("step", None, None, name=f"step/{step}"):
             loss_sum = self.executor.run_step(batch)
-            self.reduce_mirrored()
+            if self.grads_reducer.active:
+                self.grads_reducer.finish()
             collective(dist.all_reduce, loss_sum, what="the loss all-reduce", rank=self.rank,
-                       timeout_s=self.timeout_s)
+                       timeout_s=self.timeout_s, group=self.groups.world_group)
             with self.recorder.range("OPT", None, None, name="OPT"):
                 self.optimizer.step()
             if self.device.type == "cuda":
@@ -146,9 +145,10 @@ class RankRuntime:
             mem = torch.cuda.max_memory_allocated(self.device)
         else:
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64)
+        # on the device: NCCL reduces only device tensors
+        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64, device=self.device)
         collective(dist.all_reduce, stats, op=dist.ReduceOp.MAX, what="the step statistics all-reduce",
-                   rank=self.rank, timeout_s=self.timeout_s)
+                   rank=self.rank, timeout_s=self.timeout_s, group=self.groups.world_group)
         t, act, peak = stats.tolist()
         return StepStats(step, float(loss_sum), t, self.total_tokens / t, int(act), int(peak))
 
@@ -160,11 +160,13 @@ class RankRuntime:
         """Common time zero of the ranks' spans: on one host the earliest rank's monotonic clock reading after a
         barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it.
         Returns that zero (a `time.perf_counter_ns` value), for other recorders of this rank to share."""
-        collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s)
+        world = self.groups.world_group
+        collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s, group=world)
         now = time.perf_counter_ns()
         mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64, device=self.device)
-        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s)
+        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
+        collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s,
+                   group=world)
         one_host = len({int(t[0]) for t in seen}) == 1
         zero = min(int(t[1]) for t in seen) if one_host else now
         self.recorder.align(zero)
@@ -174,13 +176,17 @@ class RankRuntime:
         """Write this rank's spans; rank 0 merges every rank's file into trace.json after a barrier."""
         trace_dir = Path(trace_dir)
         par = self.cfg.parallel
+        layout = self.groups.layout
         meta = {"source": "measured", "schedule": {"kind": par.schedule, "ranks": par.ranks,
-                                                     "microbatches": par.microbatches},
+                                                     "microbatches": par.microbatches_per_replica},
+                "layout": {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+                           "overlap": self.pair is not None},
                 "time_unit": "us", "device": str(self.device), "model": self.cfg.model.name,
                 "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},
                 "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb}
         self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
-        collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s)
+        collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s,
+                   group=self.groups.world_group)
         if self.rank == 0:
             return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
                                      trace_dir / "trace.json", meta)
@@ -213,16 +219,26 @@ def manual_gc(interval: int):
             gc.enable()
 
 
+def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
+    """Check the layout against the world and create its meshes and groups (collective: every rank calls it)."""
+    layout = Layout.of(cfg)
+    layout.check(cfg, world)
+    if staged and (layout.dp > 1 or layout.ep > 1):
+        raise ValueError("--transport host stages pipeline P2P through host memory only; data and expert "
+                         "parallelism need a GPU per rank (use --dp 1 --ep 1 with it)")
+    device_type = "cuda" if device.type == "cuda" and not staged else "cpu"
+    return build_groups(layout, rank, device_type)
+
+
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
           checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
           on_action=None) -> list[StepStats]:
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
     from . import checkpoint
 
-    if world != cfg.parallel.ranks:
-        raise ValueError(f"parallel.ranks={cfg.parallel.ranks} but {world} processes were started "
-                         "(torchrun --nproc-per-node); make them equal")
-    rt = RankRuntime(cfg, rank, device, staged=staged, on_action=on_action, record=trace_dir is not None)
+    groups = make_groups(cfg, rank, world, device, staged)
+    rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
+                     record=trace_dir is not None)
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
@@ -258,13 +274,12 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
     variants see the same drift, so their step times compare; no variant always runs after another. The configs
     must agree on ranks and steps; each one's trace goes to its own folder, all on one time axis. Rank 0 prints
     each step's line prefixed with the variant's residual."""
-    if len({(c.parallel.ranks, c.train.steps) for c in cfgs}) != 1:
-        raise ValueError("interleaved runs need the same parallel.ranks and train.steps in every config; got "
-                         + ", ".join(f"{c.parallel.ranks} ranks x {c.train.steps} steps" for c in cfgs))
-    if world != cfgs[0].parallel.ranks:
-        raise ValueError(f"parallel.ranks={cfgs[0].parallel.ranks} but {world} processes were started "
-                         "(torchrun --nproc-per-node); make them equal")
-    runtimes = [RankRuntime(c, rank, device, staged=staged, record=trace_dirs is not None) for c in cfgs]
+    if len({(Layout.of(c), c.train.steps) for c in cfgs}) != 1:
+        raise ValueError("interleaved runs need the same layout (--pp, --dp, --ep) and train.steps in every config; "
+                         "got " + ", ".join(f"{Layout.of(c)} x {c.train.steps} steps" for c in cfgs))
+    groups = make_groups(cfgs[0], rank, world, device, staged)
+    runtimes = [RankRuntime(c, rank, device, groups=groups, staged=staged, record=trace_dirs is not None)
+                for c in cfgs]
     history: list[list[StepStats]] = [[] for _ in runtimes]
     steps = cfgs[0].train.steps
     with manual_gc(cfgs[0].train.gc_interval) as collect:
@@ -290,5 +305,5 @@ def stats_dicts(history: list[StepStats]) -> list[dict]:
     return [asdict(s) for s in history]
 
 
-__all__ = ["PipelineError", "RankRuntime", "StepStats", "pick_device", "residual_label", "train", "train_interleaved",
-           "stats_dicts"]
+__all__ = ["PipelineError", "RankRuntime", "StepStats", "make_groups", "pick_device", "residual_label", "train",
+           "train_interleaved", "stats_dicts"]

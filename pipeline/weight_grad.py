@@ -40,6 +40,12 @@ class WeightGradStore:
         self._queue.append((label, self._current))
         self._current = []
 
+    def run_current(self) -> None:
+        """Run the current (unflushed) group now: a full B's weight-grads, deferred past its input-grad send."""
+        fns, self._current = self._current, []
+        for fn in fns:
+            fn()
+
     def peek_label(self) -> object | None:
         return self._queue[0][0] if self._queue else None
 

@@ -1,0 +1,209 @@
+"""Speed peer and oracle: the project's model under PyTorch's own `torch.distributed.pipelining.ScheduleDualPipeV`.
+
+    .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 8] [--warmup 2] [--rounds 3]
+                                              [--out bench/results/torch_dualpipev.json]
+
+`torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.local.launch`) builds this
+rank's two DualPipeV stages (r and 2P-1-r) from the project's builders and seeds, so every parameter equals the
+single-process model's (`pipeline.reference`), wraps them in `PipelineStage` and trains with `ScheduleDualPipeV`
+on the same batches (`make_batch`), loss and AdamW (`make_optimizer`).
+
+Loss and gradient scale: the last stage's module returns logits (`head.logits`) and the schedule's loss_fn is
+`cross_entropy(logits.float(), labels, reduction="sum") / total_tokens`, i.e. `Head.forward`: each micro-batch's
+loss is already its share of the step's token mean, so the schedule must not average again -> `scale_grads=False`
+(torch 2.13 otherwise divides every grad by n_microbatches in REDUCE_GRAD). The step loss is the sum of the
+per-micro-batch losses (`losses=` list of `step`).
+
+Shapes: every stage gets explicit example `input_args`/`output_args` (static metadata, no shape-inference
+forward/backward). Non-first inputs and non-last outputs must have requires_grad=True in the examples: in static
+mode the receive buffers take requires_grad from them, and with False no input-grad would flow back.
+
+Caveat of torch's I/W split (BACKWARD_INPUT then BACKWARD_WEIGHT, used by part of DualPipeV's cool-down): the
+project's layers are custom autograd Functions (DeferLinear, RMSNorm, mHC kernels) whose backward returns dX and
+dW together. torch's I pass runs each such node in full (dW discarded) and its W pass re-runs the node from the
+saved grad_outputs, so those micro-batches pay the node's whole backward twice (tiny, P=4: 80-88 linear backward
+calls per rank and step for 64-72 forwards). Gradients stay exact; torch's step time carries that extra work.
+
+Timing (as `pipeline.train.RankRuntime.step`): zero_grad; t0; schedule.step; loss all-reduce; AdamW step; t1;
+then max over ranks of t1 - t0, outside the timed region. The CLI alternates launches of torch's schedule and the
+project's runtime (`variants_worker`) on the same config, for n = 1 (residual) and n = 4 (mHC), and reports the
+median step times and whether the losses agree (1e-5 relative, fp32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import load_config, parse_config, stage_blocks  # noqa: E402
+from pipeline.data import make_batch  # noqa: E402
+from pipeline.local import launch, variants_worker  # noqa: E402
+from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402
+
+LOSS_TOL = 1e-5
+
+
+class StageModule(nn.Module):
+    """One DualPipeV stage: [embedding] -> its blocks -> [head logits]. Attribute names (embed, blocks.<b>, head)
+    are the single-process model's, so `named_parameters` match `pipeline.reference.ReferenceModel`."""
+
+    def __init__(self, cfg, stage: int, num_stages: int):
+        super().__init__()
+        mc, seed = cfg.model, cfg.train.seed
+        self.embed = build_embedding(mc, seed, activation_dtype(cfg.train.dtype)) if stage == 0 else None
+        self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed)  # store=None: full bwd
+                                     for b in stage_blocks(mc.num_blocks, num_stages)[stage]})
+        self.head = build_head(mc, seed) if stage == num_stages - 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)  # ids [T] -> [T, n, C]
+        for block in self.blocks.values():
+            x = block.mlp(block.attn(x))
+        return self.head.logits(x) if self.head is not None else x  # [T, V] or [T, n, C]
+
+
+def _examples(cfg, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example (input, output) of a stage for static PipelineStage metadata (shape, stride, dtype, requires_grad)."""
+    t, n, c = cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden
+    dt = activation_dtype(cfg.train.dtype)
+    x = torch.empty(t, n, c, dtype=dt, requires_grad=True)
+    inp = torch.empty(t, dtype=torch.int64) if stage == 0 else x
+    out = torch.empty(t, cfg.model.vocab_size, dtype=dt, requires_grad=True) if stage == num_stages - 1 else x
+    return inp, out
+
+
+def torch_dualpipev_worker(rank: int, world: int, cfg_dict: dict, steps: int, want_grads: bool = False) -> dict:
+    """Train `steps` steps with torch's ScheduleDualPipeV; returns {"stats": [{"loss", "step_time_s"}], "grads"}."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+    cfg = parse_config(cfg_dict)
+    if cfg.parallel.ranks != world or getattr(cfg.parallel, "data_parallel", 1) != 1:
+        raise ValueError(f"one pipeline of parallel.ranks={cfg.parallel.ranks} ranks (no data parallelism) "
+                         f"expected, but {world} ranks were launched")
+    num_stages, m = 2 * world, cfg.parallel.microbatches
+    total_tokens = cfg.parallel.tokens_per_microbatch * m
+    device, group = torch.device("cpu"), dist.group.WORLD
+    local = (rank, num_stages - 1 - rank)  # V placement: the same as generate_stage_to_rank_mapping(style="v")
+    modules = [StageModule(cfg, s, num_stages) for s in local]
+    if activation_dtype(cfg.train.dtype) == torch.float64:  # fp64 runs keep fp64 parameters too
+        modules = [mod.double() for mod in modules]
+    stages = []
+    for s, mod in zip(local, modules):
+        inp, out = _examples(cfg, s, num_stages)
+        stages.append(PipelineStage(mod, s, num_stages, device, input_args=inp, output_args=out, group=group))
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # = Head.forward (fp32 or fp64 stats)
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return torch.nn.functional.cross_entropy(logits.to(acc), labels, reduction="sum") / total_tokens
+
+    schedule = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    params = {k: p for mod in modules for k, p in mod.named_parameters()}
+    optimizer = make_optimizer(params.values(), cfg.train)
+    dist.barrier()
+    hist, grads = [], None
+    for step in range(steps):
+        batch = make_batch(cfg, step)
+        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = torch.zeros((), dtype=torch.float64)
+        if rank == 0:  # holds stage 0 (inputs) and stage 2P-1 (targets, losses)
+            mb_losses: list[torch.Tensor] = []
+            schedule.step(batch.inputs.reshape(-1), target=batch.labels.reshape(-1), losses=mb_losses,
+                          return_outputs=False)
+            loss = torch.stack([x.detach() for x in mb_losses]).double().sum()
+        else:
+            schedule.step(return_outputs=False)
+        dist.all_reduce(loss)
+        if step == 0 and want_grads:  # final grads of step 0 (only when asked; tests, not timing)
+            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+        optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        hist.append({"step": step, "loss": float(loss), "step_time_s": float(elapsed)})
+    return {"stats": hist, "grads": grads}
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def _variant(base: dict, n: int, steps: int) -> dict:
+    cfg = json.loads(json.dumps(base))
+    cfg["model"]["residual"] = {"variant": "mhc" if n > 1 else "residual", "n": n}
+    cfg["parallel"]["schedule"] = "dualpipev"
+    cfg["train"]["steps"] = steps
+    return cfg
+
+
+def _run(kind: str, cfg: dict, steps: int) -> list[dict]:
+    ranks = cfg["parallel"]["ranks"]
+    if kind == "torch":
+        res = launch(torch_dualpipev_worker, ranks, (cfg, steps, False), timeout_s=900)
+    else:
+        res = launch(variants_worker, ranks, ([cfg], False), timeout_s=900)
+    bad = [(r.rank, r.exitcode, r.error) for r in res if r.exitcode != 0 or r.error]
+    if bad:
+        raise RuntimeError(f"{kind} launch failed: {bad}")
+    return res[0].value["stats"] if kind == "torch" else res[0].value[0]["stats"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--steps", type=int, default=8, help="steps per launch (the first --warmup are not timed)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="launch pairs per n; the order alternates each round")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "torch_dualpipev.json")
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        ap.error("--steps must exceed --warmup")
+    base = load_config(args.config).model_dump()
+    rows = []
+    for n in (1, 4):
+        cfg = _variant(base, n, args.steps)
+        per_round: dict[str, list[float]] = {"torch": [], "ours": []}
+        steps_s: dict[str, list[list[float]]] = {"torch": [], "ours": []}  # every launch's step times
+        losses: dict[str, list[float]] = {}
+        for k in range(args.rounds):
+            for kind in (("torch", "ours") if k % 2 == 0 else ("ours", "torch")):
+                stats = _run(kind, cfg, args.steps)
+                steps_s[kind].append([s["step_time_s"] for s in stats])
+                per_round[kind].append(statistics.median(steps_s[kind][-1][args.warmup:]))
+                losses.setdefault(kind, [s["loss"] for s in stats])
+                print(f"n={n} round {k} {kind:<5}: median {per_round[kind][-1] * 1e3:.1f} ms", flush=True)
+        t_torch, t_ours = statistics.median(per_round["torch"]), statistics.median(per_round["ours"])
+        err = max(abs(a - b) / abs(b) for a, b in zip(losses["torch"], losses["ours"]))
+        rows.append({"n": n, "variant": cfg["model"]["residual"]["variant"], "torch_step_s": t_torch,
+                     "ours_step_s": t_ours, "ratio_ours_over_torch": t_ours / t_torch,
+                     "torch_step_s_rounds": per_round["torch"], "ours_step_s_rounds": per_round["ours"],
+                     "torch_step_s_launches": steps_s["torch"], "ours_step_s_launches": steps_s["ours"],
+                     "losses_torch": losses["torch"], "losses_ours": losses["ours"],
+                     "loss_max_rel_err": err, "losses_equal": err <= LOSS_TOL})
+    print(f"\n{'n':>2} {'torch ms':>9} {'ours ms':>9} {'ours/torch':>11} {'loss rel err':>13} {'losses equal':>13}")
+    for r in rows:
+        print(f"{r['n']:>2} {r['torch_step_s'] * 1e3:>9.1f} {r['ours_step_s'] * 1e3:>9.1f} "
+              f"{r['ratio_ours_over_torch']:>11.3f} {r['loss_max_rel_err']:>13.2e} {str(r['losses_equal']):>13}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    par = base["parallel"]
+    args.out.write_text(json.dumps({
+        "config": args.config, "schedule": "dualpipev", "ranks": par["ranks"], "microbatches": par["microbatches"],
+        "tokens_per_step": par["microbatch_size"] * par["seq_len"] * par["microbatches"],
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "loss_tol": LOSS_TOL,
+        "step_time": "median over steps after warm-up of the slowest rank's step, then median over rounds",
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "results": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if all(r["losses_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Expert parallelism: MoE token dispatch and combine over an EP group with all-to-all, asynchronous.
+
+Shape letters: T tokens of a micro-batch, k experts per token, E routed experts, EP ranks in the group,
+E_l = E / EP experts per rank, C hidden, N = T*k routed rows of one rank.
+
+`pipeline.model.MoE` sorts its N (token, expert) slots by expert (one stable argsort), so the rows for one EP rank
+form one block, and calls `ExpertComm.routed`:
+1. the per-expert counts [E] go out with one `all_to_all_single` (each rank learns how many rows every source
+   sends to each of its local experts);
+2. one host read of both count vectors gives the split sizes: the only host synchronisation of the layer, none
+   per expert;
+3. `A2A_DISPATCH`: the rows go out with `all_to_all_single(out_splits, in_splits)`; the receiver regroups them
+   expert-major (a stable argsort of each row's local expert), runs each local expert on a contiguous slice and
+   restores the source-major order;
+4. `A2A_COMBINE`: the outputs go back with the reverse splits, one row per slot in the sender's order.
+Backward mirrors it (autograd Functions below): the gradient of the combine is a dispatch-direction all-to-all
+(`A2A_COMBINE/.../L13.dgrad`) and that of the dispatch a combine-direction one (`A2A_DISPATCH/.../L13.dgrad`).
+
+Every exchange is posted asynchronously and waited right before its result is used. Between the two, when an
+F&B pair is running (`pipeline.overlap.PairRunner`), the other half of the pair computes: that is DualPipe's
+overlap of one micro-batch's all-to-all with the other's compute. Every EP rank issues its exchanges in the same
+order (the same schedule and the same fixed interleaving), as collectives require. Spans: `~comm` from post to
+completion, `WAIT` when the compute thread blocks (comm.Comms).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comms
+
+
+class ExpertComm:
+    """The EP group of one rank, with the waits, spans and F&B hand-over of its exchanges."""
+
+    def __init__(self, group, size: int, rank: int, comms: Comms, pair=None):
+        self.group = group
+        self.size = size  # EP ranks
+        self.rank = rank  # this rank's index in the EP group
+        self.comms = comms
+        self.pair = pair  # pipeline.overlap.PairRunner, or None (serial)
+        self._tls = threading.local()
+
+    # -- which (stage, micro-batch) the calling thread's forward belongs to: names the spans ------------------
+    def set_chunk(self, stage: int, mb: int) -> None:
+        self._tls.chunk = (stage, mb)
+
+    def chunk(self) -> tuple[int | None, int | None]:
+        return getattr(self._tls, "chunk", (None, None))
+
+    # -- one exchange ---------------------------------------------------------------------------------------
+    def exchange(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, *, op: str,
+                 chunk: tuple, layer: int, part: str | None, side: str, resume: str) -> torch.Tensor:
+        """all_to_all_single of `send` (rows split by in_splits) into a fresh buffer (out_splits rows per source;
+        None = equal splits); while it flies the other half of a running F&B pair computes."""
+        rows = send.shape[0] if out_splits is None else sum(out_splits)
+        out = send.new_empty((rows,) + tuple(send.shape[1:]))
+        stage, mb = chunk
+        name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
+        h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
+                            group=self.group, name=name, kind=op if part is None else f"{op}.{part}",
+                            stage=stage, mb=mb, peer="EP group")
+        pair = self.pair
+        if pair is not None:
+            pair.switch(side)
+        self.comms.wait(h)
+        if pair is not None:
+            pair.resume(side, f"L{layer}.{resume}")
+        return out
+
+    def routed(self, moe, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for `rows` [N, C] (sorted by expert, counts[e] rows for expert e) over the EP group;
+        one output row per input row, same order."""
+        ep, e_l, layer = self.size, moe.num_local, moe.layer
+        chunk = self.chunk()
+        recv_counts = self.exchange(counts, None, None, op="A2A_DISPATCH", chunk=chunk, layer=layer,
+                                    part="counts", side="F", resume="dispatch")  # [EP*E_l]: [source, expert]
+        both = torch.cat([counts, recv_counts]).tolist()  # the layer's one host read
+        sent, got = both[:ep * e_l], both[ep * e_l:]
+        in_splits = [sum(sent[r * e_l:(r + 1) * e_l]) for r in range(ep)]
+        out_splits = [sum(got[r * e_l:(r + 1) * e_l]) for r in range(ep)]
+        per_expert = [sum(got[r * e_l + j] for r in range(ep)) for j in range(e_l)]
+        meta = (self, chunk, layer)
+        recv = _Dispatch.apply(rows, meta, out_splits, in_splits)  # [R, C], source-major, expert-minor
+        local = torch.arange(e_l, device=rows.device).repeat(ep)  # local expert of each (source, expert) block
+        expert_of_row = torch.repeat_interleave(local, recv_counts)
+        perm = torch.argsort(expert_of_row, stable=True)  # expert-major, sources in order within an expert
+        y = moe.local_experts(recv.index_select(0, perm), per_expert)
+        y_src = y.index_select(0, torch.argsort(perm))  # back to source-major
+        return _Combine.apply(y_src, meta, in_splits, out_splits)
+
+
+class _Dispatch(torch.autograd.Function):
+    """rows -> the EP ranks that hold their experts; backward sends the rows' gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows, meta, out_splits, in_splits):
+        comm, chunk, layer = meta
+        ctx.meta, ctx.splits = meta, (out_splits, in_splits)
+        return comm.exchange(rows, out_splits, in_splits, op="A2A_DISPATCH", chunk=chunk, layer=layer, part=None,
+                             side="F", resume="experts")
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, chunk, layer = ctx.meta
+        out_splits, in_splits = ctx.splits
+        g = comm.exchange(grad, in_splits, out_splits, op="A2A_DISPATCH", chunk=chunk, layer=layer, part="dgrad",
+                          side="B", resume="router")
+        return g, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """expert outputs -> back to the ranks that own the tokens; backward sends the outputs' gradients out."""
+
+    @staticmethod
+    def forward(ctx, y, meta, out_splits, in_splits):
+        comm, chunk, layer = meta
+        ctx.meta, ctx.splits = meta, (out_splits, in_splits)
+        return comm.exchange(y, out_splits, in_splits, op="A2A_COMBINE", chunk=chunk, layer=layer, part=None,
+                             side="F", resume="combine")
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, chunk, layer = ctx.meta
+        out_splits, in_splits = ctx.splits
+        g = comm.exchange(grad, in_splits, out_splits, op="A2A_COMBINE", chunk=chunk, layer=layer, part="dgrad",
+                          side="B", resume="experts")
+        return g, None, None, None

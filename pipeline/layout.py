@@ -1,0 +1,157 @@
+"""The parallel layout of a run on a DeviceMesh: pipeline ranks (pp) x data-parallel replicas (dp), with
+expert-parallel groups inside dp, as Megatron and DeepSeek place them.
+
+Shape letters: P pipeline ranks, D data-parallel replicas, EP expert-parallel ranks, D_e = D / EP replicas of
+one expert.
+
+World = P x D processes, row-major on the mesh: global rank = pp_rank * D + dp_rank, so the replicas of one
+pipeline rank are consecutive (one node: its NVLink carries their all-to-all and gradient all-reduce, while the
+pipeline's P2P crosses nodes). EP cuts dp into D / EP blocks of EP consecutive ranks: dp_rank = edp_rank * EP +
+ep_rank. An EP group exchanges tokens; the ranks with the same pp and ep rank (the edp group) hold the same
+experts.
+
+Process groups, all created from DeviceMesh objects (collectively, on every rank) and passed in:
+* `mesh` (pp, dp) from `init_device_mesh`: the pipeline's P2P group (`pp`) and the data-parallel group (`dp`);
+* `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas;
+* gradient groups, the ranks that sum one stage's gradients: dense parameters over dp, expert parameters over
+  edp. DualPipe holds every model chunk on two pipeline ranks (r and P-1-r), so its groups also span the
+  mirrored rank: DeepSeek's reduction of the duplicated copies and data parallelism are one all-reduce
+  (meshes (P/2, 2D) and (P/2, EP, 2D_e) built from explicit rank tensors).
+The world group (loss, statistics, barriers) is the default group, taken once here and passed on.
+
+Multi-node is torchrun's rendezvous: every node runs the same command with --nnodes, --node-rank (or
+--rdzv-backend c10d --rdzv-endpoint HOST:PORT) and --nproc-per-node; the mesh is laid over the global ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int  # pipeline ranks P
+    dp: int  # data-parallel replicas D
+    ep: int  # expert-parallel degree EP (divides D)
+    schedule: str
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def mirrored(self) -> bool:
+        """DualPipe: pipeline ranks r and P-1-r hold the same model chunks."""
+        return self.schedule == "dualpipe"
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, dp_rank) of a global rank."""
+        return divmod(rank, self.dp)
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        par = cfg.parallel
+        return cls(par.ranks, par.data_parallel, par.expert_parallel, par.schedule)
+
+    def check(self, cfg, world: int | None = None) -> None:
+        """One-line errors naming the field and flag, before any process group exists."""
+        if world is not None and world != self.world:
+            raise ValueError(f"parallel.ranks (--pp {self.pp}) x parallel.data_parallel (--dp {self.dp}) = "
+                             f"{self.world}, but {world} processes were started (torchrun --nproc-per-node x "
+                             "--nnodes); make them equal")
+        moe = cfg.model.moe
+        if self.ep > 1 and moe is None:
+            raise ValueError(f"parallel.expert_parallel (--ep {self.ep}): model {cfg.model.name!r} has no MoE "
+                             "(model.moe) to split over experts; use --ep 1")
+        if self.dp % self.ep:
+            raise ValueError(f"parallel.expert_parallel (--ep {self.ep}) must divide parallel.data_parallel "
+                             f"(--dp {self.dp}): expert-parallel groups are cut out of the data-parallel ranks")
+        if moe is not None and moe.num_experts % self.ep:
+            raise ValueError(f"parallel.expert_parallel (--ep {self.ep}) must divide model.moe.num_experts="
+                             f"{moe.num_experts}")
+
+    # -- rank tensors of the meshes --------------------------------------------------------------------------
+    def expert_ranks(self) -> torch.Tensor:
+        """[P, D_e, EP] global ranks."""
+        return torch.arange(self.world).view(self.pp, self.edp, self.ep)
+
+    def _holders(self) -> list[list[int]]:
+        """Pipeline ranks holding the same chunks: [[r, P-1-r]] (DualPipe) or [[r]]."""
+        if not self.mirrored:
+            return [[r] for r in range(self.pp)]
+        return [[r, self.pp - 1 - r] for r in range(self.pp // 2)]
+
+    def dense_grad_ranks(self) -> torch.Tensor:
+        """[holder sets, |set| x D]: the ranks that sum one stage's dense gradients."""
+        return torch.tensor([[self.rank(p, d) for p in ps for d in range(self.dp)] for ps in self._holders()])
+
+    def expert_grad_ranks(self) -> torch.Tensor:
+        """[holder sets, EP, |set| x D_e]: the ranks that sum one expert's gradients."""
+        return torch.tensor([[[self.rank(p, k * self.ep + e) for p in ps for k in range(self.edp)]
+                              for e in range(self.ep)] for ps in self._holders()])
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the layout and its process groups (None where the group would be this rank alone)."""
+
+    layout: Layout
+    rank: int  # global rank
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    pp_group: object = None  # None: the default group (a pure pipeline), or no process group at all
+    ep_group: object = None
+    dense_grad_group: object = None
+    dense_grad_size: int = 1
+    expert_grad_group: object = None
+    expert_grad_size: int = 1
+    world_group: object = None
+    meshes: tuple = ()
+
+    @classmethod
+    def single(cls, layout: Layout, pp_rank: int) -> "ParallelGroups":
+        """No process group (a stage benchmark with a loopback transport): one replica, no EP."""
+        return cls(layout, pp_rank, pp_rank, 0, 0)
+
+
+def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
+    """Create the meshes and groups (collective: every rank of the world calls it, in the same order)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    pp_rank, dp_rank = layout.coords(rank)
+    ep_rank = dp_rank % layout.ep
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, pp_group=mesh.get_group("pp"),
+                       world_group=dist.group.WORLD, meshes=(mesh,))
+    if layout.ep > 1:
+        em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
+        g.meshes += (em,)
+        g.ep_group = em.get_group("ep")
+    if layout.mirrored:
+        dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=("holders", "grad"))
+        g.meshes += (dm,)
+        g.dense_grad_group, g.dense_grad_size = dm.get_group("grad"), 2 * layout.dp
+    elif layout.dp > 1:
+        g.dense_grad_group, g.dense_grad_size = mesh.get_group("dp"), layout.dp
+    copies = 2 * layout.edp if layout.mirrored else layout.edp
+    if copies > 1:
+        if layout.ep == 1:
+            g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
+        elif layout.mirrored:
+            xm = DeviceMesh(device_type, layout.expert_grad_ranks(), mesh_dim_names=("holders", "ep", "grad"))
+            g.meshes += (xm,)
+            g.expert_grad_group = xm.get_group("grad")
+        else:
+            g.expert_grad_group = em.get_group("edp")
+        g.expert_grad_size = copies
+    return g

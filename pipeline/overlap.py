@@ -1,0 +1,139 @@
+"""The overlapped F&B pair: DualPipe's chunk interleaving of one micro-batch's forward with another's backward.
+
+The forward half runs on the calling thread, the backward half on a helper thread (torchtitan's design for
+DualPipeV: a second Python thread, one compute turn handed back and forth). Exactly one half computes at a time;
+the turn moves at *switch points*:
+* right after a half posts an all-to-all (pipeline.expert): its communication then flies while the other half
+  computes, and the half waits for it only when the turn comes back;
+* at every segment boundary (a Transformer block, a recompute block, the embedding or the head), so the halves
+  interleave block by block: forward attention / dispatch / MLP / combine of one micro-batch against backward
+  combine / MLP / dispatch / attention of the other.
+The order of turns depends only on the program (segments and exchanges), never on timing, so every rank of an
+EP group issues its collectives in the same order. When one half has finished, the other runs to its end.
+
+Each stretch of compute between two switch points is one trace span named after where it starts
+(`F/s3/mb7/L12.block`, `B/s4/mb2/L13.experts`, ...), so the F and B of a pair are drawn where and when they ran.
+A failure in either half (a timeout, a dead peer) stops the other at its next switch point and the first error
+is raised on the calling thread.
+
+On CUDA both threads issue kernels to the compute stream (autograd runs the backward's kernels on the streams
+of their forward); NCCL work runs on its own stream, so a posted all-to-all overlaps the other half's kernels.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class HalfAborted(RuntimeError):
+    """Raised at a switch point of one half when the other half failed."""
+
+
+class PairRunner:
+    def __init__(self, recorder, device: torch.device):
+        self.recorder = recorder
+        self.device = device
+        self._cv = threading.Condition()
+        self.active = False
+        self._turn = "F"
+        self._done = {"F": True, "B": True}
+        self._error: BaseException | None = None
+        self._open: dict[str, tuple | None] = {"F": None, "B": None}
+        self._names: dict[str, str] = {}  # side -> span name prefix of the half, e.g. F/s3/mb7
+        self._meta: dict[str, tuple] = {}  # side -> (kind, stage, mb)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="fb-backward-half", daemon=True)
+        self._thread.start()
+
+    # -- the pair ------------------------------------------------------------------------------------------
+    def run(self, forward, backward, *, f_chunk: tuple[int, int], b_chunk: tuple[int, int]) -> None:
+        """forward() here, backward() on the helper thread, forward first; returns when both are done. Each
+        half opens its first span itself (`resume`), after waiting for its input."""
+        with self._cv:
+            self.active, self._turn, self._error = True, "F", None
+            self._done = {"F": False, "B": False}
+        self._meta = {"F": ("F", *f_chunk), "B": ("B", *b_chunk)}
+        self._names = {"F": f"F/s{f_chunk[0]}/mb{f_chunk[1]}", "B": f"B/s{b_chunk[0]}/mb{b_chunk[1]}"}
+        self._jobs.put(backward)
+        try:
+            forward()
+            self._close("F")
+        except BaseException as err:  # noqa: BLE001 - hand any failure to the other half, then report it
+            self._fail(err)
+        finally:
+            self._finish("F")
+        with self._cv:
+            while not self._done["B"]:
+                self._cv.wait()
+            self.active = False
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            with self._cv:
+                while self._turn != "B" and self._error is None:
+                    self._cv.wait()
+                failed = self._error is not None
+            try:
+                if not failed:
+                    job()
+                    self._close("B")
+            except BaseException as err:  # noqa: BLE001
+                self._fail(err)
+            finally:
+                self._finish("B")
+
+    # -- switch points -------------------------------------------------------------------------------------
+    def switch(self, side: str) -> None:
+        """Called by `side` at a switch point: close its span, let the other half compute until it switches
+        back (no-op outside a pair or once the other half is done)."""
+        if not self.active:
+            return
+        self._close(side)
+        other = "B" if side == "F" else "F"
+        with self._cv:
+            if self._error is not None:
+                raise HalfAborted(f"the {other} half of the F&B pair failed")
+            if self._done[other]:
+                return
+            self._turn = other
+            self._cv.notify_all()
+            while self._turn != side and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise HalfAborted(f"the {other} half of the F&B pair failed")
+
+    def resume(self, side: str, label: str) -> None:
+        """`side` computes again from here: open its span named after `label` (e.g. L13.experts)."""
+        if not self.active or not self.recorder.enabled:
+            return
+        kind, stage, mb = self._meta[side]
+        self._open[side] = self.recorder.begin(f"{kind}.seg", stage, mb, name=f"{self._names[side]}/{label}",
+                                               nvtx=False)
+
+    def _close(self, side: str) -> None:
+        token = self._open[side]
+        if token is not None:
+            self._open[side] = None
+            self.recorder.end(token, pop=False)
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self._error is None or isinstance(self._error, HalfAborted):
+                if not isinstance(err, HalfAborted) or self._error is None:
+                    self._error = err
+            self._cv.notify_all()
+
+    def _finish(self, side: str) -> None:
+        with self._cv:
+            self._done[side] = True
+            if self._turn == side:
+                self._turn = "B" if side == "F" else "F"
+            self._cv.notify_all()
