@@ -2,11 +2,13 @@
 --trace-dir runs/x`. With `--interleave residual:1` the same job also trains the baseline, one step of each in
 turn (pipeline.train.train_interleaved), and writes runs/x/mhc_4/ and runs/x/residual_1/.
 
-Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from torchrun; the world size is the pipeline's
-rank count (parallel.ranks is set from it). Backend: NCCL when every rank has its own GPU, gloo on CPU, and
-gloo with the host-staged transport when several ranks share a GPU (or with --transport host). Bad flags or
-config: one line on stderr, exit 2. A distributed failure (timeout, dead peer): one line naming the rank, the
-op and the peer, exit 1, without tearing the group down (that can hang with a dead peer).
+Layout: world = pipeline ranks (--pp) x data-parallel replicas (--dp), expert parallelism (--ep) inside dp
+(pipeline.layout); without --pp the pipeline takes world / dp ranks. Several nodes: the same command on each,
+with torchrun's --nnodes and rendezvous flags. Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from
+torchrun. Backend: NCCL when every rank has its own GPU, gloo on CPU, and gloo with the host-staged transport
+when several ranks share a GPU (or with --transport host). Bad flags, config or layout: one line on stderr,
+exit 2, before any rank computes. A distributed failure (timeout, dead peer): one line naming the rank, the op
+and the peer, exit 1, without tearing the group down (that can hang with a dead peer).
 """
 from __future__ import annotations
 
@@ -19,7 +21,14 @@ from pathlib import Path
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny", help="YAML path or preset name in configs/ (default tiny)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"], help="parallel.schedule")
-    p.add_argument("--microbatches", type=int, help="parallel.microbatches")
+    p.add_argument("--microbatches", type=int, help="parallel.microbatches: of the global batch (split over --dp)")
+    p.add_argument("--pp", type=int, help="parallel.ranks: pipeline ranks (default: processes / --dp)")
+    p.add_argument("--dp", type=int, help="parallel.data_parallel: data-parallel replicas of the pipeline")
+    p.add_argument("--ep", type=int, help="parallel.expert_parallel: ranks of dp that split each stage's experts")
+    p.add_argument("--cpu-bind", action="store_true",
+                   help="CPU runs: bind local rank i to core i mod cores (train.cpu_bind; pipeline/cpu_binding.py)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run F&B pairs as forward then backward (parallel.overlap false), for A/B measurements")
     p.add_argument("--steps", type=int, help="train.steps")
     p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4' or 'residual:1'")
     p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
@@ -36,16 +45,43 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "traces go to TRACE_DIR/<variant>_<n>/")
 
 
-def config_from_args(args: argparse.Namespace, ranks: int | None):
-    from .config import load_config
+def _positive(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"--{flag} {value}: must be >= 1")
 
+
+def config_from_args(args: argparse.Namespace, world: int | None):
+    """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
+    ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
+    from .config import load_config, load_config_data
+    from .layout import Layout
+
+    for flag in ("pp", "dp", "ep", "microbatches", "steps"):
+        _positive(flag, getattr(args, flag))
     over: dict = {"parallel": {}, "train": {}, "model": {}}
-    if ranks is not None:
-        over["parallel"]["ranks"] = ranks
     if args.schedule:
         over["parallel"]["schedule"] = args.schedule
     if args.microbatches:
         over["parallel"]["microbatches"] = args.microbatches
+    if args.dp:
+        over["parallel"]["data_parallel"] = args.dp
+    if args.ep:
+        over["parallel"]["expert_parallel"] = args.ep
+    if args.no_overlap:
+        over["parallel"]["overlap"] = False
+    if args.cpu_bind:
+        over["train"]["cpu_bind"] = True
+    if args.pp:
+        over["parallel"]["ranks"] = args.pp
+    elif world is not None:
+        data, _ = load_config_data(args.config, {k: v for k, v in over.items() if v})
+        dp = (data.get("parallel") or {}).get("data_parallel", 1)
+        if not isinstance(dp, int) or dp < 1:
+            dp = 1  # the validation below names the bad field
+        if world % dp:
+            raise ValueError(f"parallel.data_parallel (--dp {dp}) does not divide the {world} processes started; "
+                             "processes = --pp x --dp")
+        over["parallel"]["ranks"] = world // dp
     if args.steps:
         over["train"]["steps"] = args.steps
     if args.device:
@@ -62,6 +98,7 @@ def config_from_args(args: argparse.Namespace, ranks: int | None):
     cfg = load_config(args.config, {k: v for k, v in over.items() if v})
     if args.residual:
         cfg = with_residual_flag(cfg, "--residual", args.residual)
+    Layout.of(cfg).check(cfg, world)
     return cfg
 
 

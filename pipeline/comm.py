@@ -15,6 +15,7 @@ A2A_DISPATCH/s2/mb0/L3) and the peer or group: a timeout, or a peer that closed 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -48,7 +49,10 @@ class Handle:
     work: object | None = None
     token: object = None  # recorder handle of the ~comm span
     done: bool = False
-    done_ns: list = field(default_factory=list)  # completion time (perf_counter_ns), set by the future's callback
+    done_ns: list = field(default_factory=list)  # completion time (perf_counter_ns), when the backend reported it
+    event: threading.Event | None = None  # set once the work completed (or failed): future callback or waiter
+    waited_elsewhere: bool = False  # a P2PWaiter thread owns the work's wait(); wait on `event` instead
+    error: BaseException | None = None  # the waiter thread's failure
 
 
 def wait_work(work, limit: float) -> bool:
@@ -68,14 +72,29 @@ def wait_work(work, limit: float) -> bool:
     return True
 
 
-def stamp_completion(handle: Handle) -> None:
-    """Ask the backend to note the completion time (collectives; gloo P2P works have no future)."""
-    try:
-        fut = handle.work.get_future()
-    except (RuntimeError, AttributeError):
-        return
-    stamp = handle.done_ns
-    fut.then(lambda _f: stamp.append(time.perf_counter_ns()))
+class P2PWaiter:
+    """Completion of works without a future (gloo P2P): gloo reports such a work complete only from inside
+    `wait()`, so a pool of daemon threads waits for each one and signals its handle when it returns; the compute
+    thread then waits on the handle's event instead of the work."""
+
+    def __init__(self, signal, threads: int = 16):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._signal = signal
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="p2p-wait")
+
+    def add(self, h: Handle, limit: float) -> None:
+        h.waited_elsewhere = True
+        self._pool.submit(self._wait, h, limit)
+
+    def _wait(self, h: Handle, limit: float) -> None:
+        try:
+            if not wait_work(h.work, limit):
+                h.error = TimeoutError("Timed out")
+        except BaseException as err:  # noqa: BLE001 - handed to the compute thread's wait
+            h.error = err
+        finally:
+            self._signal(h)
 
 
 class Comms:
@@ -85,16 +104,58 @@ class Comms:
         self.rank = rank
         self.recorder = recorder
         self.timeout_s = float(timeout_s)
+        self._cv = threading.Condition()  # notified whenever any tracked op completes
+        self.waiter = None if recorder.cuda else P2PWaiter(self._signal)
+
+    def _signal(self, h: Handle) -> None:
+        """An op completed (called from a backend or waiter thread): stamp it, wake whoever waits for any op."""
+        h.done_ns.append(time.perf_counter_ns())
+        h.event.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def track(self, h: Handle) -> None:
+        """Make a posted op's completion observable and timed: its future's callback, or a waiter thread (gloo
+        P2P works have no future)."""
+        h.event = threading.Event()
+        try:
+            fut = h.work.get_future()
+        except (RuntimeError, AttributeError):
+            if self.waiter is not None:
+                self.waiter.add(h, self.timeout_s)
+            else:
+                h.event = None  # completion seen only by waiting (host-staged P2P on a CUDA run)
+            return
+        fut.then(lambda _f, h=h: self._signal(h))
+
+    @staticmethod
+    def completed(h: Handle) -> bool:
+        """Has `h` completed? Non-blocking; False until its result is usable."""
+        if h.done:
+            return True
+        return h.event.is_set() if h.event is not None else h.work.is_completed()
+
+    def wait_any(self, handles: list[Handle], limit_s: float) -> bool:
+        """Block until one of `handles` completes (True) or `limit_s` passes (False)."""
+        deadline = time.monotonic() + limit_s
+        with self._cv:
+            while not any(self.completed(h) for h in handles):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
 
     def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, **kwargs) -> Handle:
         """Post a collective `fn(*args, async_op=True, **kwargs)`; its output is the caller's business."""
-        token = self.recorder.begin_async(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")
         try:
             work = fn(*args, async_op=True, **kwargs)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"rank {self.rank}: posting {name} ({peer}) failed: {describe(err)}") from None
+        # the span starts once the op is in flight: posting it is the compute thread's work
+        token = self.recorder.begin_async(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")
         h = Handle(False, name, peer, stage, mb, work=work, token=token)
-        stamp_completion(h)
+        self.track(h)
         return h
 
     def poll(self, h: Handle) -> bool:
@@ -102,7 +163,7 @@ class Comms:
         if h.done:
             return True
         try:
-            finished = h.work.is_completed()
+            finished = self.completed(h)
         except Exception as err:  # noqa: BLE001
             raise PipelineError(f"rank {self.rank}: {h.name} {self._with(h)} failed: {describe(err)}") from None
         if finished:
@@ -115,10 +176,15 @@ class Comms:
             return
         limit = self.timeout_s if deadline_s is None else deadline_s
         started = time.monotonic()
-        blocked = not h.work.is_completed()
+        blocked = not self.completed(h)
         wtok = self.recorder.begin("WAIT", h.stage, h.mb, name=f"WAIT/{h.name}", nvtx=False) if blocked else None
         try:
-            ok = wait_work(h.work, limit)
+            if h.waited_elsewhere:  # a waiter thread owns the work's wait
+                ok = h.event.wait(limit)
+                if ok and h.error is not None:
+                    raise h.error
+            else:
+                ok = wait_work(h.work, limit)
         except Exception as err:  # noqa: BLE001
             cause = describe(err)
             if cause == "the backend timed out":
@@ -132,6 +198,10 @@ class Comms:
             self.recorder.end(wtok, pop=False)
         h.done = True
         self.recorder.end_async(h.token, h.done_ns[0] if h.done_ns else None)
+
+    def timeout_error(self, h: Handle) -> PipelineError:
+        return PipelineError(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {h.name} "
+                             f"{self._with(h)}")
 
     @staticmethod
     def _with(h: Handle) -> str:

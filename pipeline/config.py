@@ -125,6 +125,8 @@ class TrainConfig(BaseModel):
         "tests: sums in another order then differ by ~1e-16 instead of ~1e-7)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
+    cpu_bind: bool = Field(False, description="CPU runs: bind local rank i to core i mod cores (consecutive ranks, "
+                           "e.g. expert-parallel peers, on different cores; pipeline.cpu_binding), --cpu-bind")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "
                              "training and a collection runs between steps every gc_interval steps, outside the "
                              "step's timing (torchtitan's gc_freq, Megatron's --manual-gc); 0 = leave Python's "
@@ -195,6 +197,12 @@ def presets() -> list[str]:
 def load_config(source: str | Path, overrides: dict | None = None) -> RunConfig:
     """Load a RunConfig from a YAML path or a preset name (a file in configs/), with optional nested overrides
     such as {"parallel": {"ranks": 8}}. Errors name the field: `parallel.ranks: Input should be ...`."""
+    data, path = load_config_data(source, overrides)
+    return parse_config(data, str(path))
+
+
+def load_config_data(source: str | Path, overrides: dict | None = None) -> tuple[dict, Path]:
+    """The raw mapping of a config file (with overrides) before validation, and the file's path."""
     import yaml
 
     path = Path(source)
@@ -221,7 +229,7 @@ def load_config(source: str | Path, overrides: dict | None = None) -> RunConfig:
             current.update(values)
         else:
             data[section] = values
-    return parse_config(data, str(path))
+    return data, path
 
 
 def parse_config(data: dict, source: str = "<config>") -> RunConfig:

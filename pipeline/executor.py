@@ -15,7 +15,8 @@ Actions (schedules/ir.py), in list order:
   W: pop the oldest group and check it is the (stage, mb) the schedule names.
 * FB: the forward of one chunk and the full backward of another. With a `PairRunner` (default) they overlap:
   each half on its own thread, interleaved at every segment boundary and every expert all-to-all
-  (pipeline.overlap), each waiting only for its own receive. Without (`--no-overlap`): F, then B.
+  (pipeline.overlap), each waiting only for its own receive. Without (`--no-overlap`): F, then B, every
+  all-to-all waited right after its post and the pair's sends posted after it (the serial baseline for A/B).
 After each action the stages whose gradients it finished have them reduced (pipeline.grad_reduce). Sends are
 reaped as they complete and drained at the end, each with a deadline; the step ends with checks that nothing is
 left over (receives, hand-offs, W groups, live chunks).
@@ -68,6 +69,7 @@ class Executor:
         self.ready: dict[tuple[Kind, int, int], torch.Tensor] = {}  # produced, not yet posted (channel order)
         self.posted: set[tuple[Kind, int, int]] = set()
         self.next_send = {peer: 0 for peer in self.send_order}
+        self.hold_sends = False  # a serial F&B posts its sends after the pair, as before the overlap existed
         self.loss_sum = torch.zeros((), dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                                     device=self.device)
 
@@ -98,6 +100,11 @@ class Executor:
             raise PipelineError(f"rank {self.rank}: produced {kind.value}/s{stage}/mb{mb} but the lowered schedule "
                                 "has no send for it")
         self.ready[key] = tensor
+        if not self.hold_sends:
+            self._flush_sends(peer)
+
+    def _flush_sends(self, peer: int) -> None:
+        """Post the ready sends to `peer` that are next in its channel order."""
         order, ops, labels = self.send_order[peer], [], []
         i = self.next_send[peer]
         while i < len(order) and order[i] in self.ready:
@@ -110,11 +117,13 @@ class Executor:
         if ops:
             self.sends.extend(self.transport.post(ops, labels))
 
-    def _take_recv(self, kind: Kind, producer: int, mb: int) -> torch.Tensor:
+    def _take_recv(self, kind: Kind, producer: int, mb: int, side: str | None = None) -> torch.Tensor:
         p = self.recvs.pop((kind, producer, mb), None)
         if p is None:
             raise PipelineError(f"rank {self.rank}: needs {kind.value}/s{producer}/mb{mb} but never posted its "
                                 "receive (the lowered schedule is inconsistent)")
+        if side is not None and self.pair is not None:
+            self.pair.wait(side, p)  # the other half computes while it is in flight
         return self.transport.wait(p)
 
     def _reap_sends(self, drain: bool = False) -> None:
@@ -127,7 +136,7 @@ class Executor:
         self.sends = still
 
     # -- halves ------------------------------------------------------------------------------------------
-    def _forward_input(self, stage: int, mb: int, batch: Batch):
+    def _forward_input(self, stage: int, mb: int, batch: Batch, side: str | None = None):
         spec = self.specs[stage]
         ids, labels = batch.microbatch(global_microbatch(self.plan, spec.pipeline, mb))
         if spec.has_embed:
@@ -135,12 +144,12 @@ class Executor:
         elif self._local(spec.prev):
             inp = self.mail_f.pop((stage, mb))
         else:
-            inp = self._take_recv(Kind.RECV_F, spec.prev, mb)
+            inp = self._take_recv(Kind.RECV_F, spec.prev, mb, side)
         return inp, (labels.to(self.device) if spec.has_head else None)
 
     def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None) -> None:
         """The forward of (stage, mb); `side` "F" inside an overlapped pair (turn hand-over at segments)."""
-        inp, labels = self._forward_input(stage, mb, batch)
+        inp, labels = self._forward_input(stage, mb, batch, side)
         run = ChunkRun(stage, mb)
         self.runs[(stage, mb)] = run
         st = self.stages[stage]
@@ -173,7 +182,7 @@ class Executor:
         elif self._local(spec.next):
             grad = self.mail_b.pop((stage, mb))
         else:
-            grad = self._take_recv(Kind.RECV_B, spec.next, mb)
+            grad = self._take_recv(Kind.RECV_B, spec.next, mb, side)
         labels = self.stages[stage].labels[::-1]
         pair = self.pair if side else None
         if pair is not None:
@@ -218,15 +227,22 @@ class Executor:
         elif kind is Kind.FB:
             name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
             with rec.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name):
-                if self.pair is None:
-                    with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
-                        self._forward(a.stage, a.mb, batch)
-                    with rec.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
-                        self._backward(a.b_stage, a.b_mb, split=False)
+                if self.pair is None:  # serial (--no-overlap): F, then B, their sends after the pair
+                    self.hold_sends = True
+                    try:
+                        with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
+                            self._forward(a.stage, a.mb, batch)
+                        with rec.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
+                            self._backward(a.b_stage, a.b_mb, split=False)
+                    finally:
+                        self.hold_sends = False
                 else:
                     self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
                                   lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
                                   f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
+            if self.pair is None:
+                for peer in self.send_order:
+                    self._flush_sends(peer)
         else:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
 

@@ -18,8 +18,9 @@ Backward mirrors it (autograd Functions below): the gradient of the combine is a
 
 Every exchange is posted asynchronously and waited right before its result is used. Between the two, when an
 F&B pair is running (`pipeline.overlap.PairRunner`), the other half of the pair computes: that is DualPipe's
-overlap of one micro-batch's all-to-all with the other's compute. Every EP rank issues its exchanges in the same
-order (the same schedule and the same fixed interleaving), as collectives require. Spans: `~comm` from post to
+overlap of one micro-batch's all-to-all with the other's compute. Forward and backward exchanges go to two
+process groups over the same EP ranks: within each, every rank issues its exchanges in program order (the same
+schedule), as collectives require, while the two halves of a pair may interleave differently on each rank. Spans: `~comm` from post to
 completion, `WAIT` when the compute thread blocks (comm.Comms).
 """
 from __future__ import annotations
@@ -35,8 +36,8 @@ from .comm import Comms
 class ExpertComm:
     """The EP group of one rank, with the waits, spans and F&B hand-over of its exchanges."""
 
-    def __init__(self, group, size: int, rank: int, comms: Comms, pair=None):
-        self.group = group
+    def __init__(self, groups: dict[str, object], size: int, rank: int, comms: Comms, pair=None):
+        self.groups = groups  # "F": forward exchanges, "B": backward ones (two process groups of the same ranks)
         self.size = size  # EP ranks
         self.rank = rank  # this rank's index in the EP group
         self.comms = comms
@@ -60,14 +61,15 @@ class ExpertComm:
         stage, mb = chunk
         name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
         h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
-                            group=self.group, name=name, kind=op if part is None else f"{op}.{part}",
+                            group=self.groups[side], name=name, kind=op if part is None else f"{op}.{part}",
                             stage=stage, mb=mb, peer="EP group")
         pair = self.pair
-        if pair is not None:
-            pair.switch(side)
-        self.comms.wait(h)
-        if pair is not None:
-            pair.resume(side, f"L{layer}.{resume}")
+        if pair is None:
+            self.comms.wait(h)
+            return out
+        pair.switch(side)
+        pair.wait(side, h)
+        pair.resume(side, f"L{layer}.{resume}")
         return out
 
     def routed(self, moe, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

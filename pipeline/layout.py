@@ -12,7 +12,8 @@ experts.
 
 Process groups, all created from DeviceMesh objects (collectively, on every rank) and passed in:
 * `mesh` (pp, dp) from `init_device_mesh`: the pipeline's P2P group (`pp`) and the data-parallel group (`dp`);
-* `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas;
+* `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas; a
+  second one over the same ranks gives the backward's all-to-alls their own EP group (pipeline.expert);
 * gradient groups, the ranks that sum one stage's gradients: dense parameters over dp, expert parameters over
   edp. DualPipe holds every model chunk on two pipeline ranks (r and P-1-r), so its groups also span the
   mirrored rank: DeepSeek's reduction of the duplicated copies and data parallelism are one all-reduce
@@ -109,7 +110,7 @@ class ParallelGroups:
     dp_rank: int
     ep_rank: int
     pp_group: object = None  # None: the default group (a pure pipeline), or no process group at all
-    ep_group: object = None
+    ep_groups: dict | None = None  # "F" / "B": the EP ranks, one group for forward and one for backward exchanges
     dense_grad_group: object = None
     dense_grad_size: int = 1
     expert_grad_group: object = None
@@ -135,8 +136,10 @@ def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
                        world_group=dist.group.WORLD, meshes=(mesh,))
     if layout.ep > 1:
         em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
-        g.meshes += (em,)
-        g.ep_group = em.get_group("ep")
+        # a second mesh over the same ranks: its own EP groups, for the backward's exchanges
+        bm = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
+        g.meshes += (em, bm)
+        g.ep_groups = {"F": em.get_group("ep"), "B": bm.get_group("ep")}
     if layout.mirrored:
         dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=("holders", "grad"))
         g.meshes += (dm,)

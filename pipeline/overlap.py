@@ -8,8 +8,13 @@ the turn moves at *switch points*:
 * at every segment boundary (a Transformer block, a recompute block, the embedding or the head), so the halves
   interleave block by block: forward attention / dispatch / MLP / combine of one micro-batch against backward
   combine / MLP / dispatch / attention of the other.
-The order of turns depends only on the program (segments and exchanges), never on timing, so every rank of an
-EP group issues its collectives in the same order. When one half has finished, the other runs to its end.
+When a half comes back to an op that has not completed yet and the other half can compute (it is not itself
+parked on an unfinished op), the turn goes to the other half again instead of blocking (`wait`): the rank
+blocks only when neither half can compute, and then until either half's op completes. That makes the interleaving depend on timing, which collectives
+allow only because each half's all-to-alls use their own EP process group (forward and backward exchanges),
+each issued in program order on every rank of the group. On CUDA the host does not block on communication
+(a wait is a stream dependency), so turns there follow the program only. When one half has finished, the
+other runs to its end.
 
 Each stretch of compute between two switch points is one trace span named after where it starts
 (`F/s3/mb7/L12.block`, `B/s4/mb2/L13.experts`, ...), so the F and B of a pair are drawn where and when they ran.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -32,9 +38,12 @@ class HalfAborted(RuntimeError):
 
 
 class PairRunner:
-    def __init__(self, recorder, device: torch.device):
+    def __init__(self, recorder, device: torch.device, comms):
         self.recorder = recorder
         self.device = device
+        self.comms = comms
+        self.dynamic = device.type != "cuda"  # hand the turn over while an op is in flight (host-blocking waits)
+        self._waiting: dict[str, object] = {"F": None, "B": None}  # side -> the op it is parked on
         self._cv = threading.Condition()
         self.active = False
         self._turn = "F"
@@ -54,6 +63,7 @@ class PairRunner:
         with self._cv:
             self.active, self._turn, self._error = True, "F", None
             self._done = {"F": False, "B": False}
+            self._waiting = {"F": None, "B": None}
         self._meta = {"F": ("F", *f_chunk), "B": ("B", *b_chunk)}
         self._names = {"F": f"F/s{f_chunk[0]}/mb{f_chunk[1]}", "B": f"B/s{b_chunk[0]}/mb{b_chunk[1]}"}
         self._jobs.put(backward)
@@ -110,12 +120,46 @@ class PairRunner:
             if self._error is not None:
                 raise HalfAborted(f"the {other} half of the F&B pair failed")
 
+    def wait(self, side: str, handle) -> None:
+        """`side` needs `handle`'s result. While it is in flight and the other half can compute (it is not parked
+        on an unfinished op), the other half computes; when neither can, this thread blocks until *either* op
+        completes (a WAIT span covers that time), so neither half's progress waits behind the other's."""
+        comms = self.comms
+        if not (self.active and self.dynamic):
+            comms.wait(handle)
+            return
+        other = "B" if side == "F" else "F"
+        wait_token, deadline = None, time.monotonic() + comms.timeout_s
+        while not comms.completed(handle):
+            if self._done[other]:
+                break  # nothing else to run: a plain blocking wait
+            parked = self._waiting[other]
+            if parked is None or comms.completed(parked):
+                if wait_token is not None:
+                    self.recorder.end(wait_token, pop=False)
+                    wait_token = None
+                self._waiting[side] = handle
+                try:
+                    self.switch(side)
+                finally:
+                    self._waiting[side] = None
+                continue
+            if wait_token is None:
+                wait_token = self.recorder.begin("WAIT", handle.stage, handle.mb, name=f"WAIT/{handle.name}",
+                                                 nvtx=False)
+            if not comms.wait_any([handle, parked], deadline - time.monotonic()):
+                raise comms.timeout_error(handle)
+        if wait_token is not None:
+            self.recorder.end(wait_token, pop=False)
+        comms.wait(handle)
+
     def resume(self, side: str, label: str) -> None:
         """`side` computes again from here: open its span named after `label` (e.g. L13.experts)."""
         if not self.active or not self.recorder.enabled:
             return
         kind, stage, mb = self._meta[side]
-        self._open[side] = self.recorder.begin(f"{kind}.seg", stage, mb, name=f"{self._names[side]}/{label}",
+        self._open[side] = self.recorder.begin(f"{kind}.{label.split('.', 1)[-1]}", stage, mb,
+                                               name=f"{self._names[side]}/{label}",
                                                nvtx=False)
 
     def _close(self, side: str) -> None:

@@ -49,7 +49,7 @@ class Transport:
         handles, p2p = [], []
         rec = self.comms.recorder
         for i, (is_send, name, peer, tensor) in enumerate(ops):
-            kind, stage, mb = labels[i] if labels is not None else (name.split("/", 1)[0], None, None)
+            _, stage, mb = labels[i] if labels is not None else (None, None, None)
             if is_send:
                 wire = tensor.detach().to("cpu", copy=True) if self.staged else tensor.detach().contiguous()
                 op = dist.P2POp(dist.isend, wire, self._peer(peer), self.group)
@@ -57,7 +57,6 @@ class Transport:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
                 op = dist.P2POp(dist.irecv, wire, self._peer(peer), self.group)
             h = Handle(is_send, name, peer, stage, mb, tensor, wire)
-            h.token = rec.begin_async(kind, stage, mb, peer, f"{name}~comm")
             handles.append(h)
             p2p.append(op)
         if not p2p:
@@ -67,8 +66,11 @@ class Transport:
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             names = ", ".join(h.name for h in handles)
             raise PipelineError(f"rank {self.rank}: posting {names} failed: {describe(err)}") from None
-        for h, w in zip(handles, works):
+        for (is_send, name, peer, _), h, w in zip(ops, handles, works):
             h.work = w
+            kind = name.split("/", 1)[0]
+            h.token = rec.begin_async(kind, h.stage, h.mb, peer, f"{name}~comm")  # in flight from here
+            self.comms.track(h)
         return handles
 
     def wait(self, h: Handle, deadline_s: float | None = None) -> torch.Tensor:

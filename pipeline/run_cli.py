@@ -16,7 +16,8 @@ from .__main__ import add_run_arguments, check_resume, config_from_args, interle
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a real pipeline on this host (launches torchrun)", description=__doc__)
-    p.add_argument("--nproc", type=int, default=None, help="ranks to start (default: parallel.ranks of the config)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start (default: pipeline ranks x data-parallel replicas of the config/flags)")
     add_run_arguments(p)
     p.set_defaults(func=run)
 
@@ -27,10 +28,15 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
-    for flag in ("schedule", "microbatches", "steps", "residual", "recompute", "device", "timeout", "interleave"):
+    for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
+                 "interleave"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag}", str(value)]
+    if args.no_overlap:
+        cmd.append("--no-overlap")
+    if args.cpu_bind:
+        cmd.append("--cpu-bind")
     for flag in ("trace_dir", "checkpoint_dir"):
         value = getattr(args, flag)
         if value is not None:
@@ -46,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (pipeline.cli)
     interleaved_configs(cfg, args)
     check_resume(cfg, args)
-    nproc = args.nproc or cfg.parallel.ranks
+    nproc = args.nproc or cfg.parallel.world_size
     return subprocess.call(torchrun_command(args, nproc))

@@ -86,10 +86,10 @@ class RankRuntime:
         self.recorder = Recorder(groups.rank, device, enabled=record)
         self.timeout_s = cfg.train.timeout_s
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s)
-        self.pair = PairRunner(self.recorder, device) if par.overlap else None
+        self.pair = PairRunner(self.recorder, device, self.comms) if par.overlap else None
         self.expert = None
-        if groups.ep_group is not None:
-            self.expert = ExpertComm(groups.ep_group, layout.ep, groups.ep_rank, self.comms, self.pair)
+        if groups.ep_groups is not None:
+            self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair)
         # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
         # cost model prices it; blocks never cross a stage boundary
         rc_blocks = {sp.stage: block_size(cfg.recompute, 2 * len(sp.blocks), n) for sp in self.plan.local()}
@@ -181,6 +181,7 @@ class RankRuntime:
                                                      "microbatches": par.microbatches_per_replica},
                 "layout": {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                            "overlap": self.pair is not None},
+                "wait_spans": True,  # every block on a communication handle is a WAIT span (traces.comm_overlap)
                 "time_unit": "us", "device": str(self.device), "model": self.cfg.model.name,
                 "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},
                 "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb}
@@ -220,9 +221,16 @@ def manual_gc(interval: int):
 
 
 def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
-    """Check the layout against the world and create its meshes and groups (collective: every rank calls it)."""
+    """Check the layout against the world and create its meshes and groups (collective: every rank calls it);
+    with train.cpu_bind on a CPU run, bind this process to its cores first."""
     layout = Layout.of(cfg)
     layout.check(cfg, world)
+    if cfg.train.cpu_bind and device.type == "cpu":
+        import os
+
+        from .cpu_binding import bind_cpus
+
+        bind_cpus(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if staged and (layout.dp > 1 or layout.ep > 1):
         raise ValueError("--transport host stages pipeline P2P through host memory only; data and expert "
                          "parallelism need a GPU per rank (use --dp 1 --ep 1 with it)")

@@ -1,12 +1,19 @@
 """Range names of traces.md §5: parse a name into (op kind, stage, micro-batch, ...) and format it back.
 
-    name   := OP "/s" STAGE "/mb" MB [ "+s" STAGE "/mb" MB ] [ "/L" LAYER "." KERNEL ] [ "~" STREAM ]
-    OP     := F | I | B | W | FB | SEND_F | RECV_F | SEND_B | RECV_B | RC | RG | OPT
+    name   := OP "/s" STAGE "/mb" MB [ "+s" STAGE "/mb" MB ] [ "/L" LAYER [ "." KERNEL ] ] [ "~" STREAM ]
+            | "WAIT/" name                  (the compute thread blocked on that communication op)
+    OP     := F | I | B | W | FB | SEND_F | RECV_F | SEND_B | RECV_B | A2A_DISPATCH | A2A_COMBINE | RC | RG | OPT
     STREAM := hp | comm                     (absent = the normal compute stream)
 
 Examples: `F/s3/mb7`, `FB/s3/mb7+s4/mb2` (forward half first), `SEND_F/s3/mb7~comm`,
-`F/s3/mb7/L12.post_res~hp`. One outer range `step/K` per iteration (Kineto's `ProfilerStep#K` is read the
-same way). PyTorch pipelining action strings (`3F7`, `(3F7;4B2)OVERLAP_F_B`, optionally prefixed `PP:`) are
+`F/s3/mb7/L12.post_res~hp`. Expert-parallel all-to-all: `A2A_DISPATCH/s3/mb7/L13~comm` (the rows out),
+`A2A_DISPATCH/s3/mb7/L13.counts~comm` (the per-expert counts before them), `A2A_COMBINE/s3/mb7/L13~comm` (the
+outputs back), and in the backward `A2A_COMBINE/s3/mb7/L13.dgrad~comm`, `A2A_DISPATCH/s3/mb7/L13.dgrad~comm`.
+Inside an overlapped F&B pair each stretch of a half's compute is named after where it starts:
+`F/s3/mb7/L12.block`, `F/s3/mb7/L13.experts`, `B/s4/mb2/L13.router`, `B/s4/mb2/L8.wgrad`. `WAIT/RECV_F/s2/mb7`
+or `WAIT/A2A_COMBINE/s3/mb7/L13`: the time the compute thread blocked on that op (exposed communication); kind
+WAIT, with the stage and micro-batch of the op. One outer range `step/K` per iteration (Kineto's
+`ProfilerStep#K` is read the same way). PyTorch pipelining action strings (`3F7`, `(3F7;4B2)OVERLAP_F_B`, optionally prefixed `PP:`) are
 accepted too. Report tools prefix names with an NVTX domain (`mhc_pipe:F/s3/mb7`, or `:F/s3/mb7` for the
 default domain); that prefix is stripped, since our names never contain `:`.
 """
@@ -17,9 +24,13 @@ from dataclasses import dataclass
 
 from traces.trace import Span, span_name
 
-OPS = ("F", "I", "B", "W", "FB", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "RC", "RG", "OPT")
-SCHEDULE_KINDS = frozenset(OPS)
+A2A_KINDS = ("A2A_DISPATCH", "A2A_COMBINE")
+WAIT_KIND = "WAIT"
+OPS = ("F", "I", "B", "W", "FB", "SEND_F", "RECV_F", "SEND_B", "RECV_B", *A2A_KINDS, "RC", "RG", "OPT")
+# the ops a prediction and a measurement are matched on (all-to-alls and waits are measured, not yet predicted)
+SCHEDULE_KINDS = frozenset(OPS) - frozenset(A2A_KINDS)
 COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+ALL_COMM_KINDS = COMM_KINDS | frozenset(A2A_KINDS) | {"RG"}  # every communication op (by base kind)
 LOGICAL_STREAMS = ("compute", "hp", "comm")
 STEP_KIND = "step"
 RANGE_KIND = "range"  # a range whose name does not follow the convention: kept, reported, never matched
@@ -28,7 +39,7 @@ _OPS_RE = "|".join(sorted(OPS, key=len, reverse=True))
 _NAME_RE = re.compile(
     rf"^(?P<op>{_OPS_RE})/s(?P<stage>\d+)/mb(?P<mb>\d+)"
     r"(?:\+s(?P<pstage>\d+)/mb(?P<pmb>\d+))?"
-    r"(?:/L(?P<layer>\d+)\.(?P<kernel>[A-Za-z_][A-Za-z0-9_]*))?"
+    r"(?:/L(?P<layer>\d+)(?:\.(?P<kernel>[A-Za-z_][A-Za-z0-9_]*))?)?"
     r"(?:~(?P<stream>hp|comm))?$")
 _PT_ACTION_RE = re.compile(rf"^(?P<stage>\d+)(?P<op>{_OPS_RE})(?P<mb>\d+)$")
 _PT_OVERLAP_RE = re.compile(r"^\((?P<a>\d+F\d+);(?P<b>\d+B\d+)\)OVERLAP_F_B$")
@@ -48,6 +59,7 @@ class RangeName:
     kernel: str | None = None
     stream: str = "compute"
     step: int | None = None
+    waits_for: "RangeName | None" = None  # kind WAIT: the communication op the compute thread blocked on
 
     @property
     def op(self) -> str:
@@ -55,7 +67,9 @@ class RangeName:
 
     @property
     def part(self) -> str | None:
-        return None if self.kernel is None else f"L{self.layer}.{self.kernel}"
+        if self.layer is None:
+            return None
+        return f"L{self.layer}" + ("" if self.kernel is None else f".{self.kernel}")
 
 
 def strip_domain(name: str) -> str:
@@ -66,7 +80,14 @@ def strip_domain(name: str) -> str:
 def parse_name(name: str) -> RangeName | None:
     """The parsed name, or None when `name` does not follow the convention (a foreign range)."""
     text = name.strip()
-    m = _NAME_RE.match(text) or (_NAME_RE.match(strip_domain(text)) if ":" in text else None)
+    if ":" in text:
+        text = strip_domain(text)
+    if text.startswith("WAIT/"):
+        inner = parse_name(text[5:])
+        if inner is None or inner.stage is None or inner.stream != "compute":
+            return None
+        return RangeName(kind=WAIT_KIND, stage=inner.stage, mb=inner.mb, waits_for=inner)
+    m = _NAME_RE.match(text)
     if m is not None:
         partner = None
         if m["pstage"] is not None:
@@ -99,9 +120,11 @@ def format_name(parsed: RangeName) -> str:
     in the canonical `OP/sS/mbM...` form)."""
     if parsed.kind == STEP_KIND:
         return f"step/{parsed.step}"
+    if parsed.kind == WAIT_KIND and parsed.waits_for is not None:
+        return f"WAIT/{format_name(parsed.waits_for)}"
     name = span_name(parsed.op, parsed.stage, parsed.mb, parsed.partner)
-    if parsed.kernel is not None:
-        name += f"/L{parsed.layer}.{parsed.kernel}"
+    if parsed.part is not None:
+        name += f"/{parsed.part}"
     if parsed.stream != "compute":
         name += f"~{parsed.stream}"
     return name

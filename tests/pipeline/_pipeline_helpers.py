@@ -5,18 +5,21 @@ import torch
 
 
 def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None = None, blocks: int | None = None,
-                steps: int = 3, moe: bool = False, timeout_s: float = 20.0, seed: int = 1) -> dict:
-    """hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P (the minimum DualPipe(V) accepts)."""
+                steps: int = 3, moe: bool = False, timeout_s: float = 20.0, seed: int = 1, dp: int = 1, ep: int = 1,
+                overlap: bool = True, dtype: str = "float32") -> dict:
+    """hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P per data-parallel replica (the minimum
+    DualPipe(V) accepts), dp replicas, EP ep; MoE: 4 experts, top-2, one shared expert, the first block dense."""
     model = {"name": "test", "vocab_size": 64, "num_blocks": blocks or (4 if ranks == 2 else 8), "hidden": 32,
              "num_heads": 2, "head_dim": 16, "mlp_hidden": 64,
              "residual": {"variant": "mhc" if n > 1 else "residual", "n": n}}
     if moe:
         model["moe"] = {"num_experts": 4, "top_k": 2, "num_shared": 1, "expert_hidden": 16, "first_dense_blocks": 1}
     return {"model": model,
-            "parallel": {"schedule": schedule, "ranks": ranks, "microbatches": 2 * ranks, "microbatch_size": 2,
-                         "seq_len": 8},
+            "parallel": {"schedule": schedule, "ranks": ranks, "microbatches": 2 * ranks * dp, "microbatch_size": 2,
+                         "seq_len": 8, "data_parallel": dp, "expert_parallel": ep, "overlap": overlap},
             "recompute": recompute or {"mode": "off"},
-            "train": {"steps": steps, "lr": 1e-2, "seed": seed, "device": "cpu", "timeout_s": timeout_s}}
+            "train": {"steps": steps, "lr": 1e-2, "seed": seed, "device": "cpu", "timeout_s": timeout_s,
+                      "dtype": dtype}}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -24,7 +27,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def merged_grads(results, variant: int) -> dict[str, torch.Tensor]:
-    """Gradients of one variant over all ranks; duplicated copies (DualPipe) must be bitwise identical."""
+    """Gradients of one variant over all ranks; copies (DualPipe's two, data-parallel replicas) must be bitwise
+    identical after their all-reduce."""
     out: dict[str, torch.Tensor] = {}
     for r in results:
         for name, g in r.value[variant]["grads"].items():

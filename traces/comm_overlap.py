@@ -1,0 +1,120 @@
+"""Communication under compute, measured: per rank, how much of each communication op's time the compute thread
+spent blocked on it (exposed) and how much ran while it computed (hidden).
+
+Inputs are the runtime's own spans (traces.md §5): every communication op is a `~comm` span from its post to
+its completion (SEND/RECV, the expert-parallel all-to-alls, the gradient all-reduces `RG`), and every time the
+compute thread blocked on one there is a `WAIT/<op name>` span on the compute stream. So
+    exposed(op) = time of the WAIT spans for that op,   hidden(op) = duration(op) - exposed(op),
+    comm_hidden_pct = 100 * sum(hidden) / sum(duration)
+over the ops of a rank (sums of op durations, so two transfers in flight at once both count). The same numbers
+restricted to the ops posted inside an F&B pair (their comm span starts inside an `FB` span of the rank)
+measure DualPipe's overlap: the pair's all-to-alls and sends under the other half's compute.
+
+Only traces that record WAIT spans can say this (meta `wait_spans`: the runtime's measured traces); a predicted
+or an imported trace gives None.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from traces.names import ALL_COMM_KINDS, WAIT_KIND
+from traces.trace import Span, Trace
+
+
+@dataclass
+class CommShare:
+    ops: int = 0
+    comm_us: float = 0.0  # summed durations of the ops
+    exposed_us: float = 0.0  # time the compute thread waited for them
+
+    @property
+    def hidden_pct(self) -> float | None:
+        if self.comm_us <= 0:
+            return None
+        return 100.0 * max(0.0, self.comm_us - min(self.exposed_us, self.comm_us)) / self.comm_us
+
+    def add(self, duration: float, exposed: float) -> None:
+        self.ops += 1
+        self.comm_us += duration
+        self.exposed_us += exposed
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "hidden_pct": self.hidden_pct}
+
+
+@dataclass
+class RankCommOverlap:
+    rank: int
+    all: CommShare = field(default_factory=CommShare)
+    in_fb: CommShare = field(default_factory=CommShare)  # ops posted inside an overlapped F&B pair
+    by_kind: dict[str, CommShare] = field(default_factory=dict)
+    unmatched_wait_us: float = 0.0  # WAIT time for an op with no comm span (should be 0)
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "comm_us": self.all.comm_us, "exposed_us": self.all.exposed_us,
+                "comm_hidden_pct": self.all.hidden_pct, "fb": self.in_fb.to_dict(),
+                "by_kind": {k: v.to_dict() for k, v in sorted(self.by_kind.items())},
+                "unmatched_wait_us": self.unmatched_wait_us}
+
+
+def _base(kind: str) -> str:
+    return kind.split(".", 1)[0]
+
+
+def _comm_name(s: Span) -> str:
+    label = s.label
+    return label[:-5] if label.endswith("~comm") else label
+
+
+def comm_overlap(trace: Trace) -> dict[int, RankCommOverlap] | None:
+    """Per rank exposed and hidden communication, or None for a trace without WAIT spans."""
+    if not trace.meta.get("wait_spans"):
+        return None
+    by_rank: dict[int, list[Span]] = defaultdict(list)
+    for s in trace.spans:
+        by_rank[s.rank].append(s)
+    return {r: _rank_overlap(r, spans) for r, spans in sorted(by_rank.items())}
+
+
+def _rank_overlap(rank: int, spans: list[Span]) -> RankCommOverlap:
+    comm = sorted((s for s in spans if s.stream == "comm" and _base(s.kind) in ALL_COMM_KINDS),
+                  key=lambda s: s.start)
+    fbs = sorted((s.start, s.end) for s in spans if s.kind == "FB")
+    fb_starts = [a for a, _ in fbs]
+    by_name: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(comm):
+        by_name[_comm_name(s)].append(i)
+    exposed = [0.0] * len(comm)
+    out = RankCommOverlap(rank)
+    for w in spans:
+        if w.kind != WAIT_KIND:
+            continue
+        target = w.label[5:] if w.label.startswith("WAIT/") else ""
+        cands = by_name.get(target, [])
+        # the instance of that op (one per step) posted last before the wait began
+        j = bisect_right([comm[i].start for i in cands], w.start + 1e-6) - 1
+        if j < 0:
+            out.unmatched_wait_us += w.duration
+            continue
+        exposed[cands[j]] += w.duration
+    for s, e in zip(comm, exposed):
+        e = min(e, s.duration)
+        out.all.add(s.duration, e)
+        out.by_kind.setdefault(_base(s.kind), CommShare()).add(s.duration, e)
+        k = bisect_right(fb_starts, s.start) - 1
+        if k >= 0 and s.start <= fbs[k][1]:
+            out.in_fb.add(s.duration, e)
+    return out
+
+
+def total(overlaps: dict[int, RankCommOverlap], fb: bool = False) -> CommShare:
+    """All ranks together."""
+    agg = CommShare()
+    for o in overlaps.values():
+        part = o.in_fb if fb else o.all
+        agg.ops += part.ops
+        agg.comm_us += part.comm_us
+        agg.exposed_us += part.exposed_us
+    return agg
