@@ -64,7 +64,7 @@ def main() -> int:
         variants = [variant(base, 1, "off", args.steps), variant(base, 4, "off", args.steps),
                     variant(base, 4, "auto", args.steps)]
         t0 = time.perf_counter()
-        res = launch(variants_worker, ranks, (variants, False), timeout_s=900)
+        res = launch(variants_worker, ranks, (variants, False, None, True), timeout_s=900)
         bad = [(r.rank, r.error) for r in res if r.exitcode != 0]
         if bad:
             print(f"{kind}: failed {bad}", file=sys.stderr)

@@ -49,6 +49,7 @@ from pipeline.config import load_config, parse_config, stage_blocks  # noqa: E40
 from pipeline.data import make_batch  # noqa: E402
 from pipeline.local import launch, variants_worker  # noqa: E402
 from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402
+from pipeline.train import manual_gc  # noqa: E402
 
 LOSS_TOL = 1e-5
 
@@ -83,56 +84,104 @@ def _examples(cfg, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Ten
     return inp, out
 
 
+class TorchPeer:
+    """This rank's half of the model under torch's ScheduleDualPipeV, stepped one optimizer step at a time."""
+
+    def __init__(self, cfg, rank: int, world: int, group):
+        from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+        if cfg.parallel.ranks != world or cfg.parallel.data_parallel != 1:
+            raise ValueError(f"one pipeline of parallel.ranks={cfg.parallel.ranks} ranks (no data parallelism) "
+                             f"expected, but {world} ranks were launched")
+        self.cfg, self.rank = cfg, rank
+        num_stages, m = 2 * world, cfg.parallel.microbatches
+        total_tokens = cfg.parallel.tokens_per_microbatch * m
+        device = torch.device("cpu")
+        local = (rank, num_stages - 1 - rank)  # V placement: the same as generate_stage_to_rank_mapping(style="v")
+        modules = [StageModule(cfg, s, num_stages) for s in local]
+        if activation_dtype(cfg.train.dtype) == torch.float64:  # fp64 runs keep fp64 parameters too
+            modules = [mod.double() for mod in modules]
+        stages = []
+        for s, mod in zip(local, modules):
+            inp, out = _examples(cfg, s, num_stages)
+            stages.append(PipelineStage(mod, s, num_stages, device, input_args=inp, output_args=out, group=group))
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # = Head.forward
+            acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            return torch.nn.functional.cross_entropy(logits.to(acc), labels, reduction="sum") / total_tokens
+
+        self.schedule = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        self.params = {k: p for mod in modules for k, p in mod.named_parameters()}
+        self.optimizer = make_optimizer(self.params.values(), cfg.train)
+
+    def step(self, step: int, want_grads: bool = False) -> dict:
+        """One step, timed as pipeline.train.RankRuntime.step: zero_grad; t0; schedule, loss all-reduce, AdamW;
+        t1; max over ranks outside the timed region."""
+        import torch.distributed as dist
+
+        batch = make_batch(self.cfg, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = torch.zeros((), dtype=torch.float64)
+        if self.rank == 0:  # holds stage 0 (inputs) and stage 2P-1 (targets, losses)
+            mb_losses: list[torch.Tensor] = []
+            self.schedule.step(batch.inputs.reshape(-1), target=batch.labels.reshape(-1), losses=mb_losses,
+                               return_outputs=False)
+            loss = torch.stack([x.detach() for x in mb_losses]).double().sum()
+        else:
+            self.schedule.step(return_outputs=False)
+        dist.all_reduce(loss)
+        grads = None
+        if want_grads:  # before the optimizer step (tests, not timing)
+            grads = {k: p.grad.detach().clone() for k, p in self.params.items() if p.grad is not None}
+        self.optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return {"step": step, "loss": float(loss), "step_time_s": float(elapsed), "grads": grads}
+
+
 def torch_dualpipev_worker(rank: int, world: int, cfg_dict: dict, steps: int, want_grads: bool = False) -> dict:
     """Train `steps` steps with torch's ScheduleDualPipeV; returns {"stats": [{"loss", "step_time_s"}], "grads"}."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     cfg = parse_config(cfg_dict)
-    if cfg.parallel.ranks != world or getattr(cfg.parallel, "data_parallel", 1) != 1:
-        raise ValueError(f"one pipeline of parallel.ranks={cfg.parallel.ranks} ranks (no data parallelism) "
-                         f"expected, but {world} ranks were launched")
-    num_stages, m = 2 * world, cfg.parallel.microbatches
-    total_tokens = cfg.parallel.tokens_per_microbatch * m
-    device, group = torch.device("cpu"), dist.group.WORLD
-    local = (rank, num_stages - 1 - rank)  # V placement: the same as generate_stage_to_rank_mapping(style="v")
-    modules = [StageModule(cfg, s, num_stages) for s in local]
-    if activation_dtype(cfg.train.dtype) == torch.float64:  # fp64 runs keep fp64 parameters too
-        modules = [mod.double() for mod in modules]
-    stages = []
-    for s, mod in zip(local, modules):
-        inp, out = _examples(cfg, s, num_stages)
-        stages.append(PipelineStage(mod, s, num_stages, device, input_args=inp, output_args=out, group=group))
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # = Head.forward (fp32 or fp64 stats)
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        return torch.nn.functional.cross_entropy(logits.to(acc), labels, reduction="sum") / total_tokens
-
-    schedule = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    params = {k: p for mod in modules for k, p in mod.named_parameters()}
-    optimizer = make_optimizer(params.values(), cfg.train)
+    peer = TorchPeer(cfg, rank, world, dist.group.WORLD)
     dist.barrier()
     hist, grads = [], None
-    for step in range(steps):
-        batch = make_batch(cfg, step)
-        optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        loss = torch.zeros((), dtype=torch.float64)
-        if rank == 0:  # holds stage 0 (inputs) and stage 2P-1 (targets, losses)
-            mb_losses: list[torch.Tensor] = []
-            schedule.step(batch.inputs.reshape(-1), target=batch.labels.reshape(-1), losses=mb_losses,
-                          return_outputs=False)
-            loss = torch.stack([x.detach() for x in mb_losses]).double().sum()
-        else:
-            schedule.step(return_outputs=False)
-        dist.all_reduce(loss)
-        if step == 0 and want_grads:  # final grads of step 0 (only when asked; tests, not timing)
-            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-        optimizer.step()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        hist.append({"step": step, "loss": float(loss), "step_time_s": float(elapsed)})
+    with manual_gc(cfg.train.gc_interval) as collect:  # the GC policy the project's runtime runs under
+        for step in range(steps):
+            st = peer.step(step, want_grads and step == 0)
+            grads = st.pop("grads") if step == 0 else grads
+            st.pop("grads", None)
+            hist.append(st)
+            collect(step)
     return {"stats": hist, "grads": grads}
+
+
+def ab_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
+    """torch's ScheduleDualPipeV and the project's runtime in one process group, one step of each in turn (order
+    reversed every step), so both see the same machine state; the same model, data, loss and optimizer."""
+    import torch.distributed as dist
+
+    from pipeline.train import RankRuntime, make_groups
+
+    cfg = parse_config(cfg_dict)
+    peer = TorchPeer(cfg, rank, world, dist.group.WORLD)
+    ours = RankRuntime(cfg, rank, torch.device("cpu"), groups=make_groups(cfg, rank, world, torch.device("cpu")),
+                       record=False)
+    hist: dict[str, list[dict]] = {"torch": [], "ours": []}
+    with manual_gc(cfg.train.gc_interval) as collect:
+        ours.align_clocks()
+        for k in range(steps):
+            for kind in (("torch", "ours") if k % 2 == 0 else ("ours", "torch")):
+                if kind == "torch":
+                    st = peer.step(k)
+                    hist["torch"].append({"loss": st["loss"], "step_time_s": st["step_time_s"]})
+                else:
+                    st = ours.step(k)
+                    hist["ours"].append({"loss": st.loss, "step_time_s": st.step_time_s})
+            collect(k)
+    return hist
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
@@ -144,24 +193,12 @@ def _variant(base: dict, n: int, steps: int) -> dict:
     return cfg
 
 
-def _run(kind: str, cfg: dict, steps: int) -> list[dict]:
-    ranks = cfg["parallel"]["ranks"]
-    if kind == "torch":
-        res = launch(torch_dualpipev_worker, ranks, (cfg, steps, False), timeout_s=900)
-    else:
-        res = launch(variants_worker, ranks, ([cfg], False), timeout_s=900)
-    bad = [(r.rank, r.exitcode, r.error) for r in res if r.exitcode != 0 or r.error]
-    if bad:
-        raise RuntimeError(f"{kind} launch failed: {bad}")
-    return res[0].value["stats"] if kind == "torch" else res[0].value[0]["stats"]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=8, help="steps per launch (the first --warmup are not timed)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="launch pairs per n; the order alternates each round")
+    ap.add_argument("--steps", type=int, default=30, help="steps of each per launch (the first --warmup not timed)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=2, help="launches per n (each alternates the two step by step)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "torch_dualpipev.json")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
@@ -170,35 +207,44 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in (1, 4):
         cfg = _variant(base, n, args.steps)
-        per_round: dict[str, list[float]] = {"torch": [], "ours": []}
-        steps_s: dict[str, list[list[float]]] = {"torch": [], "ours": []}  # every launch's step times
-        losses: dict[str, list[float]] = {}
-        for k in range(args.rounds):
-            for kind in (("torch", "ours") if k % 2 == 0 else ("ours", "torch")):
-                stats = _run(kind, cfg, args.steps)
-                steps_s[kind].append([s["step_time_s"] for s in stats])
-                per_round[kind].append(statistics.median(steps_s[kind][-1][args.warmup:]))
-                losses.setdefault(kind, [s["loss"] for s in stats])
-                print(f"n={n} round {k} {kind:<5}: median {per_round[kind][-1] * 1e3:.1f} ms", flush=True)
-        t_torch, t_ours = statistics.median(per_round["torch"]), statistics.median(per_round["ours"])
+        launches = []
+        for k in range(args.launches):
+            res = launch(ab_worker, base["parallel"]["ranks"], (cfg, args.steps), timeout_s=1800)
+            bad = [(r.rank, r.exitcode, r.error) for r in res if r.exitcode != 0 or r.error]
+            if bad:
+                raise RuntimeError(f"launch failed: {bad}")
+            launches.append(res[0].value)
+            med = {kind: statistics.median(s["step_time_s"] for s in res[0].value[kind][args.warmup:])
+                   for kind in ("torch", "ours")}
+            print(f"n={n} launch {k}: torch {med['torch'] * 1e3:.1f} ms, ours {med['ours'] * 1e3:.1f} ms, "
+                  f"ratio {med['ours'] / med['torch']:.3f}", flush=True)
+        timed = {kind: [s["step_time_s"] for h in launches for s in h[kind][args.warmup:]] for kind in ("torch", "ours")}
+        # per step pair: ours / torch of the same step index (they ran back to back)
+        pairs = [o["step_time_s"] / t["step_time_s"] for h in launches
+                 for t, o in zip(h["torch"][args.warmup:], h["ours"][args.warmup:])]
+        t_torch, t_ours = statistics.median(timed["torch"]), statistics.median(timed["ours"])
+        losses = {kind: [s["loss"] for s in launches[0][kind]] for kind in ("torch", "ours")}
         err = max(abs(a - b) / abs(b) for a, b in zip(losses["torch"], losses["ours"]))
+        q = statistics.quantiles(pairs, n=4)
         rows.append({"n": n, "variant": cfg["model"]["residual"]["variant"], "torch_step_s": t_torch,
                      "ours_step_s": t_ours, "ratio_ours_over_torch": t_ours / t_torch,
-                     "torch_step_s_rounds": per_round["torch"], "ours_step_s_rounds": per_round["ours"],
-                     "torch_step_s_launches": steps_s["torch"], "ours_step_s_launches": steps_s["ours"],
-                     "losses_torch": losses["torch"], "losses_ours": losses["ours"],
+                     "pair_ratio_median": statistics.median(pairs), "pair_ratio_quartiles": [q[0], q[2]],
+                     "timed_steps": len(pairs), "launches": launches,
                      "loss_max_rel_err": err, "losses_equal": err <= LOSS_TOL})
-    print(f"\n{'n':>2} {'torch ms':>9} {'ours ms':>9} {'ours/torch':>11} {'loss rel err':>13} {'losses equal':>13}")
+    print(f"\n{'n':>2} {'torch ms':>9} {'ours ms':>9} {'ours/torch':>11} {'pair ratio (IQR)':>20} "
+          f"{'loss rel err':>13}")
     for r in rows:
+        iqr = f"{r['pair_ratio_median']:.3f} ({r['pair_ratio_quartiles'][0]:.2f}-{r['pair_ratio_quartiles'][1]:.2f})"
         print(f"{r['n']:>2} {r['torch_step_s'] * 1e3:>9.1f} {r['ours_step_s'] * 1e3:>9.1f} "
-              f"{r['ratio_ours_over_torch']:>11.3f} {r['loss_max_rel_err']:>13.2e} {str(r['losses_equal']):>13}")
+              f"{r['ratio_ours_over_torch']:>11.3f} {iqr:>20} {r['loss_max_rel_err']:>13.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     par = base["parallel"]
     args.out.write_text(json.dumps({
         "config": args.config, "schedule": "dualpipev", "ranks": par["ranks"], "microbatches": par["microbatches"],
         "tokens_per_step": par["microbatch_size"] * par["seq_len"] * par["microbatches"],
-        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "loss_tol": LOSS_TOL,
-        "step_time": "median over steps after warm-up of the slowest rank's step, then median over rounds",
+        "steps": args.steps, "warmup": args.warmup, "launches": args.launches, "loss_tol": LOSS_TOL,
+        "step_time": "slowest rank's step; both frameworks in one job, one step of each in turn; medians over the "
+                     "timed steps of every launch, and the median of ours/torch per step pair",
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "results": rows}, indent=1))
     print(f"wrote {args.out}")

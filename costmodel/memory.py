@@ -119,7 +119,9 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],
                 rank: int, peak_live: int) -> RankMemory:
     mine = [stages[s] for s in stages_of_rank]
-    d = 2 if cfg.train.dtype != "float32" else 4
+    from costmodel.ops import DTYPE_BYTES
+
+    d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
     return RankMemory(
         rank=rank,

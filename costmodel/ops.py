@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.config import RunConfig
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
 @dataclass(frozen=True)

@@ -100,12 +100,16 @@ class P2PWaiter:
 class Comms:
     """Waits and polls for one rank, with its deadline, recorder and error messages."""
 
-    def __init__(self, rank: int, recorder, timeout_s: float):
+    def __init__(self, rank: int, recorder, timeout_s: float, watch_p2p: bool = True):
+        """`watch_p2p`: make gloo P2P completion observable with waiter threads (needed for comm spans and for an
+        F&B pair that hands the turn over while a receive is in flight); without it gloo P2P works complete only
+        when their consumer waits for them, as in torch's own schedules, and cost no extra thread wake-ups."""
         self.rank = rank
         self.recorder = recorder
         self.timeout_s = float(timeout_s)
         self._cv = threading.Condition()  # notified whenever any tracked op completes
-        self.waiter = None if recorder.cuda else P2PWaiter(self._signal)
+        self.waiter = P2PWaiter(self._signal) if watch_p2p and not recorder.cuda else None
+        self._p2p_futures: bool | None = None  # do this backend's P2P works have futures? (learned once)
 
     def _signal(self, h: Handle) -> None:
         """An op completed (called from a backend or waiter thread): stamp it, wake whoever waits for any op."""
@@ -114,19 +118,24 @@ class Comms:
         with self._cv:
             self._cv.notify_all()
 
-    def track(self, h: Handle) -> None:
+    def track(self, h: Handle, p2p: bool = False) -> None:
         """Make a posted op's completion observable and timed: its future's callback, or a waiter thread (gloo
         P2P works have no future)."""
         h.event = threading.Event()
-        try:
-            fut = h.work.get_future()
-        except (RuntimeError, AttributeError):
-            if self.waiter is not None:
-                self.waiter.add(h, self.timeout_s)
-            else:
-                h.event = None  # completion seen only by waiting (host-staged P2P on a CUDA run)
-            return
-        fut.then(lambda _f, h=h: self._signal(h))
+        fut = None
+        if not (p2p and self._p2p_futures is False):
+            try:
+                fut = h.work.get_future()
+            except (RuntimeError, AttributeError):
+                pass
+            if p2p:
+                self._p2p_futures = fut is not None
+        if fut is not None:
+            fut.then(lambda _f, h=h: self._signal(h))
+        elif self.waiter is not None:
+            self.waiter.add(h, self.timeout_s)
+        else:
+            h.event = None  # completion seen only by waiting for it
 
     @staticmethod
     def completed(h: Handle) -> bool:

@@ -14,8 +14,10 @@ Actions (schedules/ir.py), in list order:
   I: the same without the last part: the group is flushed to the FIFO store under (stage, mb).
   W: pop the oldest group and check it is the (stage, mb) the schedule names.
 * FB: the forward of one chunk and the full backward of another. With a `PairRunner` (default) they overlap:
-  each half on its own thread, interleaved at every segment boundary and every expert all-to-all
-  (pipeline.overlap), each waiting only for its own receive. Without (`--no-overlap`): F, then B, every
+  when their stages exchange tokens with expert-parallel all-to-alls, each half runs on its own thread,
+  interleaved at every segment boundary and every all-to-all (pipeline.overlap); without such communication
+  inside the halves there is nothing to interleave, and they run one after the other, the one whose input is
+  here first. Either way each half waits only for its own receive and posts its send as soon as it exists. Without (`--no-overlap`): F, then B, every
   all-to-all waited right after its post and the pair's sends posted after it (the serial baseline for A/B).
 After each action the stages whose gradients it finished have them reduced (pipeline.grad_reduce). Sends are
 reaped as they complete and drained at the end, each with a deadline; the step ends with checks that nothing is
@@ -187,7 +189,9 @@ class Executor:
         pair = self.pair if side else None
         if pair is not None:
             pair.resume(side, labels[0])
-        self.store.enabled = True
+        # defer the Linears' weight-grads past the input-grad when something waits for it: a later W (I), or a
+        # peer rank (its send goes out before the W work); otherwise they run inline, without closures
+        self.store.enabled = split or (not spec.has_embed and not self._local(spec.prev))
         try:
             for k, _ in enumerate(self.stages[stage].backward_steps(run, grad, self.env)):
                 if pair is not None and k + 1 < len(labels):
@@ -230,21 +234,46 @@ class Executor:
                 if self.pair is None:  # serial (--no-overlap): F, then B, their sends after the pair
                     self.hold_sends = True
                     try:
-                        with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
-                            self._forward(a.stage, a.mb, batch)
-                        with rec.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
-                            self._backward(a.b_stage, a.b_mb, split=False)
+                        self._half_f(a, batch)
+                        self._half_b(a)
                     finally:
                         self.hold_sends = False
-                else:
+                elif self.stages[a.stage].exchanges or self.stages[a.b_stage].exchanges:
                     self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
                                   lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
                                   f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
+                elif self._b_first(a):
+                    self._half_b(a)
+                    self._half_f(a, batch)
+                else:
+                    self._half_f(a, batch)
+                    self._half_b(a)
             if self.pair is None:
                 for peer in self.send_order:
                     self._flush_sends(peer)
         else:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
+
+    def _half_f(self, a, batch: Batch) -> None:
+        with self.recorder.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
+            self._forward(a.stage, a.mb, batch)
+
+    def _half_b(self, a) -> None:
+        with self.recorder.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
+            self._backward(a.b_stage, a.b_mb, split=False)
+
+    def _b_first(self, a) -> bool:
+        """A pair without communication inside its halves runs them one after the other on this thread (there is
+        nothing to interleave), starting with the one whose input is here: B first only when F's receive is still
+        in flight and B's is not."""
+        f_spec, b_spec = self.specs[a.stage], self.specs[a.b_stage]
+        f_recv = None if f_spec.prev is None or self._local(f_spec.prev) else \
+            self.recvs.get((Kind.RECV_F, f_spec.prev, a.mb))
+        if f_recv is None or self.transport.poll(f_recv):
+            return False
+        b_recv = None if b_spec.next is None or self._local(b_spec.next) else \
+            self.recvs.get((Kind.RECV_B, b_spec.next, a.b_mb))
+        return b_recv is None or self.transport.poll(b_recv)
 
     def run_step(self, batch: Batch) -> torch.Tensor:
         """Execute every action of this rank for one step; returns this rank's summed loss contributions.

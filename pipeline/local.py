@@ -105,22 +105,27 @@ def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, in
     return results
 
 
-def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bool, on_action=None) -> list[dict]:
-    """Train each config for its train.steps steps in this process group; one result dict per variant."""
+def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bool, on_action=None,
+                    count_activations: bool = False) -> list[dict]:
+    """Train each config for its train.steps steps in this process group; one result dict per variant (saved
+    activation bytes counted only with `count_activations`)."""
     from .config import parse_config
-    from .train import RankRuntime, make_groups
+    from .train import RankRuntime, make_groups, manual_gc
 
     out = []
     for cfg_dict in cfg_dicts:
         cfg = parse_config(cfg_dict)
         groups = make_groups(cfg, rank, world, torch.device("cpu"))
-        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, on_action=on_action)
-        rt.align_clocks()
+        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, on_action=on_action, record=False,
+                         count_activations=count_activations)
         hist, grads = [], None
-        for k in range(cfg.train.steps):
-            hist.append(rt.step(k))
-            if k == 0 and want_grads:
-                grads = rt.grads()
+        with manual_gc(cfg.train.gc_interval) as collect:  # as pipeline.train.train runs
+            rt.align_clocks()
+            for k in range(cfg.train.steps):
+                hist.append(rt.step(k))
+                if k == 0 and want_grads:
+                    grads = rt.grads()
+                collect(k)
         out.append({"stats": [vars(h) for h in hist], "grads": grads, "rc_block": rt.rc_block,
                     "num_stages": rt.plan.schedule.num_stages})
     return out

@@ -70,7 +70,7 @@ class Transport:
             h.work = w
             kind = name.split("/", 1)[0]
             h.token = rec.begin_async(kind, h.stage, h.mb, peer, f"{name}~comm")  # in flight from here
-            self.comms.track(h)
+            self.comms.track(h, p2p=True)
         return handles
 
     def wait(self, h: Handle, deadline_s: float | None = None) -> torch.Tensor:

@@ -48,7 +48,8 @@ def split_blocks(sublayers: list, size: int | None, unit: int = 2) -> list[list]
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """Base address of t's storage, without building a storage object (this runs for every saved tensor)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 class RecomputeBlock:

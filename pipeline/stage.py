@@ -41,7 +41,7 @@ class ChunkRun:
 
     stage: int
     mb: int
-    segs: list = field(default_factory=list)  # (leaf or None, output/loss, RecomputeBlock or None)
+    segs: list = field(default_factory=list)  # (leaf or None, output/loss, RecomputeBlock or None, memory.Held)
     output: torch.Tensor | None = None  # detached stage output (to send or hand off)
     loss: torch.Tensor | None = None  # head stages: this micro-batch's loss contribution
     input_grad: torch.Tensor | None = None  # set by the backward (None on an embedding stage)
@@ -59,6 +59,9 @@ class Stage(nn.Module):
         self.head = build_head(mc, seed, store) if spec.has_head else None
         subs = [(l, m, l % 2 == 1) for b in spec.blocks for l, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
+        # expert-parallel all-to-alls inside this stage's forward and backward (what an F&B pair can overlap)
+        self.exchanges = expert is not None and expert.size > 1 and any(
+            getattr(self.blocks[str(b)].mlp.sublayer.core, "comm", None) is not None for b in spec.blocks)
         first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
         self.labels = ([f"L{first}.embed"] if self.embed is not None else []) + \
             [f"L{g[0][0]}.block" for g in self.groups] + ([f"L{end}.head"] if self.head is not None else [])
@@ -107,14 +110,14 @@ class Stage(nn.Module):
     def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env: "StageEnv"):
         mb, x = run.mb, inp
         if self.embed is not None:
-            with env.saved.hooks():
+            with env.saved.hooks() as held:
                 x = self.embed(x)
-            run.segs.append((None, x, None))
+            run.segs.append((None, x, None, held))
             yield
         for group in self.groups:
             leaf = x.detach().requires_grad_(True)
             rec = RecomputeBlock(leaf, group[0][0]) if self.recompute else None
-            with env.saved.hooks(rec):
+            with env.saved.hooks(rec) as held:
                 y = leaf
                 for i, (l, m, is_mlp) in enumerate(group):
                     if rec is not None and i > 0:
@@ -122,14 +125,14 @@ class Stage(nn.Module):
                     y = self._sublayer(i, l, m, is_mlp, y, rec, env, mb)
             if rec is not None:
                 rec.end_forward()
-            run.segs.append((leaf, y, rec))
+            run.segs.append((leaf, y, rec, held))
             x = y
             yield
         if self.head is not None:
             leaf = x.detach().requires_grad_(True)
-            with env.saved.hooks():
+            with env.saved.hooks() as held:
                 loss = self.head(leaf, labels, env.total_tokens)
-            run.segs.append((leaf, loss, None))
+            run.segs.append((leaf, loss, None, held))
             run.loss = loss.detach()
             yield
         else:
@@ -137,9 +140,9 @@ class Stage(nn.Module):
 
     def backward_steps(self, run: ChunkRun, grad: torch.Tensor | None, env: "StageEnv"):
         g = grad
-        nblocks = sum(1 for _, _, r in run.segs if r is not None)
+        nblocks = sum(1 for seg in run.segs if seg[2] is not None)
         while run.segs:
-            leaf, out, rec = run.segs.pop()
+            leaf, out, rec, held = run.segs.pop()
             if rec is not None:
                 first = rec.first_layer
                 name = f"RC/s{self.spec.stage}/mb{run.mb}" if nblocks == 1 else \
@@ -150,6 +153,7 @@ class Stage(nn.Module):
             torch.autograd.backward(out, g)
             if rec is not None:
                 rec.release()
+            env.saved.release(held)
             g = None if leaf is None else leaf.grad
             del leaf, out, rec
             yield

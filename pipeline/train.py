@@ -52,8 +52,9 @@ class StepStats:
 
     def line(self, total_steps: int) -> str:
         mib = 1 << 20
+        act = f"{self.peak_act_bytes / mib:.2f} MiB" if self.peak_act_bytes else "- (counted with --trace-dir)"
         return (f"step {self.step + 1}/{total_steps}  loss {self.loss:.6f}  step_time {self.step_time_s * 1e3:.1f} ms  "
-                f"tokens/s {self.tokens_per_s:,.0f}  peak_act {self.peak_act_bytes / mib:.2f} MiB  "
+                f"tokens/s {self.tokens_per_s:,.0f}  peak_act {act}  "
                 f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB")
 
 
@@ -69,10 +70,11 @@ def pick_device(cfg, local_rank: int) -> torch.device:
 class RankRuntime:
     """One rank of a run. `groups`: its place in the layout and its process groups (pipeline.layout.build_groups);
     None = no process group at all (a stage benchmark with a loopback transport). F&B pairs run overlapped unless
-    `parallel.overlap` is false."""
+    `parallel.overlap` is false. `record`: keep a trace of spans; `count_activations` (default: as `record`):
+    count saved activation bytes per step (instrumentation with a per-tensor cost; peak_act is 0 without it)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, *, groups: ParallelGroups | None = None,
-                 staged: bool = False, on_action=None, record: bool = True):
+                 staged: bool = False, on_action=None, record: bool = True, count_activations: bool | None = None):
         par = cfg.parallel
         layout = Layout.of(cfg)
         if groups is None:
@@ -85,7 +87,10 @@ class RankRuntime:
         n = cfg.model.residual.n
         self.recorder = Recorder(groups.rank, device, enabled=record)
         self.timeout_s = cfg.train.timeout_s
-        self.comms = Comms(groups.rank, self.recorder, self.timeout_s)
+        # gloo P2P completion is watched (waiter threads) only where something uses it: comm spans, or an F&B pair
+        # that hands the turn over while a receive is in flight (expert parallelism)
+        self.comms = Comms(groups.rank, self.recorder, self.timeout_s,
+                           watch_p2p=record or groups.ep_groups is not None)
         self.pair = PairRunner(self.recorder, device, self.comms) if par.overlap else None
         self.expert = None
         if groups.ep_groups is not None:
@@ -104,7 +109,8 @@ class RankRuntime:
                     raise RuntimeError(f"rank {rank}: parameter {name} held by two local stages")
                 self.params[name] = p
         self.optimizer = make_optimizer(self.params.values(), cfg.train)
-        self.saved = SavedTensors(self.params.values())
+        self.saved = SavedTensors(self.params.values(), counting=record if count_activations is None
+                                  else count_activations)
         hp = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self.tokens_per_mb = par.tokens_per_microbatch
         self.total_tokens = self.tokens_per_mb * par.microbatches
