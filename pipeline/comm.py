@@ -30,7 +30,7 @@ def describe(err: BaseException) -> str:
     text = str(err)
     if "Connection closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
         return "the peer closed its connection (it probably died)"
-    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+    if "timed out" in text.lower() or "timeout" in text.lower():
         return "the backend timed out"
     return text.splitlines()[0][:200] if text else type(err).__name__
 
@@ -216,4 +216,4 @@ class Comms:
     def _with(h: Handle) -> str:
         if isinstance(h.peer, int):
             return f"{'to' if h.is_send else 'from'} rank {h.peer}"
-        return f"in the {h.peer}"
+        return f"in the {h.peer}"  # a collective's group, e.g. "EP group (ranks 0, 1)"

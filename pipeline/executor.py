@@ -25,6 +25,7 @@ left over (receives, hand-offs, W groups, live chunks).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -149,9 +150,20 @@ class Executor:
             inp = self._take_recv(Kind.RECV_F, spec.prev, mb, side)
         return inp, (labels.to(self.device) if spec.has_head else None)
 
-    def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None) -> None:
-        """The forward of (stage, mb); `side` "F" inside an overlapped pair (turn hand-over at segments)."""
+    def _span(self, kind: str | None, stage: int, mb: int):
+        """The span of a whole F/B/I, opened once its input is here (the wait for it is a WAIT span, not F)."""
+        if kind is None:
+            return contextlib.nullcontext()
+        return self.recorder.range(kind, stage, mb, name=f"{kind}/s{stage}/mb{mb}")
+
+    def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None, span: str | None = None) -> None:
+        """The forward of (stage, mb); `side` "F" inside an overlapped pair (turn hand-over at segments, spans
+        per piece), else one span `span` around it."""
         inp, labels = self._forward_input(stage, mb, batch, side)
+        with self._span(span, stage, mb):
+            self._forward_compute(stage, mb, inp, labels, side)
+
+    def _forward_compute(self, stage: int, mb: int, inp, labels, side: str | None) -> None:
         run = ChunkRun(stage, mb)
         self.runs[(stage, mb)] = run
         st = self.stages[stage]
@@ -172,7 +184,7 @@ class Executor:
         else:
             self._produced(Kind.SEND_F, stage, mb, run.output)
 
-    def _backward(self, stage: int, mb: int, *, split: bool, side: str | None = None) -> None:
+    def _backward(self, stage: int, mb: int, *, split: bool, side: str | None = None, span: str | None = None) -> None:
         """The input-grad chain of (stage, mb) with the Linears' weight-grads deferred, the input-grad handed
         on (send or local), then the weight-grads (full B) or their group flushed to the store (I)."""
         spec = self.specs[stage]
@@ -185,6 +197,11 @@ class Executor:
             grad = self.mail_b.pop((stage, mb))
         else:
             grad = self._take_recv(Kind.RECV_B, spec.next, mb, side)
+        with self._span(span, stage, mb):
+            self._backward_compute(spec, run, grad, split, side)
+
+    def _backward_compute(self, spec, run, grad, split: bool, side: str | None) -> None:
+        stage, mb = spec.stage, run.mb
         labels = self.stages[stage].labels[::-1]
         pair = self.pair if side else None
         if pair is not None:
@@ -217,11 +234,9 @@ class Executor:
     def _compute(self, a, batch: Batch) -> None:
         rec, kind = self.recorder, a.kind
         if kind is Kind.F:
-            with rec.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
-                self._forward(a.stage, a.mb, batch)
+            self._forward(a.stage, a.mb, batch, span="F")
         elif kind in (Kind.B, Kind.I):
-            with rec.range(kind.value, a.stage, a.mb, name=f"{kind.value}/s{a.stage}/mb{a.mb}"):
-                self._backward(a.stage, a.mb, split=kind is Kind.I)
+            self._backward(a.stage, a.mb, split=kind is Kind.I, span=kind.value)
         elif kind is Kind.W:
             with rec.range("W", a.stage, a.mb, name=f"W/s{a.stage}/mb{a.mb}"):
                 label = self.store.pop()
@@ -255,12 +270,10 @@ class Executor:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
 
     def _half_f(self, a, batch: Batch) -> None:
-        with self.recorder.range("F", a.stage, a.mb, name=f"F/s{a.stage}/mb{a.mb}"):
-            self._forward(a.stage, a.mb, batch)
+        self._forward(a.stage, a.mb, batch, span="F")
 
     def _half_b(self, a) -> None:
-        with self.recorder.range("B", a.b_stage, a.b_mb, name=f"B/s{a.b_stage}/mb{a.b_mb}"):
-            self._backward(a.b_stage, a.b_mb, split=False)
+        self._backward(a.b_stage, a.b_mb, split=False, span="B")
 
     def _b_first(self, a) -> bool:
         """A pair without communication inside its halves runs them one after the other on this thread (there is

@@ -43,6 +43,8 @@ class ExpertComm:
         self.comms = comms
         self.pair = pair  # pipeline.overlap.PairRunner, or None (serial)
         self._tls = threading.local()
+        members = dist.get_process_group_ranks(groups["F"])
+        self.peers = f"EP group (ranks {', '.join(map(str, members))})"
 
     # -- which (stage, micro-batch) the calling thread's forward belongs to: names the spans ------------------
     def set_chunk(self, stage: int, mb: int) -> None:
@@ -62,7 +64,7 @@ class ExpertComm:
         name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
         h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
                             group=self.groups[side], name=name, kind=op if part is None else f"{op}.{part}",
-                            stage=stage, mb=mb, peer="EP group")
+                            stage=stage, mb=mb, peer=self.peers)
         pair = self.pair
         if pair is None:
             self.comms.wait(h)

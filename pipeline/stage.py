@@ -15,13 +15,15 @@ to the end; FB: each half on its own thread, handing the turn over at every segm
 what it is), for the spans of an overlapped pair.
 
 On CUDA the post+res kernel of every MLP sub-layer runs on the rank's high-priority stream (paper §4.3.3):
-the hp stream waits for the compute stream, the compute stream waits for the result, and every tensor that
-crosses streams is `record_stream`-ed so the caching allocator cannot hand its memory out early
-(mhc.md §9 pitfall 4). Autograd runs those ops' backward on the same hp stream with its own dependencies.
+the hp stream waits for the compute stream; the compute stream waits for the result only where it is consumed
+(the next sub-layer, the head, the stage output before its send), so the other half of an F&B pair runs beside
+it; every tensor that crosses streams is `record_stream`-ed so the caching allocator cannot hand its memory out
+early (mhc.md §9 pitfall 4). Autograd runs those ops' backward on the same hp stream with its own dependencies.
 On CPU the placement is only recorded (`~hp` spans).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +77,7 @@ class Stage(nn.Module):
         return lambda x, y: m.apply_post_res(x, y, coeffs)
 
     def _sublayer(self, i, l, m, is_mlp, x, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
+        env.sync_hp()  # x may still be in the making on the hp stream
         f = m.sublayer
         if self.residual:
             coeffs, u = None, x[:, 0]
@@ -128,6 +131,7 @@ class Stage(nn.Module):
             run.segs.append((leaf, y, rec, held))
             x = y
             yield
+        env.sync_hp()  # the stage output, for the head or the send
         if self.head is not None:
             leaf = x.detach().requires_grad_(True)
             with env.saved.hooks() as held:
@@ -168,9 +172,13 @@ class StageEnv:
         self.recorder = recorder
         self.total_tokens = total_tokens
         self.hp = hp_stream
+        self._tls = threading.local()  # per half of an F&B pair: its post+res still running on the hp stream
 
     def hp_post(self, post, x, y, coeffs, *, name: str, stage: int, mb: int) -> torch.Tensor:
-        """post+res of an MLP sub-layer on the high-priority stream (CUDA), recorded as a `~hp` span."""
+        """post+res of an MLP sub-layer on the high-priority stream (CUDA), recorded as a `~hp` span. The compute
+        stream does not wait for it here: whoever consumes the output first calls `sync_hp` (the next sub-layer,
+        the head, or the stage output before its send), so work that does not need it (the other half of an F&B
+        pair) runs beside it."""
         if self.hp is None:
             with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name):
                 return post(x, y)
@@ -179,8 +187,19 @@ class StageEnv:
         with torch.cuda.stream(self.hp):
             with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name, cuda_stream=self.hp):
                 out = post(x, y)
-        main.wait_stream(self.hp)
+            done = torch.cuda.Event()
+            done.record(self.hp)
+        self._tls.pending = done
         out.record_stream(main)
         for t in (x, y, *(coeffs or ())):
             t.record_stream(self.hp)
         return out
+
+    def sync_hp(self) -> None:
+        """Make the current stream wait for this thread's last post+res on the hp stream (no-op on CPU)."""
+        if self.hp is None:
+            return
+        done = getattr(self._tls, "pending", None)
+        if done is not None:
+            self._tls.pending = None
+            torch.cuda.current_stream().wait_event(done)

@@ -49,20 +49,21 @@ def test_run_trace_checkpoint_resume(tmp_path):
     assert any(n.startswith("W/s") for n in names)
     ranks = {s["rank"] for s in trace["spans"]}
     assert ranks == {0, 1}
-    # one host, one clock: a forward that consumes another rank's output starts after that output was made
+    # one host, one clock: a forward that consumes another rank's output starts after that output was sent
     # (with barrier-aligned clocks this fails by the barrier's exit jitter, milliseconds)
     forwards: dict[tuple[int, int], list[dict]] = {}
+    sends: dict[tuple[int, int], list[dict]] = {}
     for s in trace["spans"]:
-        m = re.fullmatch(r"F/s(\d+)/mb(\d+)", s["name"])
+        m = re.fullmatch(r"(F|SEND_F)/s(\d+)/mb(\d+)(~comm)?", s["name"])
         if m:
-            forwards.setdefault((int(m.group(1)), int(m.group(2))), []).append(s)
+            (forwards if m.group(1) == "F" else sends).setdefault((int(m.group(2)), int(m.group(3))), []).append(s)
     checked = 0
     for (stage, mb), spans in forwards.items():
-        prev = forwards.get((stage - 1, mb))
-        if prev is None or prev[0]["rank"] == spans[0]["rank"]:
+        sent = sends.get((stage - 1, mb))
+        if sent is None:
             continue
-        for consumer, producer in zip(sorted(spans, key=lambda s: s["start"]), sorted(prev, key=lambda s: s["start"])):
-            assert consumer["start"] >= producer["start"] + producer["duration"] - 1.0, (consumer, producer)
+        for consumer, producer in zip(sorted(spans, key=lambda s: s["start"]), sorted(sent, key=lambda s: s["start"])):
+            assert consumer["start"] >= producer["start"] - 1.0, (consumer, producer)
             checked += 1
     assert checked >= 3 * 4  # 3 steps x 4 micro-batches cross at least one rank boundary
 
@@ -91,6 +92,15 @@ def test_run_trace_checkpoint_resume(tmp_path):
     (["run", "--config", "tiny", "--interleave", "residual:1", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir"),
     (["run", "--config", "tiny", "--resume"], "--resume needs --checkpoint-dir"),
     (["run", "--config", "tiny", "--resume", "--checkpoint-dir", "/nonexistent/ckpt"], "no checkpoint in"),
+    # layouts: every one refused before a process starts, naming the field and the flag
+    (["run", "--config", "tiny-moe", "--pp", "2", "--dp", "2", "--nproc", "3"], "parallel.ranks (--pp 2) x"),
+    (["run", "--config", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "4"], "must divide parallel.data_parallel"),
+    (["run", "--config", "tiny-moe", "--pp", "1", "--dp", "3", "--ep", "3", "--microbatches", "12"],
+     "must divide model.moe.num_experts"),
+    (["run", "--config", "tiny", "--pp", "2", "--dp", "2", "--ep", "2"], "has no MoE"),
+    (["run", "--config", "tiny", "--schedule", "dualpipe", "--pp", "3"], "even number of ranks"),
+    (["run", "--config", "tiny-moe", "--pp", "2", "--dp", "3"], "parallel.microbatches=8 must be a multiple"),
+    (["run", "--config", "tiny", "--dp", "0"], "--dp 0"),
 ])
 def test_bad_config_is_one_line_exit_2(args, field):
     out = _mhcpipe(*args, timeout=60)
@@ -148,3 +158,28 @@ def _staged_worker(rank, world, cfgs):
     rt = RankRuntime(cfg, rank, torch.device("cpu"), staged=True)
     rt.align_clocks()
     return [rt.step(k).loss for k in range(cfg.train.steps)]
+
+
+@pytest.mark.timeout(300)
+def test_expert_and_data_parallel_layout_prints_the_same_losses():
+    """The same config and global batch on another layout: same math, so the same losses (tiny-moe runs in
+    float64, where the order of sums moves a loss by ~1e-15)."""
+    losses = {}
+    for layout in (["--pp", "4"], ["--pp", "2", "--dp", "2", "--ep", "2"]):
+        out = _mhcpipe("run", "--config", "tiny-moe", "--steps", "2", *layout)
+        assert out.returncode == 0, _why(out)
+        losses[" ".join(layout)] = re.findall(r"loss (\S+)", out.stdout)
+    assert len(set(map(tuple, losses.values()))) == 1 and len(losses["--pp 4"]) == 2, losses
+
+
+@pytest.mark.timeout(120)
+def test_bad_layout_under_torchrun_stops_every_rank_before_it_computes():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                          str(__import__("pipeline.local", fromlist=["free_port"]).free_port()), "-m", "pipeline",
+                          "--config", "tiny-moe", "--pp", "3"], cwd=ROOT, capture_output=True, text=True, timeout=110,
+                         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if "python -m pipeline: error (rank" in ln]
+    assert lines, out.stderr[-3000:]  # every rank reports; torchrun may stop the others once one has exited
+    assert all("parallel.ranks (--pp 3) x parallel.data_parallel (--dp 1) = 3, but 4 processes" in ln for ln in lines)
+    assert "step 1/" not in out.stdout

@@ -27,10 +27,19 @@ class StopAt:
         time.sleep(120)
 
 
+CASES = [("dualpipev", "die", "pp4"), ("1f1b", "hang", "pp4"),
+         ("dualpipev", "die", "ep"), ("dualpipev", "hang", "ep")]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,mode", [("dualpipev", "die"), ("1f1b", "hang")])
-def test_failed_rank_stops_the_others(kind, mode):
-    cfg = tiny_config(kind, 4, timeout_s=TIMEOUT_S, steps=1)
+@pytest.mark.parametrize("kind,mode,layout", CASES, ids=[f"{k}-{m}-{lay}" for k, m, lay in CASES])
+def test_failed_rank_stops_the_others(kind, mode, layout):
+    """pp4: rank 1 of a 4-rank pipeline. ep: pp=2 x dp=2 with EP=2, rank 1 is rank 0's expert-parallel peer (and
+    rank 3's pipeline neighbour): the all-to-alls of rank 0 and the P2P of rank 3 lose their peer."""
+    if layout == "pp4":
+        cfg = tiny_config(kind, 4, timeout_s=TIMEOUT_S, steps=1)
+    else:
+        cfg = tiny_config(kind, 2, moe=True, dp=2, ep=2, timeout_s=TIMEOUT_S, steps=1)
     started = time.monotonic()
     results = launch(variants_worker, 4, ([cfg], False, StopAt(1, 6, mode)), timeout_s=60,
                      grace_s=3 * TIMEOUT_S + 5)
@@ -39,10 +48,15 @@ def test_failed_rank_stops_the_others(kind, mode):
     for r in others:
         assert r.exitcode == 1, f"rank {r.rank} exit code {r.exitcode} (None = still running at the deadline)"
         assert r.error and r.error.startswith(f"rank {r.rank}: "), r.error
-        assert re.search(r"(SEND|RECV)_[FB]/s\d+/mb\d+|all-reduce|barrier", r.error), r.error
+        # the op, and the peer: "from rank 2", "to rank 0", or the group "in the EP group (ranks 0, 1)"
+        assert re.search(r"(SEND|RECV)_[FB]/s\d+/mb\d+|A2A_(DISPATCH|COMBINE)/s\d+/mb\d+/L\d+|RG/s\d+|all-reduce|"
+                         r"barrier", r.error), r.error
+        assert re.search(r"(from|to) rank \d|group \(ranks [\d, ]+\)|all-reduce|barrier", r.error), r.error
         assert "timed out after" in r.error or "closed its connection" in r.error, r.error
         # every survivor gives up within the configured timeout of the failure (plus the cascade of one more)
         assert r.elapsed_s < 3 * TIMEOUT_S + 20, f"rank {r.rank} took {r.elapsed_s:.1f} s"
+    if layout == "ep":  # rank 0 lost its expert-parallel peer: it names the all-to-all and the group
+        assert re.search(r"A2A_\w+/s\d+/mb\d+/L\d+\S* in the EP group \(ranks 0, 1\)", results[0].error), results[0].error
     if mode == "hang":
         assert any("timed out after 4 s" in r.error for r in others), [r.error for r in others]
         assert results[1].exitcode is None  # the hung rank was killed by the launcher, not by itself
