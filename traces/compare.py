@@ -23,7 +23,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from traces.names import COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
+from traces.comm_overlap import comm_overlap
+from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
 from traces.trace import union_length
 from traces.trace import Span, Trace, TraceError
 
@@ -55,9 +56,9 @@ def logical_stream(s: Span) -> str:
         return s.stream
     parsed = parse_name(s.label)
     if parsed is not None and parsed.stream in LOGICAL_STREAMS:
-        if parsed.stream != "compute" or s.kind not in COMM_KINDS:
+        if parsed.stream != "compute" or s.kind.split(".", 1)[0] not in ALL_COMM_KINDS:
             return parsed.stream
-    return "comm" if s.kind in COMM_KINDS else "compute"
+    return "comm" if s.kind.split(".", 1)[0] in ALL_COMM_KINDS else "compute"
 
 
 def schedule_spans(trace: Trace) -> list[int]:
@@ -188,6 +189,11 @@ class RankStats:
     bubble_diff_pp: float
     pred_exposed_comm_us: float
     meas_exposed_comm_us: float
+    # from the measured trace's WAIT spans (traces.comm_overlap), None when it has none: per step, the time the
+    # compute thread blocked on communication, and the share of communication time hidden under compute
+    meas_comm_wait_us: float | None = None
+    comm_hidden_pct: float | None = None
+    fb_comm_hidden_pct: float | None = None  # the ops posted inside overlapped F&B pairs
 
 
 @dataclass
@@ -300,6 +306,8 @@ def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
         cands = enclosing.get((s.rank, ls), [])
         j = bisect_right(starts.get((s.rank, ls), []), s.start) - 1
         if j >= 0 and cands[j].end >= s.end and "." not in cands[j].kind:
+            if cands[j].kind == "FB" and s.kind.split(".", 1)[0] in ("F", "B"):
+                continue  # a stretch of an overlapped pair's half: the pair's own time, not another kind
             kt[(s.rank, s.kind)] += s.duration
             kt[(s.rank, cands[j].kind)] -= s.duration
     return kt
@@ -359,6 +367,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
                    if i not in matched_m and i not in fb_halves and i not in unpriced_parts]
     ps, ms = time_stats(pred), time_stats(meas)
+    overlap = comm_overlap(meas)
     ranks = []
     for r in sorted(set(ps.busy) | set(ms.busy)):
         pb, mb = ps.busy.get(r, 0.0), ms.busy.get(r, 0.0)
@@ -369,6 +378,11 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
                                pred_bubble_pct=pbf, meas_bubble_pct=mbf, bubble_diff_pp=pbf - mbf,
                                pred_exposed_comm_us=ps.exposed_comm.get(r, 0.0),
                                meas_exposed_comm_us=ms.exposed_comm.get(r, 0.0)))
+        o = None if overlap is None else overlap.get(r)
+        if o is not None:
+            ranks[-1].meas_comm_wait_us = o.all.exposed_us / max(1, ms.steps)
+            ranks[-1].comm_hidden_pct = o.all.hidden_pct
+            ranks[-1].fb_comm_hidden_pct = o.in_fb.hidden_pct
     notes = []
     if zero_meas:
         notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
@@ -436,15 +450,21 @@ def _unpriced_parts(pred: Trace, meas: Trace, matched: set[int]) -> set[int]:
 
 
 def _fb_halves(meas: Trace, matched: set[int]) -> set[int]:
-    """Measured F/B spans that are the children of a matched FB span on the same rank."""
+    """Measured F/B spans that are the children of a matched FB span on the same rank: the whole halves of a
+    pair run one after the other, or the stretches (`F/s3/mb7/L12.block`) of an overlapped pair's halves."""
     halves: set[tuple[int, str, int, int]] = set()
     for i in matched:
         s = meas.spans[i]
         if s.kind == "FB" and s.partner is not None:
             halves.add((s.rank, "F", s.stage, s.mb))
             halves.add((s.rank, "B", s.partner[0], s.partner[1]))
-    return {i for i in schedule_spans(meas)
-            if (meas.spans[i].rank, meas.spans[i].kind, meas.spans[i].stage, meas.spans[i].mb) in halves}
+    out = set()
+    for i in schedule_spans(meas):
+        s = meas.spans[i]
+        op = s.kind.split(".", 1)[0]
+        if (s.rank, op, s.stage, s.mb) in halves and (op == s.kind or logical_stream(s) == "compute"):
+            out.add(i)
+    return out
 
 
 _ORDER = {k: i for i, k in enumerate(("F", "I", "B", "W", "FB", "RC", "RG", "SEND_F", "RECV_F", "SEND_B", "RECV_B",

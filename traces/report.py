@@ -48,6 +48,12 @@ def sections(c: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
                 [[str(r.rank), _f(r.pred_busy_us), _f(r.meas_busy_us), _f(r.pred_idle_us), _f(r.meas_idle_us),
                   _f(r.pred_bubble_pct), _f(r.meas_bubble_pct), _sign(r.bubble_diff_pp), _f(r.pred_exposed_comm_us),
                   _f(r.meas_exposed_comm_us)] for r in c.ranks]))
+    if any(r.comm_hidden_pct is not None for r in c.ranks):
+        out.append(("Measured communication: time blocked on it (WAIT spans, us per step) and share hidden under "
+                    "compute",
+                    ["rank", "blocked us", "comm hidden %", "F&B comm hidden %"],
+                    [[str(r.rank), _f(r.meas_comm_wait_us), _f(r.comm_hidden_pct), _f(r.fb_comm_hidden_pct)]
+                     for r in c.ranks]))
     if c.overhead is not None:
         o = c.overhead
         out.append(("mHC overhead = T_mHC / T_base - 1",

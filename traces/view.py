@@ -13,6 +13,7 @@ where they fit and at most `MAX_LABELS` of them.
 from __future__ import annotations
 
 import base64
+import bisect
 import html
 import io
 import json
@@ -40,7 +41,10 @@ MAX_LABELS = 3000
 EDGE_LIMIT = 20000  # above this many cells, no black cell borders (they would be all you see)
 COLORS = {**KIND_COLORS, "FB": KIND_COLORS["F"], "RG": KIND_COLORS["RC"], STEP_KIND: "#ececec",
           RANGE_KIND: "#9fb4c7", "kernel": "#546e7a", "nccl": "#9e9e9e", "memcpy": "#e0b040", "memset": "#c8a870",
-          "mhc": "#b07cc6", "idle": "#ffffff", "exposed comm": "#757575"}
+          "mhc": "#b07cc6", "idle": "#ffffff", "exposed comm": "#757575",
+          "A2A_DISPATCH": "#26a69a", "A2A_COMBINE": "#00796b", "WAIT": "#e57373"}
+MHC_KERNELS = frozenset({"coef", "sinkhorn", "pre", "post_res"})  # mHC kernel parts (purple); other parts of an
+# F/B/I/W are stretches of it (an overlapped F&B half: `F/s3/mb7/L12.block`) and take its colour
 STREAM_ORDER = {"compute": 0, "hp": 1, "comm": 2, STEP_KIND: 3, "gpu-ranges": 4, "cpu": 5}
 
 
@@ -49,9 +53,10 @@ def color_of(kind: str, name: str = "") -> str:
         if kind == "kernel" and "nccl" in name.lower():
             return COLORS["nccl"]
         return COLORS[kind]
-    if "." in kind:
+    base, _, part = kind.partition(".")
+    if part in MHC_KERNELS or (part and base not in COLORS):
         return COLORS["mhc"]
-    return COLORS.get(kind.split(".", 1)[0], "#cfcfcf")
+    return COLORS.get(base, "#cfcfcf")
 
 
 def _stream_key(stream: str) -> tuple[int, int, str]:
@@ -108,6 +113,7 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
         for i, s in enumerate(t.spans):
             if streams is None or s.stream in streams:
                 groups[(s.rank, s.stream)].append(i)
+        framed = _pairs_with_halves(t, groups)
         for (rank, stream) in sorted(groups, key=lambda k: (k[0], _stream_key(k[1]))):
             idx = groups[(rank, stream)]
             lanes = assign_lanes([t.spans[i] for i in idx])
@@ -118,7 +124,9 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
                 a = s.start - origin
                 t_max = max(t_max, a + s.duration)
                 label = s.label
-                if s.kind == "FB" and s.partner is not None:
+                if i in framed:  # its halves are drawn where and when they ran: the pair is only a frame
+                    _push(cols, r, lane, a, s.duration, "#ffffff", "", label, s.kind, 1)
+                elif s.kind == "FB" and s.partner is not None:
                     half = s.duration / 2
                     for k, (c, mb) in enumerate(((COLORS["F"], s.mb), (COLORS["B"], s.partner[1]))):
                         _push(cols, r, lane, a + k * half, half, c, str(mb), label, s.kind, 1 if k == 0 else 0)
@@ -135,6 +143,24 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
                   dur=np.asarray(cols["dur"], dtype=float), color=cols["color"], text=cols["text"],
                   name=cols["name"], kind=cols["kind"], border=np.asarray(cols["border"], dtype=int),
                   t_max=t_max, idle=idle, stats=stats)
+
+
+def _pairs_with_halves(t: Trace, groups) -> set[int]:
+    """FB spans whose halves are spans of their own on the same row (the runtime's measured pairs)."""
+    out = set()
+    for idx in groups.values():
+        fbs = [i for i in idx if t.spans[i].kind == "FB"]
+        if not fbs:
+            continue
+        halves = sorted((t.spans[i].start, t.spans[i].end) for i in idx
+                        if t.spans[i].kind.split(".", 1)[0] in ("F", "B"))
+        starts = [a for a, _ in halves]
+        for i in fbs:
+            fb = t.spans[i]
+            j = bisect.bisect_left(starts, fb.start)
+            if j < len(halves) and halves[j][1] <= fb.end + 1e-9:
+                out.add(i)
+    return out
 
 
 def _push(cols, row, lane, start, dur, color, text, name, kind, border) -> None:
@@ -193,14 +219,15 @@ def draw_layout(ax, lay: Layout, width_px: float) -> None:
 def _legend_handles(lay: Layout) -> list[Patch]:
     present = set(lay.kind)
     items = [("F", "F forward"), ("B", "B backward / 2nd half of F&B"), ("I", "I input-grad"), ("W", "W weight-grad"),
-             ("SEND_F", "P2P"), ("RC", "recompute / mHC kernel"), (STEP_KIND, "step"), (RANGE_KIND, "other range"),
+             ("SEND_F", "P2P"), ("A2A_DISPATCH", "EP all-to-all"), ("WAIT", "blocked on communication"),
+             ("RC", "recompute / mHC kernel"), (STEP_KIND, "step"), (RANGE_KIND, "other range"),
              ("kernel", "kernel"), ("nccl", "NCCL kernel"), ("memcpy", "memcpy/memset")]
     used = set()
     for k in present:
         base = k.split(".", 1)[0]
         used.add({"FB": "F", "RECV_F": "SEND_F", "SEND_B": "SEND_F", "RECV_B": "SEND_F", "RG": "RC",
-                  "memset": "memcpy"}.get(base, base))
-        if "." in k:
+                  "memset": "memcpy", "A2A_COMBINE": "A2A_DISPATCH"}.get(base, base))
+        if color_of(k) == COLORS["mhc"]:
             used.add("RC")
         if base == "FB":
             used.add("B")
