@@ -13,7 +13,8 @@ experts.
 Process groups, all created from DeviceMesh objects (collectively, on every rank) and passed in:
 * `mesh` (pp, dp) from `init_device_mesh`: the pipeline's P2P group (`pp`) and the data-parallel group (`dp`);
 * `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas; a
-  second one over the same ranks gives the backward's all-to-alls their own EP group (pipeline.expert);
+  second EP group over the same ranks (its own process group, wrapped in a mesh) carries the backward's
+  all-to-alls (pipeline.expert);
 * gradient groups, the ranks that sum one stage's gradients: dense parameters over dp, expert parameters over
   edp. DualPipe holds every model chunk on two pipeline ranks (r and P-1-r), so its groups also span the
   mirrored rank: DeepSeek's reduction of the duplicated copies and data parallelism are one all-reduce
@@ -136,10 +137,17 @@ def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
                        world_group=dist.group.WORLD, meshes=(mesh,))
     if layout.ep > 1:
         em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
-        # a second mesh over the same ranks: its own EP groups, for the backward's exchanges
-        bm = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
+        # The backward's exchanges need process groups of their own over the same ranks (pipeline.expert). A
+        # second DeviceMesh of the same ranks would hand back the very same groups (DeviceMesh reuses a group per
+        # rank set), so they are created as new subgroups and wrapped in a mesh of their own.
+        blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(blocks)
+        bm = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("ep",))
         g.meshes += (em, bm)
         g.ep_groups = {"F": em.get_group("ep"), "B": bm.get_group("ep")}
+        if g.ep_groups["F"] is g.ep_groups["B"]:
+            raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
+                               "collectives could pair up across the two halves of an F&B pair")
     if layout.mirrored:
         dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=("holders", "grad"))
         g.meshes += (dm,)

@@ -2,20 +2,16 @@
 
 Every forward segment (pipeline.stage) runs under `SavedTensors.hooks(block)`, one
 `torch.autograd.graph.saved_tensors_hooks` pair that (1) asks the active recompute block (if any) whether the
-tensor is droppable and then stores only a token, and (2) otherwise notes the tensor's storage in the segment's
-`Held` set, counting each storage once per rank however many views of it are saved. Parameters (and views of
-them, e.g. W^T) are not activations and are not counted. A segment's storages are released when its backward
-has run (`release`), not tensor by tensor: a per-tensor finalizer costs a Python object and callback for every
-saved tensor (thousands per step: 20 unrolled Sinkhorn rounds each save theirs), which made the hooks a quarter
-of an mHC step on CPU. Within one segment's backward that counts its tensors a little longer than autograd
-keeps them; peaks, which come at the end of forwards, are unchanged. On CUDA the same numbers sit next to
+tensor is droppable and then stores only a token, and (2) otherwise, when counting, wraps the tensor in a holder
+that counts its storage once (views of one storage share one count) until autograd frees it. Parameters (and
+views of them, e.g. W^T) are not activations and are not counted. On CUDA the same numbers sit next to
 torch.cuda.max_memory_allocated.
 
-Storage identity without building a storage object per tensor: the storage's base address is
-data_ptr - storage_offset * element_size.
-
-Counting is instrumentation, like the trace recorder: a runtime counts when it records (`counting=True`);
-otherwise the hooks run only inside recompute blocks, which need them to drop tensors, and `peak` stays 0.
+Counting is instrumentation, like the trace recorder: it costs a Python object and callback for every saved
+tensor (thousands per step: each of the 20 unrolled Sinkhorn rounds saves its own), about a quarter of an mHC
+step on CPU. A runtime counts when it records (`counting=True`); otherwise the hooks run only inside recompute
+blocks, which need them to drop tensors, and `peak` stays 0. Storage identity without building a storage object
+per tensor: the storage's base address is data_ptr - storage_offset * element_size.
 """
 from __future__ import annotations
 
@@ -26,17 +22,8 @@ import torch
 from .recompute import RecomputeBlock
 
 
-class Held:
-    """The storages one forward segment saved (base address -> counted)."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self):
-        self.keys: set[int] = set()
-
-
-class _HeldTensor:
-    """A tensor kept for backward outside autograd (a recompute block's stored F output), counted until freed."""
+class _Held:
+    """A saved tensor (or one kept for backward outside autograd), counted until it is freed."""
 
     __slots__ = ("tensor", "key", "owner")
 
@@ -45,7 +32,7 @@ class _HeldTensor:
 
     def __del__(self):
         if self.key is not None:
-            self.owner._release_key(self.key)
+            self.owner._release(self.key)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -58,7 +45,7 @@ class SavedTensors:
     def __init__(self, params=(), counting: bool = True):
         self.counting = counting
         self._param_keys = {_storage_key(p) for p in params}
-        self._refs: dict[int, list[int]] = {}  # storage key -> [holders (segments, held tensors), nbytes]
+        self._refs: dict[int, list[int]] = {}  # storage key -> [holders, nbytes]
         self.live = 0
         self.peak = 0
 
@@ -67,17 +54,17 @@ class SavedTensors:
 
     def note_transient(self, nbytes: int) -> None:
         """A recompute block's rebuilt intermediates exist on top of the live saved bytes until released."""
-        self.peak = max(self.peak, self.live + nbytes)
+        if self.counting:
+            self.peak = max(self.peak, self.live + nbytes)
 
-    def hold(self, t: torch.Tensor) -> _HeldTensor:
+    def hold(self, t: torch.Tensor) -> _Held:
         """Count a tensor kept for backward outside autograd (a recompute block's stored F output)."""
-        key = _storage_key(t)
-        if not self.counting or key in self._param_keys or key == 0:
-            return _HeldTensor(t, None, self)
-        self._acquire(key, t)
-        return _HeldTensor(t, key, self)
+        return _Held(t, self._acquire(t) if self.counting else None, self)
 
-    def _acquire(self, key: int, t: torch.Tensor) -> None:
+    def _acquire(self, t: torch.Tensor) -> int | None:
+        key = t.data_ptr() - t.storage_offset() * t.element_size()
+        if key in self._param_keys or key == 0:
+            return None
         entry = self._refs.get(key)
         if entry is None:
             nbytes = t.untyped_storage().nbytes()
@@ -87,8 +74,9 @@ class SavedTensors:
                 self.peak = self.live
         else:
             entry[0] += 1
+        return key
 
-    def _release_key(self, key: int) -> None:
+    def _release(self, key: int) -> None:
         entry = self._refs.get(key)
         if entry is None:
             return
@@ -97,60 +85,26 @@ class SavedTensors:
             self.live -= entry[1]
             del self._refs[key]
 
-    def release(self, held: Held | None) -> None:
-        """A segment's backward has run: its saved storages no longer count."""
-        if held is None:
-            return
-        for key in held.keys:
-            self._release_key(key)
-        held.keys.clear()
-
     @contextlib.contextmanager
     def hooks(self, block: RecomputeBlock | None = None):
-        """Yields the segment's `Held` (None when not counting); pass it to `release` after the segment's
-        backward."""
-        if not self.counting:
-            if block is None:
-                yield None
-                return
-            with torch.autograd.graph.saved_tensors_hooks(*_recompute_hooks(block)):
-                yield None
+        if not self.counting and block is None:
+            yield
             return
-        held = Held()
-        keys, skip, acquire = held.keys, self._param_keys, self._acquire
+        counting, acquire = self.counting, self._acquire
 
         def pack(t: torch.Tensor):
             if block is not None:
                 token = block.pack(t)
                 if token is not None:
                     return ("rc", block, token)
-            key = t.data_ptr() - t.storage_offset() * t.element_size()
-            if key not in keys and key not in skip and key != 0:
-                keys.add(key)
-                acquire(key, t)
-            # Detached: a saved *output* kept with its grad_fn would form a cycle node -> tensor -> node that is
-            # never freed (the engine avoids it for its own saved outputs; hooks must do it themselves).
-            return t.detach()
+            # Detached: a saved *output* held with its grad_fn would form a cycle node -> holder -> tensor -> node
+            # that is never freed (the engine avoids it for its own saved outputs; hooks must do it themselves).
+            return _Held(t.detach(), acquire(t), self) if counting else t.detach()
 
         def unpack(packed):
             if type(packed) is tuple:
                 return packed[1].unpack(packed[2])
-            return packed
+            return packed.tensor if type(packed) is _Held else packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield held
-
-
-def _recompute_hooks(block: RecomputeBlock):
-    """Pack/unpack that only drop (and later rebuild) a recompute block's intermediates; nothing is counted."""
-
-    def pack(t: torch.Tensor):
-        token = block.pack(t)
-        return ("rc", block, token) if token is not None else t.detach()
-
-    def unpack(packed):
-        if type(packed) is tuple:
-            return packed[1].unpack(packed[2])
-        return packed
-
-    return pack, unpack
+            yield

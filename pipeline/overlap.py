@@ -9,8 +9,9 @@ the turn moves at *switch points*:
   interleave block by block: forward attention / dispatch / MLP / combine of one micro-batch against backward
   combine / MLP / dispatch / attention of the other.
 When a half comes back to an op that has not completed yet and the other half can compute (it is not itself
-parked on an unfinished op), the turn goes to the other half again instead of blocking (`wait`): the rank
-blocks only when neither half can compute, and then until either half's op completes. That makes the interleaving depend on timing, which collectives
+parked on an unfinished op), the turn goes to the other half again instead of blocking (`wait`); when neither
+can, the rank runs the backward half's deferred weight-gradient work, one closure at a time (`B/.../L1.wfill`
+spans), and blocks only when there is none left, until either half's op completes. That makes the interleaving depend on timing, which collectives
 allow only because each half's all-to-alls use their own EP process group (forward and backward exchanges),
 each issued in program order on every rank of the group. On CUDA the host does not block on communication
 (a wait is a stream dependency), so turns there follow the program only. When one half has finished, the
@@ -38,10 +39,12 @@ class HalfAborted(RuntimeError):
 
 
 class PairRunner:
-    def __init__(self, recorder, device: torch.device, comms):
+    def __init__(self, recorder, device: torch.device, comms, filler=None):
         self.recorder = recorder
         self.device = device
         self.comms = comms
+        self.filler = filler  # -> one deferred weight-grad closure of the running backward half, or None
+        self._fills = 0
         self.dynamic = device.type != "cuda"  # hand the turn over while an op is in flight (host-blocking waits)
         self._waiting: dict[str, object] = {"F": None, "B": None}  # side -> the op it is parked on
         self._cv = threading.Condition()
@@ -64,6 +67,7 @@ class PairRunner:
             self.active, self._turn, self._error = True, "F", None
             self._done = {"F": False, "B": False}
             self._waiting = {"F": None, "B": None}
+            self._fills = 0
         self._meta = {"F": ("F", *f_chunk), "B": ("B", *b_chunk)}
         self._names = {"F": f"F/s{f_chunk[0]}/mb{f_chunk[1]}", "B": f"B/s{b_chunk[0]}/mb{b_chunk[1]}"}
         self._jobs.put(backward)
@@ -144,6 +148,8 @@ class PairRunner:
                 finally:
                     self._waiting[side] = None
                 continue
+            if self._fill():
+                continue
             if wait_token is None:
                 wait_token = self.recorder.begin("WAIT", handle.stage, handle.mb, name=f"WAIT/{handle.name}",
                                                  nvtx=False)
@@ -152,6 +158,21 @@ class PairRunner:
         if wait_token is not None:
             self.recorder.end(wait_token, pop=False)
         comms.wait(handle)
+
+    def _fill(self) -> bool:
+        """Neither half can compute: run one deferred weight-gradient closure of the backward half instead of
+        blocking (DualPipe defers W precisely to fill such gaps). True if there was one."""
+        fn = self.filler() if self.filler is not None else None
+        if fn is None:
+            return False
+        kind, stage, mb = self._meta["B"]
+        self._fills += 1
+        token = self.recorder.begin("B.wfill", stage, mb, name=f"{self._names['B']}/L{self._fills}.wfill",
+                                    nvtx=False) if self.recorder.enabled else None
+        fn()
+        if token is not None:
+            self.recorder.end(token, pop=False)
+        return True
 
     def resume(self, side: str, label: str) -> None:
         """`side` computes again from here: open its span named after `label` (e.g. L13.experts)."""

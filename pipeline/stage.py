@@ -43,7 +43,7 @@ class ChunkRun:
 
     stage: int
     mb: int
-    segs: list = field(default_factory=list)  # (leaf or None, output/loss, RecomputeBlock or None, memory.Held)
+    segs: list = field(default_factory=list)  # (leaf or None, output/loss, RecomputeBlock or None)
     output: torch.Tensor | None = None  # detached stage output (to send or hand off)
     loss: torch.Tensor | None = None  # head stages: this micro-batch's loss contribution
     input_grad: torch.Tensor | None = None  # set by the backward (None on an embedding stage)
@@ -113,14 +113,14 @@ class Stage(nn.Module):
     def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env: "StageEnv"):
         mb, x = run.mb, inp
         if self.embed is not None:
-            with env.saved.hooks() as held:
+            with env.saved.hooks():
                 x = self.embed(x)
-            run.segs.append((None, x, None, held))
+            run.segs.append((None, x, None))
             yield
         for group in self.groups:
             leaf = x.detach().requires_grad_(True)
             rec = RecomputeBlock(leaf, group[0][0]) if self.recompute else None
-            with env.saved.hooks(rec) as held:
+            with env.saved.hooks(rec):
                 y = leaf
                 for i, (l, m, is_mlp) in enumerate(group):
                     if rec is not None and i > 0:
@@ -128,15 +128,15 @@ class Stage(nn.Module):
                     y = self._sublayer(i, l, m, is_mlp, y, rec, env, mb)
             if rec is not None:
                 rec.end_forward()
-            run.segs.append((leaf, y, rec, held))
+            run.segs.append((leaf, y, rec))
             x = y
             yield
         env.sync_hp()  # the stage output, for the head or the send
         if self.head is not None:
             leaf = x.detach().requires_grad_(True)
-            with env.saved.hooks() as held:
+            with env.saved.hooks():
                 loss = self.head(leaf, labels, env.total_tokens)
-            run.segs.append((leaf, loss, None, held))
+            run.segs.append((leaf, loss, None))
             run.loss = loss.detach()
             yield
         else:
@@ -146,7 +146,7 @@ class Stage(nn.Module):
         g = grad
         nblocks = sum(1 for seg in run.segs if seg[2] is not None)
         while run.segs:
-            leaf, out, rec, held = run.segs.pop()
+            leaf, out, rec = run.segs.pop()
             if rec is not None:
                 first = rec.first_layer
                 name = f"RC/s{self.spec.stage}/mb{run.mb}" if nblocks == 1 else \
@@ -157,7 +157,6 @@ class Stage(nn.Module):
             torch.autograd.backward(out, g)
             if rec is not None:
                 rec.release()
-            env.saved.release(held)
             g = None if leaf is None else leaf.grad
             del leaf, out, rec
             yield

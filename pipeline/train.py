@@ -91,7 +91,7 @@ class RankRuntime:
         # that hands the turn over while a receive is in flight (expert parallelism)
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s,
                            watch_p2p=record or groups.ep_groups is not None)
-        self.pair = PairRunner(self.recorder, device, self.comms) if par.overlap else None
+        self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
         self.expert = None
         if groups.ep_groups is not None:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair)

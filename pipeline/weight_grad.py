@@ -40,6 +40,11 @@ class WeightGradStore:
         self._queue.append((label, self._current))
         self._current = []
 
+    def take_one(self):
+        """One closure of the current (unflushed) group, removed from it, or None: filler work for a rank that
+        would otherwise block (pipeline.overlap)."""
+        return self._current.pop(0) if self._current else None
+
     def run_current(self) -> None:
         """Run the current (unflushed) group now: a full B's weight-grads, deferred past its input-grad send."""
         fns, self._current = self._current, []

@@ -1,0 +1,72 @@
+"""The parallel layout: rank coordinates, the rank tensors of its meshes, and the process groups built from them
+(4 gloo ranks): pipeline, EP (a separate group for the backward's all-to-alls), gradient groups that fold
+DualPipe's mirrored copies into data parallelism."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _pipeline_helpers import check_ok, tiny_config
+from pipeline.config import parse_config
+from pipeline.layout import Layout
+from pipeline.local import launch
+
+
+def test_rank_coordinates_and_mesh_tensors():
+    lay = Layout(pp=2, dp=4, ep=2, schedule="dualpipe")
+    assert lay.world == 8 and lay.edp == 2
+    assert [lay.coords(r) for r in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
+    assert lay.rank(1, 2) == 6
+    # EP groups are consecutive ranks inside one pipeline rank's replicas
+    assert lay.expert_ranks().reshape(-1, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # DualPipe: pipeline ranks 0 and 1 hold the same chunks; dense grads over both x all replicas
+    assert lay.dense_grad_ranks().tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    # an expert's copies: same EP rank, every replica block, both mirrored pipeline ranks
+    assert lay.expert_grad_ranks().tolist() == [[[0, 2, 4, 6], [1, 3, 5, 7]]]
+    plain = Layout(pp=4, dp=2, ep=1, schedule="1f1b")
+    assert plain.dense_grad_ranks().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("moe,change,field", [
+    (True, dict(expert_parallel=4), "must divide parallel.data_parallel"),
+    (False, dict(expert_parallel=2), "has no MoE"),
+])
+def test_layout_check_names_the_field(moe, change, field):
+    cfg = tiny_config("1f1b", 2, dp=2, moe=moe)
+    cfg["parallel"].update(change)
+    with pytest.raises(ValueError, match=field):
+        Layout.of(parse_config(cfg)).check(parse_config(cfg))
+
+
+def test_world_must_be_pp_times_dp():
+    cfg = parse_config(tiny_config("1f1b", 2, dp=2))
+    with pytest.raises(ValueError, match=r"--pp 2\) x parallel.data_parallel \(--dp 2\) = 4, but 3 processes"):
+        Layout.of(cfg).check(cfg, 3)
+
+
+def _groups_worker(rank, world, cfg_dict):
+    import torch.distributed as dist
+
+    from pipeline.train import make_groups
+
+    g = make_groups(parse_config(cfg_dict), rank, world, torch.device("cpu"))
+    ranks = lambda grp: None if grp is None else dist.get_process_group_ranks(grp)  # noqa: E731
+    return {"pp": ranks(g.pp_group), "ep_f": ranks(g.ep_groups["F"]), "ep_b": ranks(g.ep_groups["B"]),
+            "same_ep_group": g.ep_groups["F"] is g.ep_groups["B"], "dense": ranks(g.dense_grad_group),
+            "expert": ranks(g.expert_grad_group), "coords": (g.pp_rank, g.dp_rank, g.ep_rank)}
+
+
+@pytest.mark.timeout(120)
+def test_groups_from_the_mesh():
+    cfg = tiny_config("dualpipe", 2, moe=True, dp=2, ep=2)
+    results = launch(_groups_worker, 4, (cfg,), timeout_s=100)
+    check_ok(results)
+    for r in results:
+        v = r.value
+        pp_rank, dp_rank = divmod(r.rank, 2)
+        assert v["coords"] == (pp_rank, dp_rank, dp_rank)
+        assert v["pp"] == [dp_rank, 2 + dp_rank]  # the pipeline of this replica
+        assert v["ep_f"] == v["ep_b"] == [2 * pp_rank, 2 * pp_rank + 1]
+        assert not v["same_ep_group"], "forward and backward all-to-alls share a process group"
+        assert v["dense"] == [0, 1, 2, 3]  # DualPipe's mirrored pipeline ranks x both replicas
+        assert v["expert"] == [dp_rank, 2 + dp_rank]  # this EP rank's copies on both mirrored pipeline ranks
