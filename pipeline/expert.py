@@ -89,7 +89,7 @@ class ExpertComm:
         meta = (self, chunk, layer)
         recv = _Dispatch.apply(rows, meta, out_splits, in_splits)  # [R, C], source-major, expert-minor
         local = torch.arange(e_l, device=rows.device).repeat(ep)  # local expert of each (source, expert) block
-        expert_of_row = torch.repeat_interleave(local, recv_counts)
+        expert_of_row = torch.repeat_interleave(local, recv_counts, output_size=sum(out_splits))  # no device sync
         perm = torch.argsort(expert_of_row, stable=True)  # expert-major, sources in order within an expert
         y = moe.local_experts(recv.index_select(0, perm), per_expert)
         y_src = y.index_select(0, torch.argsort(perm))  # back to source-major
