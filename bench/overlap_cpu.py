@@ -1,7 +1,7 @@
 """Benchmark: does DualPipe's F&B pair hide its communication? Overlapped vs serial pairs on 4 gloo ranks.
 
     .venv/bin/python bench/overlap_cpu.py [--config tiny-moe] [--pp 2 --dp 2 --ep 2] [--microbatches 16]
-                                          [--steps 8] [--warmup 2] [--cpu-bind] [--out bench/results/overlap_cpu.json]
+                                          [--steps 10] [--warmup 2] [--cpu-bind] [--out bench/results/overlap_cpu.json]
 
 One job trains the same model twice, F&B pairs overlapped (the default) and serial (`--no-overlap`: forward,
 then backward, every all-to-all waited right after its post, the pair's sends after it), one step of each in turn
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=16, help="of the global batch (default 16: 8 per replica)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cpu-bind", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overlap_cpu.json")

@@ -1,6 +1,6 @@
 """Speed peer and oracle: the project's model under PyTorch's own `torch.distributed.pipelining.ScheduleDualPipeV`.
 
-    .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 8] [--warmup 2] [--rounds 3]
+    .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 30] [--warmup 3] [--launches 3]
                                               [--out bench/results/torch_dualpipev.json]
 
 `torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.local.launch`) builds this
@@ -25,9 +25,11 @@ saved grad_outputs, so those micro-batches pay the node's whole backward twice (
 calls per rank and step for 64-72 forwards). Gradients stay exact; torch's step time carries that extra work.
 
 Timing (as `pipeline.train.RankRuntime.step`): zero_grad; t0; schedule.step; loss all-reduce; AdamW step; t1;
-then max over ranks of t1 - t0, outside the timed region. The CLI alternates launches of torch's schedule and the
-project's runtime (`variants_worker`) on the same config, for n = 1 (residual) and n = 4 (mHC), and reports the
-median step times and whether the losses agree (1e-5 relative, fp32).
+then max over ranks of t1 - t0, outside the timed region. The CLI (`ab_worker`) runs torch's schedule and the
+project's runtime (`RankRuntime`, recording off) in one process group, one step of each in turn with the order
+reversed every step, so both see the same machine state, under the same garbage-collection policy
+(`pipeline.train.manual_gc`); for n = 1 (residual) and n = 4 (mHC) it reports the median step times, the median
+of ours / torch per step pair (and its quartiles) and whether the losses agree (1e-5 relative, fp32).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import load_config, parse_config, stage_blocks  # noqa: E402
 from pipeline.data import make_batch  # noqa: E402
-from pipeline.local import launch, variants_worker  # noqa: E402
+from pipeline.local import launch  # noqa: E402
 from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402
 from pipeline.train import manual_gc  # noqa: E402
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--steps", type=int, default=30, help="steps of each per launch (the first --warmup not timed)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--launches", type=int, default=2, help="launches per n (each alternates the two step by step)")
+    ap.add_argument("--launches", type=int, default=3, help="launches per n (each alternates the two step by step)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "torch_dualpipev.json")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                    for kind in ("torch", "ours")}
             print(f"n={n} launch {k}: torch {med['torch'] * 1e3:.1f} ms, ours {med['ours'] * 1e3:.1f} ms, "
                   f"ratio {med['ours'] / med['torch']:.3f}", flush=True)
-        timed = {kind: [s["step_time_s"] for h in launches for s in h[kind][args.warmup:]] for kind in ("torch", "ours")}
+        timed = {kind: [s["step_time_s"] for h in launches for s in h[kind][args.warmup:]]
+                 for kind in ("torch", "ours")}
         # per step pair: ours / torch of the same step index (they ran back to back)
         pairs = [o["step_time_s"] / t["step_time_s"] for h in launches
                  for t, o in zip(h["torch"][args.warmup:], h["ours"][args.warmup:])]

@@ -158,7 +158,8 @@ class RunConfig(BaseModel):
         try:  # the generator owns the M/P rules and their messages
             build(par.schedule, par.ranks, par.microbatches_per_replica)
         except ValueError as err:
-            per = f" (per data-parallel pipeline: {par.microbatches} / {par.data_parallel})" if par.data_parallel > 1 else ""
+            per = (f" (per data-parallel pipeline: {par.microbatches} / {par.data_parallel})"
+                   if par.data_parallel > 1 else "")
             raise ValueError(f"parallel: {err}{per}") from None
         moe = self.model.moe
         if moe is None and self.parallel.expert_parallel > 1:

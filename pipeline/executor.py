@@ -17,8 +17,9 @@ Actions (schedules/ir.py), in list order:
   when their stages exchange tokens with expert-parallel all-to-alls, each half runs on its own thread,
   interleaved at every segment boundary and every all-to-all (pipeline.overlap); without such communication
   inside the halves there is nothing to interleave, and they run one after the other, the one whose input is
-  here first. Either way each half waits only for its own receive and posts its send as soon as it exists. Without (`--no-overlap`): F, then B, every
-  all-to-all waited right after its post and the pair's sends posted after it (the serial baseline for A/B).
+  here first. Either way each half waits only for its own receive and posts its send as soon as it exists.
+  Without (`--no-overlap`): F, then B, every all-to-all waited right after its post and the pair's sends posted
+  after it (the serial baseline for A/B).
 After each action the stages whose gradients it finished have them reduced (pipeline.grad_reduce). Sends are
 reaped as they complete and drained at the end, each with a deadline; the step ends with checks that nothing is
 left over (receives, hand-offs, W groups, live chunks).

@@ -20,8 +20,8 @@ Every exchange is posted asynchronously and waited right before its result is us
 F&B pair is running (`pipeline.overlap.PairRunner`), the other half of the pair computes: that is DualPipe's
 overlap of one micro-batch's all-to-all with the other's compute. Forward and backward exchanges go to two
 process groups over the same EP ranks: within each, every rank issues its exchanges in program order (the same
-schedule), as collectives require, while the two halves of a pair may interleave differently on each rank. Spans: `~comm` from post to
-completion, `WAIT` when the compute thread blocks (comm.Comms).
+schedule), as collectives require, while the two halves of a pair may interleave differently on each rank.
+Spans: `~comm` from post to completion, `WAIT` when the compute thread blocks (comm.Comms).
 """
 from __future__ import annotations
 

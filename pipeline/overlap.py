@@ -11,11 +11,11 @@ the turn moves at *switch points*:
 When a half comes back to an op that has not completed yet and the other half can compute (it is not itself
 parked on an unfinished op), the turn goes to the other half again instead of blocking (`wait`); when neither
 can, the rank runs the backward half's deferred weight-gradient work, one closure at a time (`B/.../L1.wfill`
-spans), and blocks only when there is none left, until either half's op completes. That makes the interleaving depend on timing, which collectives
-allow only because each half's all-to-alls use their own EP process group (forward and backward exchanges),
-each issued in program order on every rank of the group. On CUDA the host does not block on communication
-(a wait is a stream dependency), so turns there follow the program only. When one half has finished, the
-other runs to its end.
+spans), and blocks only when there is none left, until either half's op completes. That makes the
+interleaving depend on timing, which collectives allow only because each half's all-to-alls use their own EP
+process group (forward and backward exchanges), each issued in program order on every rank of the group. On
+CUDA the host does not block on communication (a wait is a stream dependency), so turns there follow the
+program only. When one half has finished, the other runs to its end.
 
 Each stretch of compute between two switch points is one trace span named after where it starts
 (`F/s3/mb7/L12.block`, `B/s4/mb2/L13.experts`, ...), so the F and B of a pair are drawn where and when they ran.

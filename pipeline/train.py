@@ -117,7 +117,8 @@ class RankRuntime:
         self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
         self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged, group=groups.pp_group)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
-                                 env=self.env, store=self.store, boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
+                                 env=self.env, store=self.store,
+                                 boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
                                  on_action=on_action)
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)

@@ -13,9 +13,10 @@ Inside an overlapped F&B pair each stretch of a half's compute is named after wh
 `F/s3/mb7/L12.block`, `F/s3/mb7/L13.experts`, `B/s4/mb2/L13.router`, `B/s4/mb2/L8.wgrad`. `WAIT/RECV_F/s2/mb7`
 or `WAIT/A2A_COMBINE/s3/mb7/L13`: the time the compute thread blocked on that op (exposed communication); kind
 WAIT, with the stage and micro-batch of the op. One outer range `step/K` per iteration (Kineto's
-`ProfilerStep#K` is read the same way). PyTorch pipelining action strings (`3F7`, `(3F7;4B2)OVERLAP_F_B`, optionally prefixed `PP:`) are
-accepted too. Report tools prefix names with an NVTX domain (`mhc_pipe:F/s3/mb7`, or `:F/s3/mb7` for the
-default domain); that prefix is stripped, since our names never contain `:`.
+`ProfilerStep#K` is read the same way). PyTorch pipelining action strings (`3F7`, `(3F7;4B2)OVERLAP_F_B`,
+optionally prefixed `PP:`) are accepted too. Report tools prefix names with an NVTX domain
+(`mhc_pipe:F/s3/mb7`, or `:F/s3/mb7` for the default domain); that prefix is stripped, since our names never
+contain `:`.
 """
 from __future__ import annotations
 

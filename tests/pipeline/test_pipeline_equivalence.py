@@ -52,7 +52,8 @@ def test_schedule_matches_single_process(kind, layout):
             losses = [s["loss"] for s in r.value[vi]["stats"]]
             assert len(losses) == 3
             for step, (a, b) in enumerate(zip(losses, want_losses)):
-                assert abs(a - b) <= TOL * abs(b), f"{kind} {layout} variant {vi} rank {r.rank}: step {step} loss {a} vs {b}"
+                assert abs(a - b) <= TOL * abs(b), \
+                    f"{kind} {layout} variant {vi} rank {r.rank}: step {step} loss {a} vs {b}"
         by_key[(ref_key, v["parallel"]["overlap"])] = got
     for n in (1, 4):  # recompute is exact: same bits as without it
         off, on = by_key[((n, "off"), True)], by_key[((n, "block"), True)]

@@ -56,7 +56,8 @@ def test_failed_rank_stops_the_others(kind, mode, layout):
         # every survivor gives up within the configured timeout of the failure (plus the cascade of one more)
         assert r.elapsed_s < 3 * TIMEOUT_S + 20, f"rank {r.rank} took {r.elapsed_s:.1f} s"
     if layout == "ep":  # rank 0 lost its expert-parallel peer: it names the all-to-all and the group
-        assert re.search(r"A2A_\w+/s\d+/mb\d+/L\d+\S* in the EP group \(ranks 0, 1\)", results[0].error), results[0].error
+        err0 = results[0].error
+        assert re.search(r"A2A_\w+/s\d+/mb\d+/L\d+\S* in the EP group \(ranks 0, 1\)", err0), err0
     if mode == "hang":
         assert any("timed out after 4 s" in r.error for r in others), [r.error for r in others]
         assert results[1].exitcode is None  # the hung rank was killed by the launcher, not by itself

@@ -88,8 +88,8 @@ def test_forward_send_does_not_wait_for_the_backward_half(traces):
             f_end = max(s.end for s in p["half"]["F"])
             b_end = max(s.end for s in p["half"]["B"])
             if name == "overlap":
-                assert send.start <= f_end, f"rank {p['rank']} {p['fb'].label}: SEND_F posted {send.start - f_end:.0f} us " \
-                    "after the forward half ended"
+                assert send.start <= f_end, \
+                    f"rank {p['rank']} {p['fb'].label}: SEND_F {send.start - f_end:.0f} us after the forward half"
                 if b_end > f_end:
                     assert send.start < b_end, f"rank {p['rank']} {p['fb'].label}: SEND_F waited for the backward half"
             else:  # the serial baseline posts the pair's sends after it: the check must see the difference
