@@ -13,7 +13,7 @@ form one block, and calls `ExpertComm.routed`:
    expert-major (a stable argsort of each row's local expert), runs each local expert on a contiguous slice and
    restores the source-major order;
 4. `A2A_COMBINE`: the outputs go back with the reverse splits, one row per slot in the sender's order.
-Backward mirrors it (autograd Functions below): the gradient of the combine is a dispatch-direction all-to-all
+Backward mirrors it (the autograd Function `_Exchange` below): the gradient of the combine is a dispatch-direction all-to-all
 (`A2A_COMBINE/.../L13.dgrad`) and that of the dispatch a combine-direction one (`A2A_DISPATCH/.../L13.dgrad`).
 
 Every exchange is posted asynchronously and waited right before its result is used. Between the two, when an
@@ -87,48 +87,33 @@ class ExpertComm:
         out_splits = [sum(got[r * e_l:(r + 1) * e_l]) for r in range(ep)]
         per_expert = [sum(got[r * e_l + j] for r in range(ep)) for j in range(e_l)]
         meta = (self, chunk, layer)
-        recv = _Dispatch.apply(rows, meta, out_splits, in_splits)  # [R, C], source-major, expert-minor
+        recv = _Exchange.apply(rows, meta, "A2A_DISPATCH", out_splits, in_splits)  # [R, C] source-major
         local = torch.arange(e_l, device=rows.device).repeat(ep)  # local expert of each (source, expert) block
         expert_of_row = torch.repeat_interleave(local, recv_counts, output_size=sum(out_splits))  # no device sync
         perm = torch.argsort(expert_of_row, stable=True)  # expert-major, sources in order within an expert
         y = moe.local_experts(recv.index_select(0, perm), per_expert)
         y_src = y.index_select(0, torch.argsort(perm))  # back to source-major
-        return _Combine.apply(y_src, meta, in_splits, out_splits)
+        return _Exchange.apply(y_src, meta, "A2A_COMBINE", in_splits, out_splits)
 
 
-class _Dispatch(torch.autograd.Function):
-    """rows -> the EP ranks that hold their experts; backward sends the rows' gradients back."""
+class _Exchange(torch.autograd.Function):
+    """One all-to-all as an autograd node: A2A_DISPATCH (rows to the ranks that hold their experts; after it the
+    experts run) or A2A_COMBINE (outputs back to the ranks that own the tokens). Its backward is the same op's
+    reverse exchange of the gradients (`.dgrad`), after which the backward of what preceded it runs."""
+
+    RESUME = {"A2A_DISPATCH": ("experts", "router"), "A2A_COMBINE": ("combine", "experts")}  # (forward, backward)
 
     @staticmethod
-    def forward(ctx, rows, meta, out_splits, in_splits):
+    def forward(ctx, rows, meta, op, out_splits, in_splits):
         comm, chunk, layer = meta
-        ctx.meta, ctx.splits = meta, (out_splits, in_splits)
-        return comm.exchange(rows, out_splits, in_splits, op="A2A_DISPATCH", chunk=chunk, layer=layer, part=None,
-                             side="F", resume="experts")
+        ctx.meta, ctx.op, ctx.splits = meta, op, (out_splits, in_splits)
+        return comm.exchange(rows, out_splits, in_splits, op=op, chunk=chunk, layer=layer, part=None, side="F",
+                             resume=_Exchange.RESUME[op][0])
 
     @staticmethod
     def backward(ctx, grad):
         comm, chunk, layer = ctx.meta
         out_splits, in_splits = ctx.splits
-        g = comm.exchange(grad, in_splits, out_splits, op="A2A_DISPATCH", chunk=chunk, layer=layer, part="dgrad",
-                          side="B", resume="router")
-        return g, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """expert outputs -> back to the ranks that own the tokens; backward sends the outputs' gradients out."""
-
-    @staticmethod
-    def forward(ctx, y, meta, out_splits, in_splits):
-        comm, chunk, layer = meta
-        ctx.meta, ctx.splits = meta, (out_splits, in_splits)
-        return comm.exchange(y, out_splits, in_splits, op="A2A_COMBINE", chunk=chunk, layer=layer, part=None,
-                             side="F", resume="combine")
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, chunk, layer = ctx.meta
-        out_splits, in_splits = ctx.splits
-        g = comm.exchange(grad, in_splits, out_splits, op="A2A_COMBINE", chunk=chunk, layer=layer, part="dgrad",
-                          side="B", resume="experts")
-        return g, None, None, None
+        g = comm.exchange(grad, in_splits, out_splits, op=ctx.op, chunk=chunk, layer=layer, part="dgrad", side="B",
+                          resume=_Exchange.RESUME[ctx.op][1])
+        return g, None, None, None, None
