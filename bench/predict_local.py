@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped); the VM's speed "
                     "switches within seconds, so longer runs average it out")
     ap.add_argument("--repeat", type=int, default=1, help="measured runs per variant")
+    ap.add_argument("--no-overlap", action="store_true", help="F&B pairs serial (parallel.overlap false), as the "
+                    "runtime ran them before the overlapped pair")
     ap.add_argument("--sequential", action="store_true", help="run the baseline, then mHC, as two launches "
                     "(default: one launch, the two interleaved step by step)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "predict_local"))
@@ -121,7 +123,7 @@ def main() -> int:
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config("tiny", {"train": {"steps": args.steps}})
+    cfg = load_config("tiny", {"train": {"steps": args.steps}, "parallel": {"overlap": not args.no_overlap}})
     base_cfg = cfg.with_residual("residual", 1)
     n = cfg.model.residual.n
 

@@ -265,6 +265,12 @@ class Pricer:
             return self._run(("FB", a.stage, a.b_stage), chains, True)
         raise ValueError(f"cannot price action kind {k}")
 
+    def fb_forward_share(self, a: Action) -> float:
+        """The forward half's share of an F&B pair's work: the runtime runs a pair without communication inside
+        its halves as its forward, then its backward, and sends the forward output in between."""
+        f, pair = self.compute_time(Action(Kind.F, a.stage, a.mb)), self.compute_time(a)
+        return min(1.0, f / pair) if pair > 0 else 0.0
+
     @property
     def message_bytes(self) -> float:
         return comm.boundary_bytes(self.shape.T, self.width, self.shape.C, self.shape.d)
@@ -281,7 +287,8 @@ class Pricer:
             rt = self.runtime
             return simulate_shared(schedule, self.compute_time, self.transfer_time, rt.cores_by_concurrency,
                                    rt.action_overhead_us, slice_us=rt.time_slice_us,
-                                   protect_us=rt.protect_us)
+                                   protect_us=rt.protect_us,
+                                   fb_forward_share=self.fb_forward_share if self.cfg.parallel.overlap else None)
         result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency

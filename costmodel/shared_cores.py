@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from schedules.deps import Topology, needs, produces
-from schedules.ir import Action, Kind, Schedule
+from schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from schedules.simulate import SimResult, peak_live_activations
 from traces.trace import Span, Trace
 
@@ -83,17 +83,21 @@ class _Running:
     work_left: float
     posted: float  # when the rank took the action up (gap starts)
     started: float | None = None  # when the gap ended: the span's start
+    mid: float | None = None  # FB: work left when its forward half ends (its output is sent then)
 
 
 def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfer_time: Callable[[Action], float],
                     cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us",
-                    slice_us: float = 0.0, protect_us: float = 0.0) -> SimResult:
+                    slice_us: float = 0.0, protect_us: float = 0.0,
+                    fb_forward_share: Callable[[Action], float] | None = None) -> SimResult:
     """Simulate `schedule` on ranks sharing cores (see the module docstring). `work(a)`: full-speed time of a
     compute action; `transfer_time(a)`: duration of a message, called with its RECV action (peer = sender);
     `gap_us`: full-speed executor work before every compute action; `slice_us`: the OS time slice, i.e. the
     scheduler tick (0: fluid sharing, else ranks scheduled on cores, preempted at ticks); `protect_us`: how long
     a rank that takes a core runs before a tick may preempt it. Busy time per rank counts gaps and waits for a
-    core."""
+    core. `fb_forward_share(a)`: the share of an F&B pair's work that is its forward half, which the runtime runs
+    first and whose output it sends as soon as it exists (pipeline.executor); None: the pair publishes both
+    outputs at its end."""
     from schedules.validate import check_structure, raise_deadlock
 
     lowered = check_structure(schedule)
@@ -138,6 +142,34 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     waiting: deque[int] = deque()  # ranks that want a core and have none
     switching: dict[int, float] = {}  # rank -> what is left of the time it loses getting a core back
     woke_a_peer: set[int] = set()  # ranks that just posted a message to a rank waiting for one
+    preposted: set[tuple[int, int]] = set()  # (rank, program index) of sends posted by the half that produced them
+    paused: dict[int, _Running] = {}  # F&B pairs between their halves, waiting for the backward half's input
+
+    def half_needs(a: Action, r: int, forward: bool) -> list:
+        half = Action(Kind.F, a.stage, a.mb) if forward else Action(Kind.B, a.b_stage, a.b_mb)
+        return needs(half, r, topo)
+
+    def post_send(r: int, a: Action) -> None:
+        ch, i = slot[(_SEND[a.kind][0], a.stage, a.mb)]
+        send_at[ch][i] = t
+        if a.peer not in running:
+            woke_a_peer.add(r)
+        resolve(ch)
+
+    def forward_half_done(r: int, run: _Running) -> None:
+        """An F&B pair's forward half ended: its output exists and its send goes out (it follows the pair)."""
+        a = run.action
+        run.mid = None
+        done[("F", a.stage, a.mb)] = t
+        acts = programs[r]
+        for j in range(ptr[r], len(acts)):
+            s_ = acts[j]
+            if s_.kind not in COMM_KINDS:
+                break
+            if s_.kind is Kind.SEND_F and (s_.stage, s_.mb) == (a.stage, a.mb):
+                post_send(r, s_)
+                preposted.add((r, j))
+                break
 
     def switch_cost(k: int) -> float:
         """Time a rank loses when it takes a core from another, with k ranks wanting one: what makes k > slots
@@ -223,17 +255,18 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
                 recv_at[ch][i] = t
                 resolve(ch)
             elif a.kind in _SEND:
-                if any(k not in done for k in needs(a, r, topo)):
-                    return
-                ch, i = slot[(_SEND[a.kind][0], a.stage, a.mb)]
-                send_at[ch][i] = t
-                if a.peer not in running:
-                    woke_a_peer.add(r)
-                resolve(ch)
+                if (r, ptr[r]) not in preposted:
+                    if any(k not in done for k in needs(a, r, topo)):
+                        return
+                    post_send(r, a)
             else:
-                if any(k not in done for k in needs(a, r, topo)):
+                split = a.kind is Kind.FB and fb_forward_share is not None
+                # a pair whose halves run in turn starts with its forward's input (the backward's comes later)
+                if any(k not in done for k in (half_needs(a, r, True) if split else needs(a, r, topo))):
                     return
-                running[r] = _Running(a, gap_us, float(work(a)), t)
+                w = float(work(a))
+                mid = w * (1.0 - fb_forward_share(a)) if split else None
+                running[r] = _Running(a, gap_us, w, t, mid=mid)
                 ptr[r] += 1
                 return
             ptr[r] += 1
@@ -242,7 +275,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
         advance(r)
     if slice_us:
         give_cores(sorted(running))
-    while running or arrivals:
+    while running or arrivals or paused:
         rate = rates()
         t_next = arrivals[0][0] if arrivals else math.inf
         if waiting and on_core:  # the first tick after a protection's end hands a core on
@@ -253,12 +286,13 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
             if run.started is None and run.gap_left <= 1e-9 * max(1.0, gap_us) and rate[r] > 0:
                 run.started = t  # no gap left: the span starts when the rank progresses
             if rate[r] > 0:
-                t_next = min(t_next, t + (run.gap_left if run.started is None else run.work_left) / rate[r])
+                left = run.gap_left if run.started is None else run.work_left - (run.mid or 0.0)
+                t_next = min(t_next, t + left / rate[r])
         if math.isinf(t_next):
             raise RuntimeError("shared-cores simulation stalled: no rank can progress (cores(k) must be > 0)")
         dt = t_next - t
         t = t_next
-        finished = []
+        finished, halved = [], []
         for r in list(switching):
             switching[r] -= dt
             if switching[r] <= 1e-9 * max(1.0, slice_us):
@@ -271,7 +305,9 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
                     run.started = t
             else:
                 run.work_left -= progress
-                if run.work_left <= 1e-9 * max(1.0, t - run.started):
+                if run.mid is not None and run.work_left - run.mid <= 1e-9 * max(1.0, t - run.started):
+                    halved.append(r)
+                elif run.work_left <= 1e-9 * max(1.0, t - run.started):
                     finished.append(r)
         for r in finished:
             run = running.pop(r)
@@ -282,12 +318,24 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
             end[r] = t
             for k in produces(a):
                 done[k] = t
+        for r in halved:  # the forward half ended: its output is sent; the backward half needs its own input
+            run = running[r]
+            forward_half_done(r, run)
+            if any(k not in done for k in half_needs(run.action, r, False)):
+                paused[r] = running.pop(r)
+                busy[r] += t - run.posted
         while arrivals and arrivals[0][0] <= t:
             _, _, key = heapq.heappop(arrivals)
             done[key] = t
         woken = []
         for r in range(P):
-            if r not in running:
+            if r in paused:
+                if all(k in done for k in half_needs(paused[r].action, r, False)):
+                    running[r] = paused.pop(r)
+                    running[r].posted = t
+                    if r not in on_core:
+                        woken.append(r)
+            elif r not in running:
                 advance(r)  # a rank that finished keeps its core when its next action is ready
                 if r in running and r not in on_core:
                     woken.append(r)

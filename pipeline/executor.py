@@ -74,6 +74,7 @@ class Executor:
         self.posted: set[tuple[Kind, int, int]] = set()
         self.next_send = {peer: 0 for peer in self.send_order}
         self.hold_sends = False  # a serial F&B posts its sends after the pair, as before the overlap existed
+        self.deferred_posts: list[int] | None = None  # peers whose sends wait for the current span to close
         self.loss_sum = torch.zeros((), dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                                     device=self.device)
 
@@ -104,7 +105,9 @@ class Executor:
             raise PipelineError(f"rank {self.rank}: produced {kind.value}/s{stage}/mb{mb} but the lowered schedule "
                                 "has no send for it")
         self.ready[key] = tensor
-        if not self.hold_sends:
+        if self.deferred_posts is not None:
+            self.deferred_posts.append(peer)  # posted when the producing action's span closes
+        elif not self.hold_sends:
             self._flush_sends(peer)
 
     def _flush_sends(self, peer: int) -> None:
@@ -151,16 +154,29 @@ class Executor:
             inp = self._take_recv(Kind.RECV_F, spec.prev, mb, side)
         return inp, (labels.to(self.device) if spec.has_head else None)
 
+    @contextlib.contextmanager
     def _span(self, kind: str | None, stage: int, mb: int):
-        """The span of a whole F/B/I, opened once its input is here (the wait for it is a WAIT span, not F)."""
+        """The span of a whole F/B/I: opened once its input is here (the wait for it is a WAIT span, not F), and
+        closed before the output it produced is posted (posting is communication: a gloo send costs up to a few
+        hundred us of CPU on a loaded host, which an F span would wrongly count as compute)."""
         if kind is None:
-            return contextlib.nullcontext()
-        return self.recorder.range(kind, stage, mb, name=f"{kind}/s{stage}/mb{mb}")
+            yield
+            return
+        self.deferred_posts = []
+        try:
+            with self.recorder.range(kind, stage, mb, name=f"{kind}/s{stage}/mb{mb}"):
+                yield
+        finally:
+            posts, self.deferred_posts = self.deferred_posts, None
+        if not self.hold_sends:  # a serial pair posts its sends after the pair
+            for peer in posts:
+                self._flush_sends(peer)
 
-    def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None, span: str | None = None) -> None:
+    def _forward(self, stage: int, mb: int, batch: Batch, side: str | None = None, span: str | None = None,
+                 given=None) -> None:
         """The forward of (stage, mb); `side` "F" inside an overlapped pair (turn hand-over at segments, spans
-        per piece), else one span `span` around it."""
-        inp, labels = self._forward_input(stage, mb, batch, side)
+        per piece), else one span `span` around it. `given`: its (input, labels), already waited for."""
+        inp, labels = given if given is not None else self._forward_input(stage, mb, batch, side)
         with self._span(span, stage, mb):
             self._forward_compute(stage, mb, inp, labels, side)
 
@@ -185,19 +201,25 @@ class Executor:
         else:
             self._produced(Kind.SEND_F, stage, mb, run.output)
 
-    def _backward(self, stage: int, mb: int, *, split: bool, side: str | None = None, span: str | None = None) -> None:
+    def _backward_input(self, stage: int, mb: int, side: str | None = None) -> torch.Tensor | None:
+        """The output-grad of (stage, mb): none at the head, a local hand-off, or its receive (waited for)."""
+        spec = self.specs[stage]
+        if spec.has_head:
+            return None
+        if self._local(spec.next):
+            return self.mail_b.pop((stage, mb))
+        return self._take_recv(Kind.RECV_B, spec.next, mb, side)
+
+    def _backward(self, stage: int, mb: int, *, split: bool, side: str | None = None, span: str | None = None,
+                  given=None) -> None:
         """The input-grad chain of (stage, mb) with the Linears' weight-grads deferred, the input-grad handed
-        on (send or local), then the weight-grads (full B) or their group flushed to the store (I)."""
+        on (send or local), then the weight-grads (full B) or their group flushed to the store (I). `given`:
+        `(output-grad,)`, already waited for."""
         spec = self.specs[stage]
         run = self.runs.pop((stage, mb), None)
         if run is None:
             raise PipelineError(f"rank {self.rank}: backward of s{stage}/mb{mb} before its forward")
-        if spec.has_head:
-            grad = None
-        elif self._local(spec.next):
-            grad = self.mail_b.pop((stage, mb))
-        else:
-            grad = self._take_recv(Kind.RECV_B, spec.next, mb, side)
+        grad = given[0] if given is not None else self._backward_input(stage, mb, side)
         with self._span(span, stage, mb):
             self._backward_compute(spec, run, grad, split, side)
 
@@ -209,7 +231,7 @@ class Executor:
             pair.resume(side, labels[0])
         # defer the Linears' weight-grads past the input-grad when something waits for it: a later W (I), or a
         # peer rank (its send goes out before the W work); otherwise they run inline, without closures
-        self.store.enabled = split or (not spec.has_embed and not self._local(spec.prev))
+        self.store.enabled = split or (side is not None and not spec.has_embed and not self._local(spec.prev))
         try:
             for k, _ in enumerate(self.stages[stage].backward_steps(run, grad, self.env)):
                 if pair is not None and k + 1 < len(labels):
@@ -245,36 +267,45 @@ class Executor:
                 raise PipelineError(f"rank {self.rank}: W/s{a.stage}/mb{a.mb} popped the weight-grads of "
                                     f"s{label[0]}/mb{label[1]}; the W queue must be FIFO in I order")
         elif kind is Kind.FB:
-            name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
-            with rec.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name):
-                if self.pair is None:  # serial (--no-overlap): F, then B, their sends after the pair
-                    self.hold_sends = True
-                    try:
-                        self._half_f(a, batch)
-                        self._half_b(a)
-                    finally:
-                        self.hold_sends = False
-                elif self.stages[a.stage].exchanges or self.stages[a.b_stage].exchanges:
-                    self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
-                                  lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
-                                  f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
-                elif self._b_first(a):
-                    self._half_b(a)
-                    self._half_f(a, batch)
-                else:
-                    self._half_f(a, batch)
-                    self._half_b(a)
-            if self.pair is None:
-                for peer in self.send_order:
-                    self._flush_sends(peer)
+            self._pair(a, batch)
         else:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
 
-    def _half_f(self, a, batch: Batch) -> None:
-        self._forward(a.stage, a.mb, batch, span="F")
-
-    def _half_b(self, a) -> None:
-        self._backward(a.b_stage, a.b_mb, split=False, span="B")
+    def _pair(self, a, batch: Batch) -> None:
+        """One F&B pair. Its span starts once its first half's input is here (that wait is a WAIT span before
+        it); the other half waits for its own input when it comes to it. Serial (--no-overlap), as before the
+        overlap existed: both inputs first, F, then B, and the pair's sends after it."""
+        name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
+        fb = lambda: self.recorder.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name)  # noqa: E731
+        f_half = lambda given=None: self._forward(a.stage, a.mb, batch, span="F", given=given)  # noqa: E731
+        b_half = lambda given=None: self._backward(a.b_stage, a.b_mb, split=False, span="B", given=given)  # noqa: E731
+        if self.pair is None:
+            f_in, b_in = self._forward_input(a.stage, a.mb, batch), (self._backward_input(a.b_stage, a.b_mb),)
+            self.hold_sends = True
+            try:
+                with fb():
+                    f_half(f_in)
+                    b_half(b_in)
+            finally:
+                self.hold_sends = False
+            for peer in self.send_order:
+                self._flush_sends(peer)
+        elif self.stages[a.stage].exchanges or self.stages[a.b_stage].exchanges:
+            f_in = self._forward_input(a.stage, a.mb, batch)
+            with fb():
+                self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F", given=f_in),
+                              lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
+                              f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
+        elif self._b_first(a):
+            b_in = (self._backward_input(a.b_stage, a.b_mb),)
+            with fb():
+                b_half(b_in)
+                f_half()
+        else:
+            f_in = self._forward_input(a.stage, a.mb, batch)
+            with fb():
+                f_half(f_in)
+                b_half()
 
     def _b_first(self, a) -> bool:
         """A pair without communication inside its halves runs them one after the other on this thread (there is

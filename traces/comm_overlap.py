@@ -11,7 +11,11 @@ restricted to the ops posted inside an F&B pair (their comm span starts inside a
 measure DualPipe's overlap: the pair's all-to-alls and sends under the other half's compute.
 
 Only traces that record WAIT spans can say this (meta `wait_spans`: the runtime's measured traces); a predicted
-or an imported trace gives None.
+or an imported trace gives None. An op's duration needs its completion time: collectives report it (their
+futures); gloo P2P works report it only from inside a wait, so the runtime stamps them with waiter threads where
+it needs to know (expert parallelism, meta `p2p_completion: stamped`). Otherwise (`at the wait`) a P2P span ends
+when its consumer or the end-of-step drain waited for it, which would count time after its completion as hidden:
+such P2P ops are left out here (`p2p_timed` False), and only their WAIT time is exposed communication.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from traces.names import ALL_COMM_KINDS, WAIT_KIND
+from traces.names import ALL_COMM_KINDS, COMM_KINDS, WAIT_KIND
 from traces.trace import Span, Trace
 
 
@@ -50,13 +54,16 @@ class RankCommOverlap:
     all: CommShare = field(default_factory=CommShare)
     in_fb: CommShare = field(default_factory=CommShare)  # ops posted inside an overlapped F&B pair
     by_kind: dict[str, CommShare] = field(default_factory=dict)
+    blocked_us: float = 0.0  # all WAIT time of the rank: the compute thread blocked on communication
     unmatched_wait_us: float = 0.0  # WAIT time for an op with no comm span (should be 0)
+    p2p_timed: bool = True  # False: the trace's P2P completion times are unknown and P2P ops are left out
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "comm_us": self.all.comm_us, "exposed_us": self.all.exposed_us,
+        return {"rank": self.rank, "blocked_us": self.blocked_us, "comm_us": self.all.comm_us,
+                "exposed_us": self.all.exposed_us,
                 "comm_hidden_pct": self.all.hidden_pct, "fb": self.in_fb.to_dict(),
                 "by_kind": {k: v.to_dict() for k, v in sorted(self.by_kind.items())},
-                "unmatched_wait_us": self.unmatched_wait_us}
+                "unmatched_wait_us": self.unmatched_wait_us, "p2p_timed": self.p2p_timed}
 
 
 def _base(kind: str) -> str:
@@ -72,26 +79,30 @@ def comm_overlap(trace: Trace) -> dict[int, RankCommOverlap] | None:
     """Per rank exposed and hidden communication, or None for a trace without WAIT spans."""
     if not trace.meta.get("wait_spans"):
         return None
+    p2p_timed = trace.meta.get("p2p_completion", "stamped") == "stamped"
     by_rank: dict[int, list[Span]] = defaultdict(list)
     for s in trace.spans:
         by_rank[s.rank].append(s)
-    return {r: _rank_overlap(r, spans) for r, spans in sorted(by_rank.items())}
+    return {r: _rank_overlap(r, spans, p2p_timed) for r, spans in sorted(by_rank.items())}
 
 
-def _rank_overlap(rank: int, spans: list[Span]) -> RankCommOverlap:
-    comm = sorted((s for s in spans if s.stream == "comm" and _base(s.kind) in ALL_COMM_KINDS),
-                  key=lambda s: s.start)
+def _rank_overlap(rank: int, spans: list[Span], p2p_timed: bool = True) -> RankCommOverlap:
+    timed = ALL_COMM_KINDS if p2p_timed else ALL_COMM_KINDS - COMM_KINDS
+    comm = sorted((s for s in spans if s.stream == "comm" and _base(s.kind) in timed), key=lambda s: s.start)
     fbs = sorted((s.start, s.end) for s in spans if s.kind == "FB")
     fb_starts = [a for a, _ in fbs]
     by_name: dict[str, list[int]] = defaultdict(list)
     for i, s in enumerate(comm):
         by_name[_comm_name(s)].append(i)
     exposed = [0.0] * len(comm)
-    out = RankCommOverlap(rank)
+    out = RankCommOverlap(rank, p2p_timed=p2p_timed)
     for w in spans:
         if w.kind != WAIT_KIND:
             continue
+        out.blocked_us += w.duration
         target = w.label[5:] if w.label.startswith("WAIT/") else ""
+        if not p2p_timed and target.split("/", 1)[0] in COMM_KINDS:
+            continue  # a wait for an untimed P2P op: exposed, but not matched against a duration
         cands = by_name.get(target, [])
         # the instance of that op (one per step) posted last before the wait began
         j = bisect_right([comm[i].start for i in cands], w.start + 1e-6) - 1

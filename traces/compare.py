@@ -380,7 +380,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
                                meas_exposed_comm_us=ms.exposed_comm.get(r, 0.0)))
         o = None if overlap is None else overlap.get(r)
         if o is not None:
-            ranks[-1].meas_comm_wait_us = o.all.exposed_us / max(1, ms.steps)
+            ranks[-1].meas_comm_wait_us = o.blocked_us / max(1, ms.steps)
             ranks[-1].comm_hidden_pct = o.all.hidden_pct
             ranks[-1].fb_comm_hidden_pct = o.in_fb.hidden_pct
     notes = []
