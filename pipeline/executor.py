@@ -272,9 +272,11 @@ class Executor:
             raise PipelineError(f"rank {self.rank}: unknown action {a}")
 
     def _pair(self, a, batch: Batch) -> None:
-        """One F&B pair. Its span starts once its first half's input is here (that wait is a WAIT span before
-        it); the other half waits for its own input when it comes to it. Serial (--no-overlap), as before the
-        overlap existed: both inputs first, F, then B, and the pair's sends after it."""
+        """One F&B pair. Run in turn, its span starts once its first half's input is here (that wait is a WAIT
+        span before it) and the other half waits for its own input when it comes to it; overlapped (exchanges
+        inside), the halves start together and either computes while the other's input is in flight. Serial
+        (--no-overlap), as before the overlap existed: both inputs first, F, then B, and the pair's sends after
+        it."""
         name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
         fb = lambda: self.recorder.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name)  # noqa: E731
         f_half = lambda given=None: self._forward(a.stage, a.mb, batch, span="F", given=given)  # noqa: E731
@@ -291,9 +293,8 @@ class Executor:
             for peer in self.send_order:
                 self._flush_sends(peer)
         elif self.stages[a.stage].exchanges or self.stages[a.b_stage].exchanges:
-            f_in = self._forward_input(a.stage, a.mb, batch)
-            with fb():
-                self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F", given=f_in),
+            with fb():  # overlapped: even the forward's input wait lets the backward half compute
+                self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
                               lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
                               f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
         elif self._b_first(a):
