@@ -16,6 +16,8 @@
 #                   2 steps, traced; then a check that the trace has hp-stream spans. Two processes on one GPU
 #                   need host-staged transfers (~3.8 GB/s, gpu.md §6): this proves the CUDA path (streams,
 #                   events, NVTX, priorities) works, it is not a timing.
+#   world1_nccl     one rank on NCCL: every blocking collective of the runtime, CUDA-event spans, and a
+#                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_tests    pytest tests/kernels (compiled Triton kernels on CUDA; the interpreter on CPU). Last because
 #                   CI already runs these small shapes and they compile the most kernel variants.
 #   then the final table (bench/gpu_report.py table OUT). Exit 0 only when every step is ok.
@@ -44,7 +46,7 @@ MODE=gpu
 for arg in "$@"; do
     case "$arg" in
         --cpu) MODE=cpu ;;
-        -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$arg' (use --cpu or nothing)" >&2; exit 2 ;;
     esac
 done
@@ -126,7 +128,8 @@ fi
 lim() { if [ "$MODE" = cpu ]; then echo "$2"; else echo "$1"; fi; }
 
 run_step env "$(lim 60 60)" "$PY" bench/gpu_report.py env --out "$OUT/env.json"
-run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" --out "$OUT/parity.json"
+if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
+run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
 run_step stage "$(lim 150 120)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
 run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernels.py "${KB[@]}" --out "$OUT/kernels.json"
 # pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
@@ -140,6 +143,22 @@ run_step pipeline_2rank "$(lim 120 180)" bash -c '
         --device "$3" --transport host --steps 2 --trace-dir "$2"
     "$0" bench/gpu_report.py trace-check "$2/trace.json" --ranks 2 --device "$3" --out "$(dirname "$1")/trace_check.json"
 ' "$PY" "$CFG" "$TRACE_DIR" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)" "${SMALL[@]}"
+
+# world1_nccl: one rank on NCCL (the CPU run: gloo) - the runtime's every blocking collective (barriers, loss and
+# statistics all-reduces, clock all-gather), CUDA-event spans and hp stream, and a torch.distributed.checkpoint save
+# and resume on the device: 3 steps uninterrupted vs 2 steps + resume, the resumed step's loss must match.
+run_step world1_nccl "$(lim 120 240)" bash -c '
+    set -e
+    W="$1"; rm -rf "$W"; mkdir -p "$W"
+    run() { "$0" -m torch.distributed.run --standalone --nproc-per-node 1 -m pipeline --config configs/tiny.yaml \
+        --pp 1 --schedule 1f1b --device "$2" "${@:3}"; }
+    run "$W" "$2" --steps 3 --trace-dir "$W/trace" | tee "$W/full.log"
+    run "$W" "$2" --steps 2 --checkpoint-dir "$W/ckpt"
+    run "$W" "$2" --steps 3 --checkpoint-dir "$W/ckpt" --resume | tee "$W/resumed.log"
+    "$0" bench/gpu_report.py trace-check "$W/trace/trace.json" --ranks 1 --device "$2" --no-comm \
+        --out "$(dirname "$W")/world1_trace_check.json"
+    "$0" bench/gpu_report.py resume-check "$W/full.log" "$W/resumed.log" --out "$(dirname "$W")/world1_resume.json"
+' "$PY" "$OUT/world1" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)"
 
 # Last: the small-shape kernel tests (CI runs them under the interpreter; here compiled) get what is left.
 run_step kernel_tests "$(lim 100 300)" "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider

@@ -69,8 +69,9 @@ def probe_env() -> dict:
 
 
 # ---- trace check ---------------------------------------------------------------------------------------------
-def check_trace(path: Path, ranks: int, device: str | None = None) -> dict:
-    """What a 2-rank run's merged trace proves: every rank recorded, hp post+res spans, comm spans."""
+def check_trace(path: Path, ranks: int, device: str | None = None, comm: bool = True) -> dict:
+    """What a run's merged trace proves: every rank recorded, hp post+res spans, comm spans (unless `comm` is
+    False: a one-rank run has no P2P)."""
     from traces import Trace
 
     tr = Trace.load(path)
@@ -87,7 +88,7 @@ def check_trace(path: Path, ranks: int, device: str | None = None) -> dict:
         problems.append(f"ranks with spans {sorted(by_rank)}, expected 0..{ranks - 1}")
     if not hp:
         problems.append("no spans on the hp stream (MLP post+res)")
-    if not by_stream.get("comm"):
+    if comm and not by_stream.get("comm"):
         problems.append("no comm spans")
     if device is not None and not str(tr.meta.get("device", "")).startswith(device):
         problems.append(f"the run's device is {tr.meta.get('device')!r}, expected {device}")
@@ -96,6 +97,30 @@ def check_trace(path: Path, ranks: int, device: str | None = None) -> dict:
     return {"trace": str(path), "device": tr.meta.get("device"), "spans": len(tr.spans), "by_stream": by_stream,
             "by_rank": {str(k): v for k, v in sorted(by_rank.items())}, "kinds": kinds, "hp_spans": len(hp),
             "hp_median_us": sorted(s.duration for s in hp)[len(hp) // 2] if hp else None,
+            "ok": not problems, "problems": problems}
+
+
+# ---- resume check --------------------------------------------------------------------------------------------
+STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss ([-\d.eE+]+)", re.M)
+
+
+def check_resume(full_log: Path, resumed_log: Path, rel_tol: float) -> dict:
+    """An uninterrupted run's losses against those printed by a run resumed from its checkpoint: every step the
+    resumed run printed must match the uninterrupted run's loss of that step (relative `rel_tol`)."""
+    full = {int(k): float(v) for k, _, v in STEP_LINE.findall(full_log.read_text(errors="replace"))}
+    resumed = {int(k): float(v) for k, _, v in STEP_LINE.findall(resumed_log.read_text(errors="replace"))}
+    problems = []
+    if not resumed:
+        problems.append(f"{resumed_log.name}: no step lines")
+    diffs = {}
+    for k, loss in sorted(resumed.items()):
+        if k not in full:
+            problems.append(f"step {k} of the resumed run is not in {full_log.name}")
+            continue
+        diffs[k] = abs(loss - full[k]) / max(abs(full[k]), 1e-30)
+        if diffs[k] > rel_tol:
+            problems.append(f"step {k}: resumed loss {loss} vs uninterrupted {full[k]} (rel {diffs[k]:.2e})")
+    return {"full": full, "resumed": resumed, "rel_diff": {str(k): v for k, v in diffs.items()}, "rel_tol": rel_tol,
             "ok": not problems, "problems": problems}
 
 
@@ -178,6 +203,14 @@ def summary(name: str, out: Path, log: Path, failed: bool = False) -> str:
             return (f"step n=1 {v1:.1f} ms, n={s['n']} {v4:.1f} ms: overhead measured {o['measured_pct']:+.1f}%, "
                     f"predicted ({s['hardware']}) {o['predicted_pct']:+.1f}%, diff {o['diff_pp']:+.1f} pp; "
                     f"<=10%: {t['overhead_ok']}, <=2pp: {t['diff_ok']}")
+        if name == "world1_nccl":
+            c, r = _load(out / "world1_trace_check.json"), _load(out / "world1_resume.json")
+            if not c or not r or "_error" in c or "_error" in r:
+                return _tail(log)
+            diff = max(r["rel_diff"].values()) if r["rel_diff"] else float("nan")
+            return (f"{c['device']}: every collective, checkpoint save + resume (next loss rel diff {diff:.1e}); "
+                    f"{c['spans']} spans, hp {c['hp_spans']}"
+                    + ("" if c["ok"] and r["ok"] else f"; PROBLEMS: {'; '.join(c['problems'] + r['problems'])}"))
         if name == "pipeline_2rank":
             c = _load(out / "trace_check.json")
             if not c or "_error" in c:
@@ -229,6 +262,12 @@ def main(argv=None) -> int:
     p.add_argument("trace", type=Path)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", default=None, help="expected device type of the run (cpu or cuda)")
+    p.add_argument("--no-comm", action="store_true", help="a run without P2P (one rank): no comm spans expected")
+    p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("resume-check", help="losses of a resumed run against an uninterrupted one")
+    p.add_argument("full_log", type=Path)
+    p.add_argument("resumed_log", type=Path)
+    p.add_argument("--rel-tol", type=float, default=1e-5)
     p.add_argument("--out", type=Path, required=True)
     p = sub.add_parser("table", help="print the final table of a gpu_check.sh output folder")
     p.add_argument("out", type=Path)
@@ -241,7 +280,13 @@ def main(argv=None) -> int:
         missing = [k for k, v in env["modules"].items() if str(v).startswith("MISSING")]
         return 1 if missing else 0
     if args.cmd == "trace-check":
-        res = check_trace(args.trace, args.ranks, args.device)
+        res = check_trace(args.trace, args.ranks, args.device, comm=not args.no_comm)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(res, indent=1))
+        return 0 if res["ok"] else 1
+    if args.cmd == "resume-check":
+        res = check_resume(args.full_log, args.resumed_log, args.rel_tol)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res, indent=1))

@@ -4,11 +4,16 @@
 were built for the interpreter (the variable was set when kernels.fused was first imported, as the kernel
 tests do); reference otherwise. 'fused' raises a clear error when it cannot run. triton is imported lazily, so
 `import kernels` works on machines without it.
+
+TRITON_INTERPRET on a machine with CUDA is almost always a leftover from a CPU test run: once kernels.fused was
+imported under it, 'auto' runs the pure-PyTorch reference on CUDA tensors (the interpreter cannot launch on
+CUDA), and CPU tensors run interpreted. resolve() says so once per process with a RuntimeWarning.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -16,6 +21,7 @@ import torch
 from . import reference
 
 _BACKENDS = ("auto", "reference", "fused")
+_warned_interpret_on_cuda = False  # the TRITON_INTERPRET-with-CUDA warning is issued once per process
 
 
 def triton_available() -> bool:
@@ -34,6 +40,22 @@ def _fused_module() -> ModuleType:
     return importlib.import_module("kernels.fused")
 
 
+def _warn_if_interpreted_on_cuda(fused: ModuleType) -> None:
+    """Warn once when the Triton interpreter is in play (TRITON_INTERPRET set now, or kernels.fused built under
+    it) although torch.cuda.is_available()."""
+    global _warned_interpret_on_cuda
+    if _warned_interpret_on_cuda or not (_interpret_env() or fused.INTERPRETED) or not torch.cuda.is_available():
+        return
+    _warned_interpret_on_cuda = True
+    state = ("kernels.fused was imported with TRITON_INTERPRET set" if fused.INTERPRETED
+             else "TRITON_INTERPRET is set")
+    warnings.warn(
+        f"{state} on a machine where CUDA is available: backend='auto' runs the pure-PyTorch reference ops on "
+        "CUDA tensors (not the compiled Triton kernels) and the slow Triton interpreter on CPU tensors. Unset "
+        "TRITON_INTERPRET before kernels.fused is first imported to use the compiled kernels.",
+        RuntimeWarning, stacklevel=3)
+
+
 def resolve(backend: str, x: torch.Tensor) -> ModuleType:
     """Return the module (kernels.reference or kernels.fused) that implements the ops for tensor x."""
     if backend not in _BACKENDS:
@@ -46,9 +68,11 @@ def resolve(backend: str, x: torch.Tensor) -> ModuleType:
             return reference
         if x.is_cuda:
             fused = _fused_module()
+            _warn_if_interpreted_on_cuda(fused)
             return reference if fused.INTERPRETED else fused
         if _interpret_env():
             fused = _fused_module()
+            _warn_if_interpreted_on_cuda(fused)
             return fused if fused.INTERPRETED else reference
         return reference
     # backend == "fused": the caller asked for it explicitly, so failing loudly beats a silent fallback.
@@ -57,6 +81,7 @@ def resolve(backend: str, x: torch.Tensor) -> ModuleType:
     if not fused_ok_dtype:
         raise ValueError(f"backend='fused' takes fp32 or bf16 streams, got {x.dtype}; use backend='reference'")
     fused = _fused_module()
+    _warn_if_interpreted_on_cuda(fused)
     if x.is_cuda and fused.INTERPRETED:
         raise ValueError("backend='fused' on CUDA, but kernels.fused was imported under TRITON_INTERPRET=1; "
                          "unset it before the first import")

@@ -37,7 +37,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=["auto", "host"], default="auto",
                    help="'host' = stage P2P through host memory (several ranks on one GPU)")
     p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
-    p.add_argument("--checkpoint-dir", type=Path, help="write per-stage checkpoints here after every step")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
+                        "pipeline/checkpoint.py)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--interleave", metavar="VARIANT:N",
                    help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "

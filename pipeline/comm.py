@@ -8,9 +8,18 @@ gloo and NCCL report it through `Work.get_future()`), else the first time a poll
 compute thread has to block, a `WAIT` span on the compute stream covers exactly the blocked time and names what
 it waited for (`WAIT/<op name>`), so exposed = WAIT time and hidden = communication time outside WAIT spans.
 
-Deadlines: `Work.wait(timeout)` where the backend supports it (gloo does), otherwise a poll of `is_completed()`
-until the deadline. Failures become a `PipelineError` naming the rank, the op (trace name, e.g. RECV_F/s1/mb3 or
-A2A_DISPATCH/s2/mb0/L3) and the peer or group: a timeout, or a peer that closed its connection (it died).
+CUDA (NCCL, `stream_ordered`): ops are posted from a communication stream that first waits for the compute
+stream, so a comm span starts with an event on that stream when the data is ready; its end is an event recorded
+on a completion stream after `Work.wait()` orders that stream behind NCCL's, i.e. when the transfer finished.
+Waiting for a result orders the compute stream behind the work (`Work.wait()` without a timeout: the host keeps
+queuing kernels) and the `WAIT` span is a pair of events on the compute stream, i.e. how long that stream
+stalled. Only a result read by the host (`wait(host=True)`) makes the host wait, by polling.
+
+Deadlines: gloo works take `Work.wait(timeout)`; NCCL works are polled (`is_completed`, which queries an event)
+with a sleeping back-off, never waited with a timeout (that busy-waits the host); a stream-ordered wait has the
+process group's own timeout (NCCL's watchdog). Failures become a `PipelineError` naming the rank, the op (trace
+name, e.g. RECV_F/s1/mb3 or A2A_DISPATCH/s2/mb0/L3) and the peer or group: a timeout, or a peer that closed its
+connection (it died).
 """
 from __future__ import annotations
 
@@ -55,19 +64,29 @@ class Handle:
     error: BaseException | None = None  # the waiter thread's failure
 
 
-def wait_work(work, limit: float) -> bool:
-    """Block until `work` completes or `limit` seconds pass; False on timeout."""
-    try:
-        return work.wait(datetime.timedelta(seconds=limit)) is not False
-    except (TypeError, NotImplementedError):
-        pass  # backend without a timed wait: poll
-    deadline = time.monotonic() + limit
+def poll(done, timeout_s: float) -> bool:
+    """True once `done()` is; False after `timeout_s`. Sleeps between polls (10 µs doubling to 1 ms), so a
+    waiting host costs no core."""
+    deadline = time.monotonic() + timeout_s
     pause = 1e-5
-    while not work.is_completed():
+    while not done():
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+    return True
+
+
+def wait_work(work, limit: float, polled: bool = False) -> bool:
+    """Block until `work` completes or `limit` seconds pass; False on timeout. `polled` (NCCL): poll
+    `is_completed()` and then `wait()` (which only orders the current stream), never `wait(timeout)`."""
+    if not polled:
+        try:
+            return work.wait(datetime.timedelta(seconds=limit)) is not False
+        except (TypeError, NotImplementedError):
+            pass  # backend without a timed wait: poll
+    if not poll(work.is_completed, limit):
+        return False
     work.wait()
     return True
 
@@ -100,16 +119,43 @@ class P2PWaiter:
 class Comms:
     """Waits and polls for one rank, with its deadline, recorder and error messages."""
 
-    def __init__(self, rank: int, recorder, timeout_s: float, watch_p2p: bool = True):
+    def __init__(self, rank: int, recorder, timeout_s: float, watch_p2p: bool = True,
+                 stream_ordered: bool = False, device: torch.device | None = None):
         """`watch_p2p`: make gloo P2P completion observable with waiter threads (needed for comm spans and for an
         F&B pair that hands the turn over while a receive is in flight); without it gloo P2P works complete only
-        when their consumer waits for them, as in torch's own schedules, and cost no extra thread wake-ups."""
+        when their consumer waits for them, as in torch's own schedules, and cost no extra thread wake-ups.
+        `stream_ordered`: the works are NCCL's on `device` (see the module docstring)."""
         self.rank = rank
         self.recorder = recorder
         self.timeout_s = float(timeout_s)
+        self.stream_ordered = stream_ordered
         self._cv = threading.Condition()  # notified whenever any tracked op completes
-        self.waiter = P2PWaiter(self._signal) if watch_p2p and not recorder.cuda else None
         self._p2p_futures: bool | None = None  # do this backend's P2P works have futures? (learned once)
+        self.stream = None  # CUDA: the stream ops are posted from (it waits for the compute stream first)
+        self._done_streams: list = []  # CUDA: streams that wait for works to time their end
+        self._next_done = 0
+        if stream_ordered and device is not None and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            # several, so that a receive still in flight delays no other op's end event (it would only skew that
+            # op's span: nothing is launched behind these waits)
+            self._done_streams = [torch.cuda.Stream(device) for _ in range(4)]
+        # host-side works (gloo): P2P completion is observable only through a waiter thread
+        self.waiter = P2PWaiter(self._signal) if watch_p2p and self.stream is None else None
+
+    # -- posting -------------------------------------------------------------------------------------------
+    def launch(self, post, spans: list[tuple]):
+        """Call `post()` (which issues async ops and returns their works) and open one comm span per
+        (kind, stage, mb, peer, name) in `spans`: on CPU once the ops are in flight (posting is the compute
+        thread's work), on CUDA from the communication stream, which first waits for the compute stream (the
+        data is ready). Returns (works, tokens)."""
+        rec = self.recorder
+        if self.stream is None:
+            works = post()
+            return works, [rec.begin_async(*span) for span in spans]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            tokens = [rec.begin_async(*span, cuda_stream=self.stream) for span in spans]
+            return post(), tokens
 
     def _signal(self, h: Handle) -> None:
         """An op completed (called from a backend or waiter thread): stamp it, wake whoever waits for any op."""
@@ -119,8 +165,17 @@ class Comms:
             self._cv.notify_all()
 
     def track(self, h: Handle, p2p: bool = False) -> None:
-        """Make a posted op's completion observable and timed: its future's callback, or a waiter thread (gloo
-        P2P works have no future)."""
+        """Make a posted op's completion observable and timed: on CUDA an end event behind the work on a
+        completion stream (its span closes there); else its future's callback, or a waiter thread (gloo P2P
+        works have no future)."""
+        if self.stream is not None:
+            done = self._done_streams[self._next_done % len(self._done_streams)]
+            self._next_done += 1
+            with torch.cuda.stream(done):
+                h.work.wait()  # orders only `done` behind NCCL's stream; the host goes on
+                self.recorder.end_async(h.token, cuda_stream=done)
+            h.token = None
+            return
         h.event = threading.Event()
         fut = None
         if not (p2p and self._p2p_futures is False):
@@ -146,6 +201,8 @@ class Comms:
 
     def wait_any(self, handles: list[Handle], limit_s: float) -> bool:
         """Block until one of `handles` completes (True) or `limit_s` passes (False)."""
+        if any(h.event is None for h in handles):  # no completion signal (NCCL, unwatched gloo P2P): poll
+            return poll(lambda: any(self.completed(h) for h in handles), limit_s)
         deadline = time.monotonic() + limit_s
         with self._cv:
             while not any(self.completed(h) for h in handles):
@@ -158,11 +215,10 @@ class Comms:
     def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, **kwargs) -> Handle:
         """Post a collective `fn(*args, async_op=True, **kwargs)`; its output is the caller's business."""
         try:
-            work = fn(*args, async_op=True, **kwargs)
+            work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
+                                         [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")])
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"rank {self.rank}: posting {name} ({peer}) failed: {describe(err)}") from None
-        # the span starts once the op is in flight: posting it is the compute thread's work
-        token = self.recorder.begin_async(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")
         h = Handle(False, name, peer, stage, mb, work=work, token=token)
         self.track(h)
         return h
@@ -179,21 +235,30 @@ class Comms:
             self.wait(h)
         return finished
 
-    def wait(self, h: Handle, deadline_s: float | None = None) -> None:
-        """Block until `h` completes (at most the timeout). A `WAIT` span covers the blocked time, if any."""
+    def wait(self, h: Handle, deadline_s: float | None = None, host: bool = False) -> None:
+        """Make `h`'s result usable, with the deadline. CPU: block until it completes, a `WAIT` span covering the
+        blocked time, if any. CUDA: order the current stream behind it (the `WAIT` span is that stream's stall);
+        `host=True` when the host reads the result next: poll until it completed first."""
         if h.done:
             return
         limit = self.timeout_s if deadline_s is None else deadline_s
         started = time.monotonic()
-        blocked = not self.completed(h)
-        wtok = self.recorder.begin("WAIT", h.stage, h.mb, name=f"WAIT/{h.name}", nvtx=False) if blocked else None
+        blocked = self.stream_ordered or not self.completed(h)
+        wtok = self.recorder.begin("WAIT", h.stage, h.mb, name=f"WAIT/{h.name}") if blocked else None
         try:
             if h.waited_elsewhere:  # a waiter thread owns the work's wait
                 ok = h.event.wait(limit)
                 if ok and h.error is not None:
                     raise h.error
+            elif self.stream_ordered and not host:
+                h.work.wait()  # the process group's timeout bounds it (NCCL's watchdog)
+                ok = True
             else:
-                ok = wait_work(h.work, limit)
+                ok = wait_work(h.work, limit, polled=self.stream_ordered)
+                if ok and self.stream is not None:  # the host reads next: what the stream queued before must be done
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    ok = poll(ev.query, max(0.0, limit - (time.monotonic() - started)))
         except Exception as err:  # noqa: BLE001
             cause = describe(err)
             if cause == "the backend timed out":
@@ -204,9 +269,11 @@ class Comms:
         if not ok:
             raise PipelineError(f"rank {self.rank}: timed out after {limit:g} s waiting for {h.name} {self._with(h)}")
         if wtok is not None:
-            self.recorder.end(wtok, pop=False)
+            self.recorder.end(wtok)
         h.done = True
-        self.recorder.end_async(h.token, h.done_ns[0] if h.done_ns else None)
+        if h.token is not None:
+            self.recorder.end_async(h.token, h.done_ns[0] if h.done_ns else None)
+            h.token = None
 
     def timeout_error(self, h: Handle) -> PipelineError:
         return PipelineError(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {h.name} "

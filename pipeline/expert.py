@@ -66,11 +66,12 @@ class ExpertComm:
                             group=self.groups[side], name=name, kind=op if part is None else f"{op}.{part}",
                             stage=stage, mb=mb, peer=self.peers)
         pair = self.pair
+        host = part == "counts"  # the host reads the counts next (on CUDA: wait until they are there)
         if pair is None:
-            self.comms.wait(h)
+            self.comms.wait(h, host=host)
             return out
         pair.switch(side)
-        pair.wait(side, h)
+        pair.wait(side, h, host=host)
         pair.resume(side, f"L{layer}.{resume}")
         return out
 

@@ -124,13 +124,13 @@ class PairRunner:
             if self._error is not None:
                 raise HalfAborted(f"the {other} half of the F&B pair failed")
 
-    def wait(self, side: str, handle) -> None:
+    def wait(self, side: str, handle, host: bool = False) -> None:
         """`side` needs `handle`'s result. While it is in flight and the other half can compute (it is not parked
         on an unfinished op), the other half computes; when neither can, this thread blocks until *either* op
         completes (a WAIT span covers that time), so neither half's progress waits behind the other's."""
         comms = self.comms
         if not (self.active and self.dynamic):
-            comms.wait(handle)
+            comms.wait(handle, host=host)
             return
         other = "B" if side == "F" else "F"
         wait_token, deadline = None, time.monotonic() + comms.timeout_s
@@ -140,7 +140,7 @@ class PairRunner:
             parked = self._waiting[other]
             if parked is None or comms.completed(parked):
                 if wait_token is not None:
-                    self.recorder.end(wait_token, pop=False)
+                    self.recorder.end(wait_token)
                     wait_token = None
                 self._waiting[side] = handle
                 try:
@@ -151,13 +151,12 @@ class PairRunner:
             if self._fill():
                 continue
             if wait_token is None:
-                wait_token = self.recorder.begin("WAIT", handle.stage, handle.mb, name=f"WAIT/{handle.name}",
-                                                 nvtx=False)
+                wait_token = self.recorder.begin("WAIT", handle.stage, handle.mb, name=f"WAIT/{handle.name}")
             if not comms.wait_any([handle, parked], deadline - time.monotonic()):
                 raise comms.timeout_error(handle)
         if wait_token is not None:
-            self.recorder.end(wait_token, pop=False)
-        comms.wait(handle)
+            self.recorder.end(wait_token)
+        comms.wait(handle, host=host)
 
     def _fill(self) -> bool:
         """Neither half can compute: run one deferred weight-gradient closure of the backward half instead of
@@ -167,11 +166,9 @@ class PairRunner:
             return False
         kind, stage, mb = self._meta["B"]
         self._fills += 1
-        token = self.recorder.begin("B.wfill", stage, mb, name=f"{self._names['B']}/L{self._fills}.wfill",
-                                    nvtx=False) if self.recorder.enabled else None
+        token = self.recorder.begin("B.wfill", stage, mb, name=f"{self._names['B']}/L{self._fills}.wfill")
         fn()
-        if token is not None:
-            self.recorder.end(token, pop=False)
+        self.recorder.end(token)
         return True
 
     def resume(self, side: str, label: str) -> None:
@@ -180,14 +177,14 @@ class PairRunner:
             return
         kind, stage, mb = self._meta[side]
         self._open[side] = self.recorder.begin(f"{kind}.{label.split('.', 1)[-1]}", stage, mb,
-                                               name=f"{self._names[side]}/{label}",
-                                               nvtx=False)
+                                               name=f"{self._names[side]}/{label}")  # NVTX: pushed and popped
+        # on this side's own thread (`_close` runs there too)
 
     def _close(self, side: str) -> None:
         token = self._open[side]
         if token is not None:
             self._open[side] = None
-            self.recorder.end(token, pop=False)
+            self.recorder.end(token)
 
     def _fail(self, err: BaseException) -> None:
         with self._cv:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .comm import Comms, Handle, PipelineError, describe
 
-__all__ = ["Transport", "PipelineError", "Pending", "init_distributed", "collective"]
+__all__ = ["Transport", "PipelineError", "Pending", "init_distributed"]
 
 Pending = Handle  # the name the executor and the loopback transport use for a P2P handle
 
@@ -47,7 +47,6 @@ class Transport:
         """ops: (is_send, name, peer, tensor) - for a receive, `tensor` is the buffer to fill. `labels`: the
         (kind, stage, mb) of each op for its span (default: parsed from nothing, no span stage)."""
         handles, p2p = [], []
-        rec = self.comms.recorder
         for i, (is_send, name, peer, tensor) in enumerate(ops):
             _, stage, mb = labels[i] if labels is not None else (None, None, None)
             if is_send:
@@ -61,15 +60,20 @@ class Transport:
             p2p.append(op)
         if not p2p:
             return handles
+        spans = [(name.split("/", 1)[0], h.stage, h.mb, peer, f"{name}~comm")
+                 for (_, name, peer, _), h in zip(ops, handles)]
         try:
-            works = dist.batch_isend_irecv(p2p)
+            works, tokens = self.comms.launch(lambda: dist.batch_isend_irecv(p2p), spans)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             names = ", ".join(h.name for h in handles)
             raise PipelineError(f"rank {self.rank}: posting {names} failed: {describe(err)}") from None
-        for (is_send, name, peer, _), h, w in zip(ops, handles, works):
-            h.work = w
-            kind = name.split("/", 1)[0]
-            h.token = rec.begin_async(kind, h.stage, h.mb, peer, f"{name}~comm")  # in flight from here
+        if len(works) == 1 and len(handles) > 1:  # NCCL coalesces a batch into one work: every op completes with it
+            works = works * len(handles)
+        if len(works) != len(handles):
+            raise PipelineError(f"rank {self.rank}: the backend returned {len(works)} works for {len(handles)} "
+                                "P2P ops")
+        for h, w, token in zip(handles, works, tokens):
+            h.work, h.token = w, token
             self.comms.track(h, p2p=True)
         return handles
 
@@ -98,15 +102,3 @@ def init_distributed(backend: str, timeout_s: float) -> None:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001
         raise PipelineError(f"could not join the process group ({backend}): {describe(err)}") from None
-
-
-def collective(fn, *args, what: str, rank: int, timeout_s: float, **kwargs):
-    """Run an async collective and wait for it with the deadline; one-line errors."""
-    try:
-        work = fn(*args, async_op=True, **kwargs)
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except Exception as err:  # noqa: BLE001
-        cause = describe(err)
-        if cause == "the backend timed out":
-            raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what}") from None
-        raise PipelineError(f"rank {rank}: {what} failed: {cause}") from None

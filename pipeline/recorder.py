@@ -8,8 +8,9 @@ monotonic clock and share the earliest rank's zero (exact); across hosts the bar
 
 CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completion (pipeline.comm) and a `WAIT`
 span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
-high-priority stream for `~hp` ranges), converted after a synchronize in `flush_step`; comm spans use events on
-the compute stream at post and after the wait. Spans come from the two threads of an overlapped F&B pair, one at
+high-priority stream for `~hp` ranges), resolved in `flush_step` once they completed (polled with a deadline);
+comm spans start with an event on the communication stream and end with one on a stream ordered behind the
+transfer (pipeline.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of an overlapped F&B pair, one at
 a time (pipeline.overlap). The `nvtx` package is optional: without it (or without a profiler attached, where its
 calls cost little) only spans are kept. NVTX domain `mhc_pipe`, category = op kind.
 """
@@ -94,38 +95,44 @@ class Recorder:
     def range(self, kind: str, stage: int | None, mb: int | None, **kw):
         return _Range(self, kind, stage, mb, kw)
 
-    def begin_async(self, kind: str, stage: int, mb: int, peer: int, name: str) -> tuple:
-        """A comm span: begun at post, ended when the wait returns; no NVTX nesting (it overlaps compute)."""
+    def begin_async(self, kind: str, stage: int, mb: int, peer: int, name: str, cuda_stream=None) -> tuple:
+        """A comm span (stream "comm"): begun at post (CUDA: an event on `cuda_stream`, the communication
+        stream); an NVTX mark, not a range, since it overlaps the compute ranges of the same thread."""
         if _nvtx is not None:
             _nvtx.mark(name, color="grey", domain=DOMAIN, category="P2P")
-        return self._begin_plain(kind, stage, mb, peer, name)
-
-    def _begin_plain(self, kind, stage, mb, peer, name):
         if not self.enabled:
             return (kind,)
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            start = ev
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(cuda_stream) if cuda_stream is not None else start.record()
         else:
             start = self._now_us()
-        return (kind, stage, mb, "comm", None, peer, name, start, None)
+        return (kind, stage, mb, "comm", None, peer, name, start, cuda_stream)
 
-    def end_async(self, token: tuple, end_ns: int | None = None) -> None:
-        """Close a comm span at its completion time `end_ns` when the backend reported it, else now."""
+    def end_async(self, token: tuple, end_ns: int | None = None, cuda_stream=None) -> None:
+        """Close a comm span: CPU at its completion time `end_ns` when the backend reported it, else now; CUDA
+        with an event on `cuda_stream` (a stream ordered behind the transfer), else on the span's own stream."""
+        if self.cuda and cuda_stream is not None and self.enabled:
+            token = token[:-1] + (cuda_stream,)
         self.end(token, pop=False, end_ns=end_ns)
 
     # -- output ------------------------------------------------------------------------------------------
-    def flush_step(self) -> None:
-        """CUDA: resolve this step's events into spans (synchronizes)."""
+    def flush_step(self, timeout_s: float = 300.0) -> None:
+        """CUDA: resolve this step's events into spans, once every one of them has completed (polled, at most
+        `timeout_s`). A stream-ordered `WAIT` whose stream did not stall (under a microsecond) is dropped."""
         if not self._open:
             return
-        torch.cuda.synchronize()
+        from .collective import wait_events
+
+        wait_events([ev for *_, ev0, ev1 in self._open for ev in (ev0, ev1)], timeout_s,
+                    "resolving the step's CUDA events", self.rank)
         ref = self._ref_event
         for kind, stage, mb, stream, partner, peer, name, ev0, ev1 in self._open:
             start = ref.elapsed_time(ev0) * 1e3 + self._cuda_offset_us
-            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, ev0.elapsed_time(ev1) * 1e3),
-                                   partner, peer, name))
+            dur = max(0.0, ev0.elapsed_time(ev1) * 1e3)
+            if kind == "WAIT" and dur < 1.0:
+                continue
+            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, dur, partner, peer, name))
         self._open.clear()
 
     def save(self, path: Path, meta: dict) -> Path:

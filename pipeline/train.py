@@ -33,7 +33,8 @@ from .layout import Layout, ParallelGroups, build_groups
 from .memory import SavedTensors
 from .model import activation_dtype, make_optimizer, param_dtype
 from .overlap import PairRunner
-from .p2p import PipelineError, Transport, collective
+from .collective import collective, group_device, synchronize
+from .p2p import PipelineError, Transport
 from .partition import plan_rank
 from .recompute import block_size
 from .recorder import Recorder, merge_rank_traces, rank_trace_path
@@ -91,7 +92,10 @@ class RankRuntime:
         # turn over while a receive is in flight (expert parallelism). Elsewhere, recording included, it is not:
         # the threads' wake-ups cost 10-15% of a recorded step on 2 cores, and such a trace then says that its P2P
         # spans end where a wait saw them done (meta p2p_completion), which traces.comm_overlap respects.
-        self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None)
+        # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
+        nccl = device.type == "cuda" and not staged and groups.world_group is not None
+        self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None,
+                           stream_ordered=nccl, device=device)
         self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
         self.expert = None
         if groups.ep_groups is not None:
@@ -113,6 +117,7 @@ class RankRuntime:
         self.saved = SavedTensors(self.params.values(), counting=record if count_activations is None
                                   else count_activations)
         hp = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+        self.hp = hp
         self.tokens_per_mb = par.tokens_per_microbatch
         self.total_tokens = self.tokens_per_mb * par.microbatches
         self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
@@ -141,22 +146,24 @@ class RankRuntime:
             loss_sum = self.executor.run_step(batch)
             if self.grads_reducer.active:
                 self.grads_reducer.finish()
+            world = self.groups.world_group
+            loss_sum = loss_sum.to(group_device(world, self.device))
             collective(dist.all_reduce, loss_sum, what="the loss all-reduce", rank=self.rank,
-                       timeout_s=self.timeout_s, group=self.groups.world_group)
+                       timeout_s=self.timeout_s, group=world)
             with self.recorder.range("OPT", None, None, name="OPT"):
                 self.optimizer.step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            synchronize(self.device, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
+                        self.rank)
         elapsed = time.perf_counter() - started
-        self.recorder.flush_step()
+        self.recorder.flush_step(self.timeout_s)
         if self.device.type == "cuda":
             mem = torch.cuda.max_memory_allocated(self.device)
         else:
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        # on the device: NCCL reduces only device tensors
-        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64, device=self.device)
+        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64,
+                             device=group_device(world, self.device))  # NCCL reduces cuda tensors only
         collective(dist.all_reduce, stats, op=dist.ReduceOp.MAX, what="the step statistics all-reduce",
-                   rank=self.rank, timeout_s=self.timeout_s, group=self.groups.world_group)
+                   rank=self.rank, timeout_s=self.timeout_s, group=world)
         t, act, peak = stats.tolist()
         return StepStats(step, float(loss_sum), t, self.total_tokens / t, int(act), int(peak))
 
@@ -171,7 +178,8 @@ class RankRuntime:
         world = self.groups.world_group
         collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s, group=world)
         now = time.perf_counter_ns()
-        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64,
+                            device=group_device(world, self.device))
         seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s,
                    group=world)

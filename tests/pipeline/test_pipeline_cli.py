@@ -69,7 +69,8 @@ def test_run_trace_checkpoint_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     two = _mhcpipe("run", "--config", str(path), "--steps", "2", "--checkpoint-dir", str(ckpt))
     assert two.returncode == 0, _why(two)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json"] + [f"stage{s}.pt" for s in range(4)]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0", "step_1"]  # DCP, pipeline/checkpoint.py
+    assert (ckpt / "latest").read_text().strip() == "step_1" and (ckpt / "step_1" / "manifest.json").is_file()
     resumed = _mhcpipe("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume")
     assert resumed.returncode == 0, _why(resumed)
     last = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]

@@ -1,0 +1,125 @@
+"""Blocking collectives of the runtime (barriers, the loss and step-statistics all-reduces, the clock exchange)
+through one helper, and bounded host waits for the GPU.
+
+Device against backend: a process group's backend serves some device types only (NCCL: cuda; gloo: cpu and
+cuda; a group created as "cpu:gloo,cuda:nccl" serves each through its own backend). `collective` checks every
+tensor it is handed against that map before the backend sees it, so a host tensor on a pure NCCL group is a
+one-line error naming the collective and the fix, not a failure deep inside NCCL; `group_device` is where a
+caller creates the tensors it reduces. The map is `torch.distributed.Backend.backend_capability` (public),
+overridable here (`BACKEND_DEVICES`) so a CPU test can run a gloo group under NCCL's map.
+
+Deadlines: gloo works take `Work.wait(timeout)`. NCCL works are never waited with a timeout (that makes the host
+busy-wait until the work ends): their completion is polled (`Work.is_completed`, an event query) with a sleeping
+back-off until the deadline, then `Work.wait()` only orders the current stream after them. `synchronize` replaces
+`torch.cuda.synchronize` (which has no deadline) with events recorded on the given streams and polled.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .comm import PipelineError, describe, poll
+
+# backend name -> device types it serves (NCCL: cuda only); tests may replace an entry to mimic another backend
+BACKEND_DEVICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in dist.Backend.backend_capability.items()}
+
+
+def group_backends(group=None) -> dict[str, str]:
+    """{device type: backend} of a process group ("cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"})."""
+    name = str(dist.get_backend(group))
+    if ":" in name:
+        pairs = (item.split(":", 1) for item in name.split(","))
+        return {dev.strip(): be.strip() for dev, be in pairs}
+    return {dev: name for dev in BACKEND_DEVICES.get(name, ())}
+
+
+def group_device(group, device: torch.device) -> torch.device:
+    """Where tensors reduced over `group` live: the run's `device` when the group's backend serves it, else the
+    host when it serves that (a gloo group of a host-staged CUDA run); an error when it serves neither."""
+    served = group_backends(group)
+    if device.type in served:
+        return device
+    if "cpu" in served:
+        return torch.device("cpu")
+    raise ValueError(f"the process group's backend ({dist.get_backend(group)}) serves {sorted(served)} tensors, "
+                     f"not this run's device {device}")
+
+
+def _tensors(args) -> Iterable[torch.Tensor]:
+    for a in args:
+        if torch.is_tensor(a):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if torch.is_tensor(t))
+
+
+def check_devices(args, group, what: str, rank: int) -> str | None:
+    """Raise a one-line PipelineError when a tensor in `args` sits on a device the group's backend does not serve;
+    returns the backend that will run the collective (None when no tensor decides it)."""
+    served = group_backends(group)
+    backend = None
+    for t in _tensors(args):
+        be = served.get(t.device.type)
+        if be is None:
+            name = dist.get_backend(group)
+            raise PipelineError(f"rank {rank}: {what}: a {t.device.type} tensor on a {name} process group, which "
+                                f"serves {'/'.join(sorted(served))} tensors only; create it with "
+                                "pipeline.collective.group_device(group, device)")
+        backend = be
+    return backend
+
+
+def finish(work, backend: str | None, timeout_s: float) -> bool:
+    """Wait for a collective's work within `timeout_s` (False on timeout). NCCL: poll, then order the current
+    stream after it (no host busy-wait); others: the backend's timed wait."""
+    if backend == "nccl":
+        if not poll(work.is_completed, timeout_s):
+            return False
+        work.wait()
+        return True
+    return work.wait(datetime.timedelta(seconds=timeout_s)) is not False
+
+
+def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **kwargs):
+    """Run `fn(*args, async_op=True, group=group, **kwargs)` (a torch.distributed collective) and wait for it with
+    the deadline. Tensors must sit on a device the group's backend serves (checked first); errors are one line
+    naming the rank and `what`."""
+    backend = check_devices(args, group, what, rank)
+    if backend is None:  # a barrier: the group's own device
+        served = group_backends(group)
+        backend = served.get("cuda") if torch.cuda.is_available() and "cuda" in served else served.get("cpu")
+    try:
+        work = fn(*args, async_op=True, group=group, **kwargs)
+        ok = finish(work, backend, timeout_s)
+    except Exception as err:  # noqa: BLE001 - backend errors have no common type
+        cause = describe(err)
+        if cause == "the backend timed out":
+            raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what}") from None
+        raise PipelineError(f"rank {rank}: {what} failed: {cause}") from None
+    if not ok:
+        raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what}")
+
+
+def synchronize(device: torch.device, streams, timeout_s: float, what: str, rank: int) -> None:
+    """Bounded `torch.cuda.synchronize`: wait until everything queued so far on the current stream and on
+    `streams` (None entries skipped) has run, or raise a PipelineError after `timeout_s`. No-op on CPU."""
+    if device.type != "cuda":
+        return
+    events = []
+    for s in (torch.cuda.current_stream(device), *streams):
+        if s is None:
+            continue
+        ev = torch.cuda.Event()
+        ev.record(s)
+        events.append(ev)
+    wait_events(events, timeout_s, what, rank)
+
+
+def wait_events(events, timeout_s: float, what: str, rank: int) -> None:
+    """Poll CUDA events (anything with `query()`) until all completed; PipelineError after `timeout_s`."""
+    if not poll(lambda: all(ev.query() for ev in events), timeout_s):
+        raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what} (the GPU did not finish the "
+                            "work queued before it: a hung kernel or a collective a peer never joined)")

@@ -1,0 +1,201 @@
+"""Collectives and waits that hold on NCCL, checked on CPU: the device each collective's tensors live on against
+the group's backend map (NCCL serves cuda tensors only), waits that never use NCCL's busy-waiting
+`Work.wait(timeout)`, bounded host waits on the GPU, NCCL's coalesced P2P work, and a whole runtime step under
+NCCL's wait semantics on gloo ranks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _pipeline_helpers import check_ok, rel_err, tiny_config
+from pipeline import collective as coll
+from pipeline.comm import Comms, Handle, PipelineError
+from pipeline.config import parse_config
+from pipeline.local import launch
+from pipeline.recorder import Recorder
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_host_tensor_under_ncclS_device_map_is_a_one_line_error(one_rank_gloo, monkeypatch):
+    """The step statistics all-reduce of a host tensor on a pure NCCL group failed at step 1 inside NCCL. Under
+    NCCL's device map (a gloo group made to serve cuda only, as NCCL does) the helper refuses it before the
+    backend sees it, naming the collective and the fix; under gloo's own map the same call reduces."""
+    stats = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # created without a device: the host
+    coll.collective(dist.all_reduce, stats, what="the step statistics all-reduce", rank=0, timeout_s=10,
+                    group=one_rank_gloo)
+    monkeypatch.setitem(coll.BACKEND_DEVICES, "gloo", tuple(dist.Backend.backend_capability["nccl"]))
+    with pytest.raises(PipelineError) as err:
+        coll.collective(dist.all_reduce, stats, what="the step statistics all-reduce", rank=0, timeout_s=10,
+                        group=one_rank_gloo)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("rank 0: the step statistics all-reduce: a cpu tensor on a gloo process group, which "
+                          "serves cuda tensors only"), msg
+    assert "group_device" in msg
+    with pytest.raises(ValueError, match="serves \\['cuda'\\] tensors, not this run's device cpu"):
+        coll.group_device(one_rank_gloo, torch.device("cpu"))
+
+
+def test_group_device_follows_the_backend_map(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert coll.group_backends(None) == {"cuda": "nccl"}
+    assert coll.group_device(None, torch.device("cuda", 3)) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert coll.group_backends(None) == {"cpu": "gloo", "cuda": "nccl"}
+    assert coll.group_device(None, torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    # a host-staged CUDA run: gloo serves cuda tensors too (torch's capability map), so they stay where they are
+    assert coll.group_device(None, torch.device("cuda", 0)) == torch.device("cuda", 0)
+
+
+class _NcclLikeWork:
+    """A work with NCCL's interface: is_completed() queries, wait() orders a stream; a timed wait is the host
+    busy-wait this project must never use."""
+
+    def __init__(self, finish_after_s: float | None):
+        self.t0 = time.monotonic()
+        self.finish_after_s = finish_after_s
+        self.queries = 0
+        self.waits = 0
+
+    def is_completed(self) -> bool:
+        self.queries += 1
+        return self.finish_after_s is not None and time.monotonic() - self.t0 >= self.finish_after_s
+
+    def wait(self, timeout=None):
+        assert timeout is None, "Work.wait(timeout) on an NCCL work busy-waits the host"
+        self.waits += 1
+        return True
+
+
+def _handle(work) -> Handle:
+    return Handle(False, "A2A_DISPATCH/s1/mb2/L3.counts", "EP group (ranks 0, 1)", 1, 2, work=work)
+
+
+def test_stream_ordered_waits_never_pass_a_timeout():
+    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False,
+                  device=torch.device("cpu"))
+    # a consumer on the device: ordered behind the work, the host does not wait for it to finish
+    w = _NcclLikeWork(finish_after_s=None)
+    h = _handle(w)
+    comms.track(h)
+    comms.wait(h)
+    assert w.waits == 1 and h.done
+    # the host reads the result next: polled (sleeping, not spinning), then ordered
+    w = _NcclLikeWork(finish_after_s=0.3)
+    h = _handle(w)
+    comms.track(h)
+    comms.wait(h, host=True)
+    assert w.waits == 1 and h.done
+    assert w.queries < 1000, f"{w.queries} completion queries in 0.3 s: a spinning host"
+    # and bounded: a work that never completes ends in a one-line error naming the op and the group
+    comms.timeout_s = 0.3
+    h = _handle(_NcclLikeWork(finish_after_s=None))
+    comms.track(h)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=r"^rank 0: timed out after 0.3 s waiting for "
+                                            r"A2A_DISPATCH/s1/mb2/L3.counts in the EP group \(ranks 0, 1\)$"):
+        comms.wait(h, host=True)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_collective_finish_polls_nccl_works():
+    w = _NcclLikeWork(finish_after_s=0.2)
+    assert coll.finish(w, "nccl", timeout_s=5.0) and w.waits == 1
+    assert not coll.finish(_NcclLikeWork(finish_after_s=None), "nccl", timeout_s=0.2)
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_gpu_host_waits_are_bounded():
+    coll.wait_events([_Event(True), _Event(True)], 1.0, "resolving the step's CUDA events", 3)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=r"^rank 3: timed out after 0.2 s in resolving the step's CUDA events"):
+        coll.wait_events([_Event(True), _Event(False)], 0.2, "resolving the step's CUDA events", 3)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, monkeypatch):
+    """NCCL returns one work for a whole batch_isend_irecv; every op of the batch must get it (a handle without
+    a work would fail at its wait)."""
+    from pipeline.p2p import Transport
+
+    work = _NcclLikeWork(finish_after_s=0.0)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [work])
+    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False,
+                  device=torch.device("cpu"))
+    tr = Transport(0, torch.device("cpu"), comms)
+    x = torch.zeros(4)
+    handles = tr.post([(True, "SEND_F/s0/mb0", 0, x), (False, "RECV_B/s0/mb0", 0, torch.empty(4))],
+                      labels=[("SEND_F", 0, 0), ("RECV_B", 0, 0)])
+    assert [h.work for h in handles] == [work, work]
+    for h in handles:
+        tr.wait(h)
+    assert all(h.done for h in handles)
+    names = sorted(s.name for s in comms.recorder.spans if s.stream == "comm")
+    assert names == ["RECV_B/s0/mb0~comm", "SEND_F/s0/mb0~comm"]
+
+
+# ---------------------------------------------------------------------------------------- a runtime under NCCL's
+def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
+    """One step of the runtime; with `mimic`, every group reports the NCCL backend for host tensors and the rank's
+    Comms is stream-ordered: every wait takes NCCL's path (polled completion, untimed ordering wait), on gloo."""
+    import pipeline.collective
+    import pipeline.train
+    from pipeline.train import RankRuntime, make_groups
+
+    cfg = parse_config(cfg_dict)
+    device = torch.device("cpu")
+    groups = make_groups(cfg, rank, world, device)
+    seen = []
+    if mimic:
+        real_check = pipeline.collective.check_devices
+        pipeline.collective.group_backends = lambda group=None: {"cpu": "nccl"}
+
+        def check(args, group, what, r):
+            seen.append(what)
+            return real_check(args, group, what, r)
+
+        pipeline.collective.check_devices = check
+        real = pipeline.train.Comms
+        pipeline.train.Comms = lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True})
+    rt = RankRuntime(cfg, rank, device, groups=groups, record=True)
+    rt.align_clocks()
+    st = rt.step(0)
+    assert rt.comms.stream_ordered == mimic
+    return {"loss": st.loss, "grads": rt.grads(), "helper_calls": seen,
+            "waits": sum(1 for s in rt.recorder.spans if s.kind == "WAIT")}
+
+
+@pytest.mark.timeout(240)
+def test_runtime_step_under_nccl_wait_semantics_matches():
+    """pp=2 dp=2 ep=2 on tiny MoE (float64): P2P, the expert all-to-alls (with their host read of the counts),
+    the gradient reductions and every blocking collective take the NCCL code path of the waits; loss and
+    gradients equal the gloo path's."""
+    cfg = tiny_config("dualpipev", 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60)
+    plain = launch(_nccl_semantics_worker, 4, (cfg, False), timeout_s=200)
+    check_ok(plain)
+    nccl = launch(_nccl_semantics_worker, 4, (cfg, True), timeout_s=200)
+    check_ok(nccl)
+    for a, b in zip(plain, nccl):
+        assert abs(a.value["loss"] - b.value["loss"]) <= 1e-12 * abs(a.value["loss"])
+        for name, g in a.value["grads"].items():
+            assert rel_err(b.value["grads"][name], g) <= 1e-12, name
+        calls = set(b.value["helper_calls"])
+        assert {"the start barrier", "the clock exchange", "the loss all-reduce",
+                "the step statistics all-reduce"} <= calls, calls
