@@ -20,7 +20,7 @@
 #                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_tests    pytest tests/kernels (compiled Triton kernels on CUDA; the interpreter on CPU). Last because
 #                   CI already runs these small shapes and they compile the most kernel variants.
-#   then the final table (bench/gpu_report.py table OUT). Exit 0 only when every step is ok.
+#   then the final table (bench/gpu_report.py table OUT; also OUT/summary.json). Exit 0 only when every step is ok.
 #
 # Preparing the wheels (the H200 image has no pydantic, no nvtx and no PyYAML, and no network), once, on a dev
 # machine with network, from the repository root (.whl/ is git-ignored):

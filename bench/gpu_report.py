@@ -246,6 +246,9 @@ def table(out: Path) -> tuple[str, bool]:
         name, rc, sec, limit, log = parts[:5]
         rows.append((name, status_word(rc), sec, limit, summary(name, out, out / log, failed=rc != "0")))
     all_ok = all(r[1] == "ok" for r in rows)
+    (out / "summary.json").write_text(json.dumps({
+        "ok": all_ok, "steps": [{"step": n, "status": st, "seconds": float(sec), "limit_s": float(lim), "result": res}
+                                for n, st, sec, lim, res in rows]}, indent=1) + "\n")
     w = max(len(r[0]) for r in rows) if rows else 4
     text = [f"{'step':<{w}}  {'status':<8}{'s':>6}{'limit':>6}  result"]
     for name, st, sec, limit, res in rows:

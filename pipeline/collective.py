@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .comm import PipelineError, describe, poll
+from .errors import PipelineError, describe, poll
 
 # backend name -> device types it serves (NCCL: cuda only); tests may replace an entry to mimic another backend
 BACKEND_DEVICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in dist.Backend.backend_capability.items()}

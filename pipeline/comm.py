@@ -30,18 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .collective import check_devices
+from .errors import PipelineError, describe, poll
 
-class PipelineError(RuntimeError):
-    """A distributed failure with a one-line, user-facing message (rank, op, peer, cause)."""
-
-
-def describe(err: BaseException) -> str:
-    text = str(err)
-    if "Connection closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
-        return "the peer closed its connection (it probably died)"
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return "the backend timed out"
-    return text.splitlines()[0][:200] if text else type(err).__name__
+__all__ = ["Comms", "Handle", "P2PWaiter", "PipelineError", "describe", "poll", "wait_work"]
 
 
 @dataclass
@@ -62,19 +54,6 @@ class Handle:
     event: threading.Event | None = None  # set once the work completed (or failed): future callback or waiter
     waited_elsewhere: bool = False  # a P2PWaiter thread owns the work's wait(); wait on `event` instead
     error: BaseException | None = None  # the waiter thread's failure
-
-
-def poll(done, timeout_s: float) -> bool:
-    """True once `done()` is; False after `timeout_s`. Sleeps between polls (10 µs doubling to 1 ms), so a
-    waiting host costs no core."""
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-5
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    return True
 
 
 def wait_work(work, limit: float, polled: bool = False) -> bool:
@@ -213,7 +192,9 @@ class Comms:
         return True
 
     def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, **kwargs) -> Handle:
-        """Post a collective `fn(*args, async_op=True, **kwargs)`; its output is the caller's business."""
+        """Post a collective `fn(*args, async_op=True, **kwargs)` (its tensors checked against the group's backend
+        first); its output is the caller's business."""
+        check_devices(args, kwargs.get("group"), name, self.rank)
         try:
             work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
                                          [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")])

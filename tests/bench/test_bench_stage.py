@@ -123,3 +123,22 @@ def test_gpu_report_table_marks_failures(tmp_path):
     assert not ok
     lines = text.splitlines()
     assert "TIMEOUT" in lines[2] and "building" in lines[2] and "SKIP" in lines[3]
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["ok"] and [r["status"] for r in summary["steps"]] == ["ok", "TIMEOUT", "SKIP"]
+
+
+def test_gpu_report_resume_check(tmp_path):
+    """The world1_nccl step's verdict: the resumed run's losses against the uninterrupted run's, step by step."""
+    report = _load("gpu_report")
+    line = "step {k}/3  loss {v}  step_time 5.0 ms  tokens/s 1  peak_act -  peak_mem 1.0 MiB\n"
+    full = tmp_path / "full.log"
+    full.write_text("".join(line.format(k=k, v=v) for k, v in ((1, 5.729753), (2, 5.738761), (3, 5.708213))))
+    good, bad, empty = tmp_path / "good.log", tmp_path / "bad.log", tmp_path / "empty.log"
+    good.write_text("launching\n" + line.format(k=3, v=5.708213))
+    bad.write_text(line.format(k=3, v=5.7090))
+    empty.write_text("mhcpipe: error: rank 0: ...\n")
+    assert report.check_resume(full, good, 1e-5)["ok"]
+    res = report.check_resume(full, bad, 1e-5)
+    assert not res["ok"] and "step 3: resumed loss 5.709" in res["problems"][0]
+    assert not report.check_resume(full, empty, 1e-5)["ok"]

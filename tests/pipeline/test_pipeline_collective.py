@@ -5,6 +5,7 @@ NCCL's wait semantics on gloo ranks."""
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -152,10 +153,40 @@ def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, mon
 
 
 # ---------------------------------------------------------------------------------------- a runtime under NCCL's
+class _HostMarkingTorch(types.ModuleType):
+    """`torch` as the runtime modules see it in the NCCL mimic: a tensor created from nothing without a device
+    (torch.tensor/zeros/empty/ones/full/arange with device=None) is marked as a host tensor. On a CPU machine host
+    and device are the same, so the mark stands for what NCCL would receive as a cpu tensor."""
+
+    _MAKERS = ("tensor", "zeros", "empty", "ones", "full", "arange")
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        real = getattr(torch, name)
+        if name not in self._MAKERS:
+            return real
+
+        def make(*args, device=None, **kwargs):
+            t = real(*args, device=device, **kwargs)
+            if device is None:
+                t._made_on_host = True
+            return t
+
+        return make
+
+
 def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
-    """One step of the runtime; with `mimic`, every group reports the NCCL backend for host tensors and the rank's
-    Comms is stream-ordered: every wait takes NCCL's path (polled completion, untimed ordering wait), on gloo."""
+    """One step of the runtime. With `mimic` (NCCL on gloo ranks): every group reports NCCL, whose device map
+    refuses host tensors (a tensor the runtime made without placing it: `_HostMarkingTorch`), every collective's
+    tensors are checked against it (blocking ones through `collective`, async ones through `Comms.post`), and the
+    rank's Comms is stream-ordered, so every wait takes NCCL's path (polled completion, untimed ordering wait)."""
     import pipeline.collective
+    import pipeline.comm
+    import pipeline.executor
+    import pipeline.expert
+    import pipeline.grad_reduce
     import pipeline.train
     from pipeline.train import RankRuntime, make_groups
 
@@ -169,9 +200,15 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
 
         def check(args, group, what, r):
             seen.append(what)
+            for t in pipeline.collective._tensors(args):
+                if getattr(t, "_made_on_host", False):
+                    raise PipelineError(f"rank {r}: {what}: a host tensor on an NCCL process group")
             return real_check(args, group, what, r)
 
         pipeline.collective.check_devices = check
+        pipeline.comm.check_devices = check
+        for mod in (pipeline.train, pipeline.executor, pipeline.grad_reduce, pipeline.expert):
+            mod.torch = _HostMarkingTorch()
         real = pipeline.train.Comms
         pipeline.train.Comms = lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True})
     rt = RankRuntime(cfg, rank, device, groups=groups, record=True)
@@ -185,8 +222,9 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
 @pytest.mark.timeout(240)
 def test_runtime_step_under_nccl_wait_semantics_matches():
     """pp=2 dp=2 ep=2 on tiny MoE (float64): P2P, the expert all-to-alls (with their host read of the counts),
-    the gradient reductions and every blocking collective take the NCCL code path of the waits; loss and
-    gradients equal the gloo path's."""
+    the gradient reductions and every blocking collective take the NCCL code path of the waits, and no tensor the
+    runtime hands a collective was made on the host (the step statistics all-reduce of a host tensor failed every
+    NCCL run at step 1); loss and gradients equal the gloo path's."""
     cfg = tiny_config("dualpipev", 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60)
     plain = launch(_nccl_semantics_worker, 4, (cfg, False), timeout_s=200)
     check_ok(plain)
@@ -197,5 +235,6 @@ def test_runtime_step_under_nccl_wait_semantics_matches():
         for name, g in a.value["grads"].items():
             assert rel_err(b.value["grads"][name], g) <= 1e-12, name
         calls = set(b.value["helper_calls"])
+        assert any(c.startswith("A2A_DISPATCH/") for c in calls) and any(c.startswith("RG/") for c in calls), calls
         assert {"the start barrier", "the clock exchange", "the loss all-reduce",
                 "the step statistics all-reduce"} <= calls, calls
