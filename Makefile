@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipeline.cli demo
+	$(PY) -m mhcpipe demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests; rc=$$?; \

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import load_config  # noqa: E402
+from configs import load_config  # noqa: E402
 from pipeline.local import launch, variants_worker  # noqa: E402
 from pipeline.recompute import block_size  # noqa: E402
 from schedules import build, peak_live_activations  # noqa: E402

@@ -117,7 +117,7 @@ def main() -> int:
     from costmodel.hardware import HardwareSpec, local_profile_path
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
-    from pipeline.config import load_config
+    from configs import load_config
     from traces.compare import compare, drop_warmup_step
 
     t_start = time.time()

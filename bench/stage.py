@@ -120,7 +120,7 @@ def config_dict(args, *, n: int, ranks: int, blocks_per_stage: int, microbatches
 
 
 def bench_config(args, n: int):
-    from pipeline.config import parse_config
+    from configs import parse_config
 
     return parse_config(config_dict(args, n=n, ranks=args.ranks, blocks_per_stage=args.blocks_per_stage,
                                     microbatches=args.microbatches), "bench/stage.py")
@@ -128,7 +128,7 @@ def bench_config(args, n: int):
 
 def write_run_config(args) -> Path:
     """The benchmark shape as a YAML run config (written as JSON, which YAML reads) for `python -m pipeline`."""
-    from pipeline.config import parse_config
+    from configs import parse_config
 
     data = config_dict(args, n=args.n, ranks=args.config_ranks, blocks_per_stage=args.config_blocks_per_stage,
                        microbatches=2 * args.config_ranks, steps=args.config_steps, timeout_s=args.config_timeout)
@@ -181,7 +181,7 @@ def costmodel_auto_block(cfg, rank: int) -> int | None:
     """What the cost model's own 'auto' recompute block would be for this rank's stages (for the notes)."""
     from costmodel.memory import recompute_block
     from costmodel.predict import residual_spec_of
-    from pipeline.config import stage_blocks
+    from configs import stage_blocks
     from schedules import build
 
     par = cfg.parallel

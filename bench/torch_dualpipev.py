@@ -47,7 +47,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import load_config, parse_config, stage_blocks  # noqa: E402
+from configs import load_config, parse_config, stage_blocks  # noqa: E402
 from pipeline.data import make_batch  # noqa: E402
 from pipeline.local import launch  # noqa: E402
 from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402

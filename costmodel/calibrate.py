@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fit_main(args: argparse.Namespace) -> int:
     from costmodel.hardware import PROFILE_DIR, get_hardware
     from costmodel.trace_fit import at_bound, fit_trace
-    from pipeline.config import load_config
+    from configs import load_config
     from traces.io import load_trace
 
     try:

@@ -68,7 +68,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def load(args: argparse.Namespace):
-    from pipeline.config import load_config
+    from configs import load_config
 
     source = args.config or args.preset
     if source is None:

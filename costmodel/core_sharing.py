@@ -29,7 +29,7 @@ import time
 def _worker(index: int, cfg_dict: dict, plan: list[int], seconds: float, start, results) -> None:
     import torch
 
-    from pipeline.config import parse_config
+    from configs import parse_config
     from pipeline.model import build_block
     from pipeline.weight_grad import WeightGradStore
 

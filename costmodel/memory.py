@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from costmodel.mhc_cost import ResidualSpec, activation_elems, mhc_params_per_sublayer
 from costmodel.ops import block_params
-from pipeline.config import RunConfig
+from configs import RunConfig
 
 BYTES_PER_PARAM = 16
 

@@ -3,7 +3,7 @@ both, and explain the difference.
 
 Steps:
 1. Build the schedule (schedules.build) and map stages to blocks: every pipeline chain splits the L_b blocks
-   into consecutive stages (pipeline.config.stage_blocks); the chain's first stage adds the embedding (and the
+   into consecutive stages (configs.stage_blocks); the chain's first stage adds the embedding (and the
    mHC expand), its last the head, loss (and the contract). Uneven splits are an error unless allowed.
 2. Price each action as a small stream simulation of its kernels (overlap.py): per-op roofline with efficiency
    curves (hardware.py, ops.py), mHC kernels by bytes (mhc_cost.py), all-to-all by alpha-beta (comm.py).
@@ -34,7 +34,7 @@ from costmodel.mhc_cost import ResidualSpec, recompute_kernel, residual_kernels,
 from costmodel.ops import Kernel, Shape, block_work, embedding, head
 from costmodel.overlap import OverlapResult, TimedOp, overlap
 from costmodel.shared_cores import simulate_shared
-from pipeline.config import RunConfig, stage_blocks
+from configs import RunConfig, stage_blocks
 from schedules.build import build
 from schedules.ir import Action, Kind, Schedule
 from schedules.simulate import SimResult, simulate

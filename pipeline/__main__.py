@@ -55,7 +55,7 @@ def _positive(flag: str, value: int | None) -> None:
 def config_from_args(args: argparse.Namespace, world: int | None):
     """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
     ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
-    from .config import load_config, load_config_data
+    from configs import load_config, load_config_data
     from .layout import Layout
 
     for flag in ("pp", "dp", "ep", "microbatches", "steps"):
@@ -106,7 +106,7 @@ def config_from_args(args: argparse.Namespace, world: int | None):
 
 def with_residual_flag(cfg, flag: str, value: str):
     """cfg with the residual a VARIANT:N flag names, validated like a config file."""
-    from .config import parse_config
+    from configs import parse_config
 
     variant, _, n = value.partition(":")
     if not n.isdigit():

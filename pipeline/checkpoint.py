@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--config", required=True, help="the config (YAML path or preset) the old run used")
     args = parser.parse_args(argv)
     try:
-        from .config import load_config
+        from configs import load_config
 
         cfg = load_config(args.config)
         out = convert(args.old_dir, args.new_dir, cfg)

@@ -109,7 +109,7 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
                     count_activations: bool = False) -> list[dict]:
     """Train each config for its train.steps steps in this process group; one result dict per variant (saved
     activation bytes counted only with `count_activations`)."""
-    from .config import parse_config
+    from configs import parse_config
     from .train import RankRuntime, make_groups, manual_gc
 
     out = []
@@ -134,7 +134,7 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
 def interleaved_worker(rank: int, world: int, cfg_dicts: list[dict], trace_dirs: list[str]) -> list[list[dict]]:
     """pipeline.train.train_interleaved on CPU: the configs take turns step by step (A B B A ...), each variant's
     trace in its own folder; returns each variant's per-step stats."""
-    from .config import parse_config
+    from configs import parse_config
     from .train import train_interleaved
 
     history = train_interleaved([parse_config(d) for d in cfg_dicts], rank, world, torch.device("cpu"),

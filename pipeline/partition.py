@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from schedules import Schedule, build
 
-from .config import RunConfig, stage_blocks
+from configs import RunConfig, stage_blocks
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: must be >= 1")
-    cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (pipeline.cli)
+    cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (mhcpipe.cli)
     interleaved_configs(cfg, args)
     check_resume(cfg, args)
     nproc = args.nproc or cfg.parallel.world_size

@@ -83,7 +83,7 @@ def test_full_shape_prediction_runs_without_gpu(stage_mod, tmp_path):
 
 
 def test_write_config_is_a_valid_run_config(stage_mod, tmp_path):
-    from pipeline.config import load_config
+    from configs import load_config
 
     path = tmp_path / "two.yaml"
     assert stage_mod.main(["--device", "cuda", "--write-config", str(path), "--config-ranks", "2"]) == 0

@@ -16,7 +16,7 @@ for _p in (ROOT, ROOT / "tests" / "pipeline"):
 
 from _pipeline_helpers import check_ok, rel_err, tiny_config  # noqa: E402
 from bench.torch_dualpipev import torch_dualpipev_worker  # noqa: E402  (importable by the spawned ranks)
-from pipeline.config import parse_config  # noqa: E402
+from configs import parse_config  # noqa: E402
 from pipeline.local import launch  # noqa: E402
 from pipeline.reference import reference_run  # noqa: E402
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import load_config
+from configs import load_config
 
 
 @pytest.fixture(scope="session")

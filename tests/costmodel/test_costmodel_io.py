@@ -8,8 +8,8 @@ from costmodel.calibrate import calibrate_local, fit_from_trace, measure_p2p
 from costmodel.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardware_names
 from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import Options, predict
-from pipeline.cli import main
-from pipeline.config import CONFIG_DIR, load_config, presets
+from mhcpipe.cli import main
+from configs import CONFIG_DIR, load_config, presets
 from traces.compare import compare
 
 

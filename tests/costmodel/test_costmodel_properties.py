@@ -7,7 +7,7 @@ from costmodel.memory import eq20_objective, optimal_block
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.overlap import overlap
 from costmodel.predict import Options, predict, residual_spec_of
-from pipeline.config import load_config, stage_blocks
+from configs import load_config, stage_blocks
 from schedules import Durations, build
 from schedules.formulas import bubble_formula
 

@@ -9,7 +9,7 @@ from costmodel.runtime_profile import runtime_key
 from costmodel.hardware import BUILTIN, RuntimeProfile
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
-from pipeline.config import load_config
+from configs import load_config
 from traces.trace import Trace
 
 KNOWN = {"F": 1000.0, "I": 700.0, "W": 200.0, "B": 900.0}

@@ -6,7 +6,7 @@ import pytest
 
 from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
 from costmodel.shared_cores import capacity, simulate_shared
-from pipeline.config import load_config
+from configs import load_config
 from schedules.build import build
 from schedules.ir import Kind
 from schedules.simulate import simulate

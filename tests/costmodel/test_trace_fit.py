@@ -8,7 +8,7 @@ from costmodel.hardware import HardwareSpec, get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
 from costmodel.trace_fit import measured_action_us, priced_action_us, scaled_hardware
-from pipeline.cli import main as mhcpipe_main
+from mhcpipe.cli import main as mhcpipe_main
 
 
 def _traced_run(cfg, hw, spec):

@@ -25,7 +25,7 @@ import yaml
 
 from _pipeline_helpers import tiny_config
 from pipeline import checkpoint, checkpoint_files
-from pipeline.config import parse_config
+from configs import parse_config
 from pipeline.local import free_port, launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -370,7 +370,7 @@ def test_damaged_files_stop_every_rank_and_the_cli_quickly(runs, tmp_path):
         assert "write 'step_1' into" in err, err
     assert wall < 60, wall
     (d / "step_2" / "manifest.json").write_text("{")
-    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", *args], cwd=ROOT, capture_output=True,
+    cli = subprocess.run([sys.executable, "-m", "mhcpipe", "run", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     err = cli.stderr.strip()
     assert cli.returncode == 2 and len(err.splitlines()) == 1, err

@@ -23,7 +23,7 @@ def _why(proc) -> str:
 
 
 def _mhcpipe(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mhcpipe", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
 
 
@@ -151,7 +151,7 @@ def test_host_staged_transport_matches_direct():
 def _staged_worker(rank, world, cfgs):
     import torch
 
-    from pipeline.config import parse_config
+    from configs import parse_config
     from pipeline.train import RankRuntime
 
     cfg = parse_config(cfgs[0])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _pipeline_helpers import check_ok, rel_err, tiny_config
 from pipeline import collective as coll
 from pipeline.comm import Comms, Handle, PipelineError
-from pipeline.config import parse_config
+from configs import parse_config
 from pipeline.local import launch
 from pipeline.recorder import Recorder
 

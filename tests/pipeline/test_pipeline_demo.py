@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_writes_report_pictures_and_perfetto_trace(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "demo", "--out", str(out), "--steps", "2"],
+    proc = subprocess.run([sys.executable, "-m", "mhcpipe", "demo", "--out", str(out), "--steps", "2"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):

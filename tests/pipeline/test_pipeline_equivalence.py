@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from _pipeline_helpers import check_ok, merged_grads, rel_err, tiny_config
-from pipeline.config import parse_config
+from configs import parse_config
 from pipeline.local import launch, variants_worker
 from pipeline.reference import reference_run
 

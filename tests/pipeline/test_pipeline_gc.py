@@ -4,7 +4,7 @@ import weakref
 
 import pytest
 
-from pipeline.config import load_config
+from configs import load_config
 from pipeline.train import manual_gc
 
 

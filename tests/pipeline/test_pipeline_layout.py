@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _pipeline_helpers import check_ok, tiny_config
-from pipeline.config import parse_config
+from configs import parse_config
 from pipeline.layout import Layout
 from pipeline.local import launch
 

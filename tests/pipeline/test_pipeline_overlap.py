@@ -134,7 +134,7 @@ class _LateGradients:
 def test_each_half_waits_only_for_its_own_receive():
     import torch
 
-    from pipeline.config import parse_config
+    from configs import parse_config
     from pipeline.data import make_batch
     from pipeline.train import RankRuntime
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _pipeline_helpers import tiny_config
-from pipeline.config import parse_config
+from configs import parse_config
 from pipeline.memory import SavedTensors
 from pipeline.partition import StageSpec
 from pipeline.recompute import eq20_block_size

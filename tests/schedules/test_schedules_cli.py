@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pipeline.cli import main
+from mhcpipe.cli import main
 
 
 def test_schedule_command_writes_everything(tmp_path, capsys):
@@ -38,7 +38,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_console_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "schedule", "--kind", "zb1p", "--ranks", "4",
+    out = subprocess.run([sys.executable, "-m", "mhcpipe", "schedule", "--kind", "zb1p", "--ranks", "4",
                           "--microbatches", "8"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "formula (P-1)(F+B-2W) = 3" in out.stdout

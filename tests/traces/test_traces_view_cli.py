@@ -1,4 +1,4 @@
-"""`mhcpipe view` / `mhcpipe compare` end to end (through pipeline.cli's error handling), the pictures, and
+"""`mhcpipe view` / `mhcpipe compare` end to end (through mhcpipe.cli's error handling), the pictures, and
 the 10^5-span render time."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 from matplotlib.image import imread
 
-import pipeline.cli as cli
+import mhcpipe.cli as cli
 from traces.chrome import validate_chrome
 from traces.io import load_trace
 from traces.view import build_layout, write_html, write_picture

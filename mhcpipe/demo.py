@@ -47,7 +47,7 @@ def run_torchrun(config: str, residual: str, interleave: str, steps: int, trace_
                  ranks: int) -> list[str]:
     """One training job through torchrun (gloo on CPU) training `residual` and `interleave` in turn; the merged
     measured traces land in trace_dir/<variant>_<n>/. Returns the ranks' step lines."""
-    from .local import free_port
+    from pipeline.local import free_port
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -163,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     from traces.trace import Trace
     from traces.view import plot_overhead, write_picture
 
-    from .__main__ import variant_dir
-    from .config import load_config
-    from .train import residual_label
+    from pipeline.__main__ import variant_dir
+    from configs import load_config
+    from pipeline.train import residual_label
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import sys
 
 SUBCOMMANDS = (
     "schedules.cli",
-    "pipeline.demo",
+    "mhcpipe.demo",
     "pipeline.run_cli",
     "traces.cli",
     "costmodel.cli",

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kernels.config import MHCConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent  # the YAML presets sit next to the models
 ScheduleKind = Literal["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"]
 
 
