@@ -23,7 +23,7 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
-	$(PY) bench/schedules.py
+	$(PY) bench/schedule_bench.py
 
 clean:
 	rm -rf $(VENV) runs

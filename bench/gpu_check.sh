@@ -11,7 +11,7 @@
 #   kernel_parity   fused kernels vs float64 reference at full size, T=4096, C=2560/4096/7168 (bench/kernel_parity.py)
 #   stage           one DualPipeV rank's action list at the paper-27B block shape, n=1 vs n=4, loopback
 #                   hand-offs, CUDA-event spans, and the cost model's H200 prediction (bench/stage.py)
-#   kernel_bench    kernel GB/s vs copy bandwidth, block overhead plain / mHC fused / eager (bench/kernels.py)
+#   kernel_bench    kernel GB/s vs copy bandwidth, block overhead plain / mHC fused / eager (bench/kernel_bench.py)
 #   pipeline_2rank  a real 2-rank torchrun pipeline with the host-staged transport at the 27B block shape,
 #                   2 steps, traced; then a check that the trace has hp-stream spans. Two processes on one GPU
 #                   need host-staged transfers (~3.8 GB/s, gpu.md §6): this proves the CUDA path (streams,
@@ -131,7 +131,7 @@ run_step env "$(lim 60 60)" "$PY" bench/gpu_report.py env --out "$OUT/env.json"
 if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
 run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
 run_step stage "$(lim 150 120)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
-run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernels.py "${KB[@]}" --out "$OUT/kernels.json"
+run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
 # pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
 CFG="$OUT/pipeline_2rank.yaml"
 TRACE_DIR="$OUT/pipeline_2rank_trace"

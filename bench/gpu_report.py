@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
 
 # ---- env -----------------------------------------------------------------------------------------------------

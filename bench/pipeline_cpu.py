@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config  # noqa: E402
+from configs import load_config, recompute_block_size  # noqa: E402
 from pipeline.local import launch, variants_worker  # noqa: E402
-from pipeline.recompute import block_size  # noqa: E402
 from schedules import build, peak_live_activations  # noqa: E402
 
 SCHEDULES = ("1f1b", "dualpipev", "zb1p")
@@ -43,7 +42,7 @@ def predicted_saving(cfg, schedule) -> float:
     n, c, t = mc.residual.n, mc.hidden, par.tokens_per_microbatch
     stages = schedule.num_stages
     sub = 2 * mc.num_blocks // stages
-    lr = block_size(cfg.recompute.model_copy(update={"mode": "auto"}), sub, n)  # Eq. 20 on the stage, as the runtime
+    lr = recompute_block_size(cfg.recompute.model_copy(update={"mode": "auto"}), sub, n)  # as the runtime cuts it
     per_chunk = (sub * (n + 3) - (sub + n * math.ceil(sub / lr))) * c * t * 4
     transient = ((lr - 1) * n + 2 * lr) * c * t * 4  # one block rebuilt during its backward (x_l, H_pre x_l, norm)
     return per_chunk * max(peak_live_activations(schedule).values()), lr, transient

@@ -8,8 +8,8 @@
 2. `--repeat` times: run the BASELINE (n = 1) and mHC (n = 4) on the config's 4 gloo ranks, interleaved step by
    step in one launch (A B B A ...: on a shared host whose speed drifts within seconds, both see the same drift;
    `--sequential`: the baseline run, then the mHC run after the prediction); runtime calibration on the baseline
-   trace alone (costmodel.runtime_profile.calibrate_local_for: micro-benchmarks of a one-block middle stage
-   through the runtime's Stage code, baseline and mHC (costmodel.runtime_bench), cores(k), plus the baseline
+   trace alone (costmodel.local.calibration.calibrate_local_for: micro-benchmarks of a one-block middle stage
+   through the runtime's Stage code, baseline and mHC (pipeline.host_measurements), cores(k), plus the baseline
    run); predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; compare. The mHC
    run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
    run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
@@ -113,10 +113,12 @@ def main() -> int:
     args = ap.parse_args()
 
     from costmodel.calibrate import calibrate_local
-    from costmodel.runtime_profile import calibrate_local_for, run_runtime, run_runtime_interleaved
     from costmodel.hardware import HardwareSpec, local_profile_path
+    from costmodel.local.calibration import calibrate_local_for
+    from costmodel.local.host_pricing import HostPricing
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
+    from pipeline.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config
     from traces.compare import compare, drop_warmup_step
 
@@ -151,7 +153,8 @@ def main() -> int:
             tr_b, st_b = run_runtime(base_cfg, dirs[0], args.steps, args.timeout)
         else:
             (tr_b, st_b), (tr_m, st_m) = run_runtime_interleaved([base_cfg, cfg], dirs, args.steps, args.timeout)
-        hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b)
+        stage_us = time_stage_pieces(cfg, [("mhc", n)])
+        hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b, stage_us=stage_us, workload=block_round)
         hw.save(profile)
         hw.save(out / f"local_{rep}.json")  # this repeat's calibration, to re-price offline
         rt = hw.runtime
@@ -164,7 +167,7 @@ def main() -> int:
                    "mhc_extra_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
                    "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
         w = rt.residual_us[f"mhc:{n}"]
-        pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False))
+        pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False), profile_pricing=HostPricing())
         s = pred.summary
         pred.baseline.trace.save(out / f"predicted_baseline_{rep}.json")
         pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")

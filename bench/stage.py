@@ -42,9 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, sys.path[0] is bench/, where bench/kernels.py would shadow the `kernels` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
 # The paper-27B block (mHC App. A.1; gpu.md §6 probe 2): dense-equivalent FFN of the same active FLOPs.
 FULL = dict(hidden=2560, heads=32, head_dim=128, mlp_hidden=12288, tokens=4096, vocab=129280, blocks_per_stage=3,
@@ -143,7 +141,8 @@ def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
     """Cost-model prices of rank `rank`'s compute actions for `cfg`, summed (no P2P waits with the loopback),
     plus one device copy (read + write) per received boundary tensor."""
     from costmodel.hardware import get_hardware
-    from costmodel.predict import Options, Pricer, residual_spec_of, resolve_layout
+    from costmodel.predict import residual_spec_of
+    from costmodel.pricing import Options, Pricer, resolve_layout
     from schedules import build, lower_comms
     from schedules.ir import COMM_KINDS, Kind
 
@@ -177,17 +176,15 @@ def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
             "step_us": compute_us + recvs * copy_us, "boundary_bytes": pricer.message_bytes}
 
 
-def costmodel_auto_block(cfg, rank: int) -> int | None:
-    """What the cost model's own 'auto' recompute block would be for this rank's stages (for the notes)."""
-    from costmodel.memory import recompute_block
-    from costmodel.predict import residual_spec_of
-    from configs import stage_blocks
-    from schedules import build
+def runtime_block(cfg, rank: int) -> int | None:
+    """The recompute block the runtime uses on this rank (pipeline.train.RankRuntime.rc_block): per local stage
+    `configs.recompute_block_size` over that stage's sub-layers, the largest of them."""
+    from configs import recompute_block_size
+    from pipeline.partition import plan_rank
 
-    par = cfg.parallel
-    sched = build(par.schedule, par.ranks, par.microbatches)
-    blocks = stage_blocks(cfg.model.num_blocks, sched.num_stages)[sched.stages_of(rank)[0]]
-    return recompute_block(cfg, residual_spec_of(cfg), 2 * len(blocks))
+    sizes = [recompute_block_size(cfg.recompute, 2 * len(sp.blocks), cfg.model.residual.n)
+             for sp in plan_rank(cfg, rank).local()]
+    return max((b for b in sizes if b is not None), default=None)
 
 
 # ---- measurement ----------------------------------------------------------------------------------------------
@@ -362,7 +359,6 @@ def main(argv=None) -> int:
                  "torch": torch.__version__, "small": args.small, "warmup": args.warmup, "steps": args.steps,
                  "variants": {}, "notes": []}
     from pipeline.partition import plan_rank
-    from pipeline.recompute import block_size
 
     plan = plan_rank(variants["n1"], args.rank)
     out["shape"] = {"ranks": args.ranks, "rank": args.rank, "stages": [sp.stage for sp in plan.local()],
@@ -372,15 +368,7 @@ def main(argv=None) -> int:
     if any(sp.has_embed or sp.has_head for sp in plan.local()):
         out["notes"].append(f"rank {args.rank} holds the embedding or the head: not a middle rank")
     for name, cfg in variants.items():
-        rc = block_size(cfg.recompute, cfg.model.num_sublayers, cfg.model.residual.n)
-        if rc is not None:
-            rc = min(rc, 2 * args.blocks_per_stage)
-            auto_cm = costmodel_auto_block(cfg, args.rank)
-            if auto_cm != rc:
-                out["notes"].append(
-                    f"{name}: the runtime's recompute 'auto' block is {rc} sub-layers (Eq. 20 over the model's "
-                    f"{cfg.model.num_sublayers}, capped at the stage); the cost model's own 'auto' would pick "
-                    f"{auto_cm} (Eq. 20 over the stage); the prediction uses the runtime's {rc}")
+        rc = runtime_block(cfg, args.rank)
         out["variants"][name] = {"predicted": predict_rank(cfg, args.rank, args.hardware, rc), "rc_assumed": rc}
     paired = None
     if not args.predict_only:
@@ -391,7 +379,6 @@ def main(argv=None) -> int:
             entry = out["variants"][name]
             entry["measured"] = m
             used = m["recompute_block"]
-            used = None if used is None else min(used, 2 * args.blocks_per_stage)  # split_blocks caps at the stage
             if used != entry["rc_assumed"]:
                 out["notes"].append(f"{name}: the runtime recomputed blocks of {used} sub-layers, the prediction "
                                     f"assumed {entry['rc_assumed']}")

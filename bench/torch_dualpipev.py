@@ -5,7 +5,7 @@
 
 `torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.local.launch`) builds this
 rank's two DualPipeV stages (r and 2P-1-r) from the project's builders and seeds, so every parameter equals the
-single-process model's (`pipeline.reference`), wraps them in `PipelineStage` and trains with `ScheduleDualPipeV`
+single-process model's (`pipeline.single_process`), wraps them in `PipelineStage` and trains with `ScheduleDualPipeV`
 on the same batches (`make_batch`), loss and AdamW (`make_optimizer`).
 
 Loss and gradient scale: the last stage's module returns logits (`head.logits`) and the schedule's loss_fn is
@@ -58,7 +58,7 @@ LOSS_TOL = 1e-5
 
 class StageModule(nn.Module):
     """One DualPipeV stage: [embedding] -> its blocks -> [head logits]. Attribute names (embed, blocks.<b>, head)
-    are the single-process model's, so `named_parameters` match `pipeline.reference.ReferenceModel`."""
+    are the single-process model's, so `named_parameters` match `pipeline.single_process.SingleProcessModel`."""
 
     def __init__(self, cfg, stage: int, num_stages: int):
         super().__init__()

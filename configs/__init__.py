@@ -1,5 +1,6 @@
-"""The run configuration: pydantic models (`configs.models`) and the YAML presets next to them. Low in the house:
-runtime, cost model, benchmarks and the app all import it; it imports only `kernels.config`."""
+"""The run configuration: pydantic models (`configs.models`), Eq. 20's recompute block (`configs.recompute_block`)
+and the YAML presets next to them. Low in the house: the runtime, the cost model, benchmarks and the app import
+it; it imports `kernels.config` and `schedules.build` (a schedule's own M/P rules validate a config), never them."""
 from .models import (  # noqa: F401
     CONFIG_DIR,
     MoEConfig,
@@ -15,3 +16,4 @@ from .models import (  # noqa: F401
     presets,
     stage_blocks,
 )
+from .recompute_block import eq20_block_size, eq20_objective, recompute_block_size  # noqa: F401

@@ -18,12 +18,10 @@ saved as JSON (default runs/hardware/local.json, or $MHCPIPE_LOCAL_PROFILE).
 `python -m costmodel.calibrate --from-trace TRACE --preset NAME|--config FILE [--hardware h200] [-o FILE.json]`
 instead fits a spec's efficiency curves and launch gap to a measured baseline run of that config on the target
 machine and saves the result as a hardware profile for `mhcpipe predict --hardware FILE.json`
-(costmodel.trace_fit).
+(costmodel.trace_fit.fit_trace with costmodel.roofline_fit.RooflineFit).
 
-`fit_from_trace(trace, predicted)` fits one scale factor per op kind (median of measured / predicted over matched
-spans, costmodel.md §3 and §4), for replay-style calibration from a measured baseline trace; never calibrate on
-the mHC overhead itself. Calibrating `local` for this project's own runtime and one config (micro-benchmarks of
-its block and mHC wrapper plus a baseline run) is `costmodel.runtime_profile.calibrate_local_for`.
+Calibrating `local` for this project's own runtime and one config (micro-benchmarks of its stage and mHC
+wrapper plus a baseline run) is `costmodel.local.calibration.calibrate_local_for`.
 """
 from __future__ import annotations
 
@@ -240,18 +238,6 @@ def calibrate_local(quick: bool = False, threads: int = 1, p2p: bool = True, dev
               "python": platform.python_version()})
 
 
-def fit_from_trace(measured, predicted) -> dict[str, float]:
-    """Per op kind, median of measured / predicted duration over matched spans (traces.compare matching)."""
-    from traces.compare import match_spans
-
-    ratios: dict[str, list[float]] = {}
-    for p, m in match_spans(predicted, measured):
-        sp, sm = predicted.spans[p], measured.spans[m]
-        if sp.duration > 0 and sm.duration > 0:
-            ratios.setdefault(sp.kind, []).append(sm.duration / sp.duration)
-    return {k: statistics.median(v) for k, v in ratios.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few sizes only (seconds)")
@@ -260,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("-o", "--output", default=None, help=f"profile path (default {local_profile_path()}; with "
                     "--from-trace runs/hardware/<hardware>-fitted.json)")
-    fit = ap.add_argument_group("fit a spec to a measured trace instead (costmodel.trace_fit)")
+    fit = ap.add_argument_group("fit a spec to a measured trace instead (costmodel.roofline_fit)")
     fit.add_argument("--from-trace", metavar="TRACE", help="a measured baseline (n = 1) run of this runtime: "
                      "trace.json of `mhcpipe run --trace-dir`, a Kineto JSON or an Nsight Systems .sqlite")
     src = fit.add_mutually_exclusive_group()
@@ -281,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fit_main(args: argparse.Namespace) -> int:
     from costmodel.hardware import PROFILE_DIR, get_hardware
-    from costmodel.trace_fit import at_bound, fit_trace
+    from costmodel.roofline_fit import RooflineFit, at_bound
+    from costmodel.trace_fit import fit_trace
     from configs import load_config
     from traces.io import load_trace
 
@@ -292,19 +279,20 @@ def _fit_main(args: argparse.Namespace) -> int:
         cfg = load_config(source)
         hw = get_hardware(args.hardware)
         trace = load_trace(args.from_trace)
-        fit = fit_trace(trace, cfg, hw)
+        fit = fit_trace(trace, cfg, hw, RooflineFit())
     except ValueError as err:
         print(f"python -m costmodel.calibrate: error: {err}", file=sys.stderr)
         return 2
     path = fit.hardware.save(args.output or PROFILE_DIR / f"{fit.hardware.name}.json")
     print(f"fitted {hw.name} to {len(fit.measured_us)} action keys of {args.from_trace}")
-    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in fit.scales.items())
+    scales = fit.hardware.meta["fit_scales"]
+    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in scales.items())
           + "  (efficiency curves x scale, capped at 1; launch gap x scale)")
     print(f"{'kind':<6}{'median |error| before':>24}{'after':>10}")
     for kind, (before, after) in fit.kind_errors().items():
         print(f"{kind:<6}{before:>23.1f}%{after:>9.1f}%")
-    for k in at_bound(fit.scales):
-        print(f"WARNING: the {k} scale sits at its bound ({fit.scales[k]:.3f}): {hw.name} is far from the traced "
+    for k in at_bound(scales):
+        print(f"WARNING: the {k} scale sits at its bound ({scales[k]:.3f}): {hw.name} is far from the traced "
               "machine there, or the trace is not of this config")
     print(f"wrote {path}; use it with: mhcpipe predict --hardware {path} ...")
     return 0

@@ -19,36 +19,23 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from costmodel.mhc_cost import ResidualSpec, activation_elems, mhc_params_per_sublayer
 from costmodel.ops import block_params
-from configs import RunConfig
+from configs import RunConfig, recompute_block_size
 
 BYTES_PER_PARAM = 16
 
 
-def eq20_objective(n: int, L: int, L_r: int) -> float:
-    """Eq. 20's objective in units of C per token: resident block inputs + transient active block."""
-    return n * math.ceil(L / L_r) + (n + 2) * L_r
-
-
-def optimal_block(n: int, L: int) -> int:
-    """L_r* minimising Eq. 20 over 1..L (ties: the smaller block). L = sub-layers on the stage."""
-    if L < 1:
-        raise ValueError(f"a stage needs at least one sub-layer, got L={L}")
-    return min(range(1, L + 1), key=lambda r: (eq20_objective(n, L, r), r))
-
-
 def recompute_block(cfg: RunConfig, spec: ResidualSpec, stage_sublayers: int) -> int | None:
-    """The recompute block size for a stage with `stage_sublayers` sub-layers, or None (no recompute)."""
-    rc = cfg.recompute
-    if spec.is_baseline or rc.mode == "off":
+    """The recompute block size for a stage with `stage_sublayers` sub-layers, or None (no recompute). A
+    configured block longer than the stage is one block of the whole stage, so it is counted as the stage's
+    length: nC/L_r with a longer L_r would undercount the block input the stage keeps."""
+    if spec.is_baseline:
         return None
-    if rc.mode == "block":
-        return max(1, min(rc.block_size, stage_sublayers))
-    return optimal_block(spec.n, stage_sublayers)
+    size = recompute_block_size(cfg.recompute, stage_sublayers, spec.n)
+    return None if size is None else max(1, min(size, stage_sublayers))
 
 
 def sublayer_activation_elems(cfg: RunConfig, block: int, d: int) -> tuple[float, float]:

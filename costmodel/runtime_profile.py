@@ -1,23 +1,79 @@
-"""Calibration of this runtime on `local` for one config: micro-benchmarks plus a baseline run (costmodel.md §3).
+"""The runtime profile: what a `local` hardware spec carries when it was calibrated for this runtime and one
+config, and the rule that says which configs it applies to.
 
-calibrate_local_for(cfg) -> HardwareSpec `local` with a RuntimeProfile (hardware.py) for cfg's shape:
-  1. micro-benchmarks in this process (runtime_bench.py, 1 thread like a rank): a one-block middle stage through
-     the runtime's own Stage code, F, I, W and B, with the plain residual and with each priced residual (their
-     difference is the residual's extra cost per sub-layer), plus the recompute rebuild and the stack ends.
-  2. cores(k): how k concurrent single-thread ranks share this host (core_sharing.py), k = 1 .. ranks, and the
-     OS time slice among `ranks` busy processes.
-  3. one measured BASELINE (n = 1) run of the config on its local gloo ranks (never an mHC run: an mHC trace is
-     refused), fitted by runtime_fit: full-speed work per action, executor gap, effective P2P latency.
-predict() then prices a baseline action as its fitted work (replay) and an mHC action as that plus sub-layers x
-the micro-benchmarked extra cost of its kind, and simulates them on ranks sharing the host's cores (shared_cores.py).
+This is data only. costmodel.local measures and fits it (calibration.py, runtime_fit.py) and prices actions
+from it (host_pricing.py); the analytic core reads it to decide whether the roofline or the profile prices a
+prediction (costmodel.pricing).
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.calibrate import calibrate_local
-from costmodel.runtime_bench import bench_runtime_pieces
+# the residual's extra cost pieces a profile holds per residual, per sub-layer: the extra F, I, W and B work
+# (fwd, bwd, w, b), the recompute rebuild (rc), and the stack ends
+RESIDUAL_PIECES = ("fwd", "bwd", "w", "b", "rc", "expand_fwd", "expand_bwd", "contract_fwd", "contract_bwd")
+
+
+class RuntimeProfile(BaseModel):
+    """Calibration of *this runtime* on `local` for one model shape (costmodel.local.calibration).
+
+    On a CPU the runtime's actions cost per-op overheads (Python executor, autograd, saved-tensor hooks, many small
+    torch ops) that a FLOP/byte roofline does not see, and the ranks share fewer cores than there are ranks. So
+    `local` carries, for one shape (fitted by costmodel.local.runtime_fit on a measured baseline run):
+    * `cores_by_concurrency`: cores(k), the measured throughput of k concurrent single-thread ranks in units of one
+      alone (costmodel.local.core_sharing). `time_slice_us`: the OS time slice among more busy ranks than cores,
+      the scheduler tick (measured); `protect_us`: how long a rank that got a core keeps it before a tick may take
+      it (measured). costmodel.local.shared_cores schedules the ranks on the cores that way along the schedule;
+      what more busy ranks than cores lose (cores(k) falls below the cores' count) is lost at the switches.
+      With no slice, every computing rank progresses at min(1, cores(k) / k).
+    * `action_us`: full-speed work of every baseline (n = 1) action, keyed "F/s3", "I/s3", "W/s3", "B/s3",
+      "FB/s3+s4": the work whose shared-cores simulation reproduces the measured durations (their median
+      over the steady steps). Reusing them for the baseline is replay, not prediction.
+    * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
+      "variant:n" (e.g. "mhc:4"), one value per RESIDUAL_PIECES. Micro-benchmarked on the runtime's own stage
+      (pipeline.host_measurements) and scaled by the in-pipeline factor of its kind measured on the baseline run
+      (costmodel.local.runtime_fit).
+    * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
+      sends, recording).
+    * `p2p_latency_us`: effective latency of one stage-boundary message in the runtime (gloo progress, the
+      wake-up of a descheduled receiver, an executor preempted between two actions): the value for which the
+      simulated baseline step equals the measured one.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    key: dict = Field(description="the shape this profile applies to (runtime_key)")
+    action_us: dict[str, float] = Field(description="full-speed work of the baseline actions, 'F/s3', 'FB/s3+s4'")
+    residual_us: dict[str, dict[str, float]] = Field(default_factory=dict,
+                                                     description="per residual 'variant:n': extra us per sub-layer")
+    action_overhead_us: float = Field(0.0, ge=0, description="full-speed executor work before each compute action")
+    p2p_latency_us: float = Field(0.0, ge=0, description="effective latency of one stage-boundary message")
+    cores_by_concurrency: list[float] = Field(min_length=1, description="cores(k) for k = 1, 2, ... ranks computing "
+                                                                        "at once; the last value holds beyond")
+    time_slice_us: float = Field(0.0, ge=0, description="the OS time slice among more ranks than cores "
+                                                        "(core_sharing.measure_time_slice); 0 = fluid sharing, "
+                                                        "else ranks scheduled on the cores, preempted at "
+                                                        "this scheduler tick")
+    protect_us: float = Field(0.0, ge=0, description="how long a rank that takes a core runs before a tick may "
+                                                     "preempt it (core_sharing.measure_protection)")
+    meta: dict = Field(default_factory=dict)
+
+    @pydantic.field_validator("residual_us")
+    @classmethod
+    def _all_pieces(cls, v: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for key, pieces in v.items():
+            missing = [p for p in RESIDUAL_PIECES if p not in pieces]
+            if missing:
+                raise ValueError(f"residual_us[{key!r}] lacks {', '.join(missing)} (a profile from an older "
+                                 "calibration); recalibrate `local` (mhcpipe demo, or calibrate_local_for)")
+        return v
+
+    @pydantic.field_validator("cores_by_concurrency")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if any(c <= 0 for c in v):
+            raise ValueError(f"every cores(k) must be > 0, got {v}")
+        return v
 
 
 def runtime_key(cfg) -> dict:
@@ -30,66 +86,9 @@ def runtime_key(cfg) -> dict:
             "ranks": p.ranks, "recompute": cfg.recompute.model_dump(), "dtype": cfg.train.dtype}
 
 
-def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int | None = None,
-                            timeout_s: float = 300.0):
-    """Run several configs in one launch on their local gloo ranks, one step of each in turn
-    (pipeline.local.interleaved_worker): an A/B measurement in which every variant sees the same drift of a
-    shared host's speed. Returns [(Trace, per-step step times in seconds)], one per config."""
-    from pipeline.local import interleaved_worker, launch
-    from traces.trace import Trace
-
-    data = []
-    for cfg in cfgs:
-        d = cfg.model_dump()
-        if steps is not None:
-            d["train"]["steps"] = steps
-        d["train"]["device"] = "cpu"
-        data.append(d)
-    dirs = [Path(t) for t in trace_dirs]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    res = launch(interleaved_worker, cfgs[0].parallel.ranks, (data, [str(d) for d in dirs]), timeout_s=timeout_s)
-    bad = [r for r in res if r.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"runtime run failed: {bad[0].error or f'rank {bad[0].rank} exit {bad[0].exitcode}'}")
-    return [(Trace.load(d / "trace.json"), [s["step_time_s"] for s in stats]) for d, stats in zip(dirs, res[0].value)]
-
-
-def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
-    """Run cfg on its local gloo ranks and load the measured trace (run_runtime_interleaved with one config).
-    Returns (Trace, per-step step times in seconds as the runtime reports them)."""
-    return run_runtime_interleaved([cfg], [trace_dir], steps, timeout_s)[0]
-
-
-def calibrate_local_for(cfg, *, hardware=None, baseline_trace=None, steps: int = 4, variants=None,
-                        rounds: int = 40, work_dir: str | Path | None = None, quick: bool = True,
-                        timeout_s: float = 300.0, cores: list[float] | None = None,
-                        time_slice_us: float | None = None, protect_us: float | None = None):
-    """`local` HardwareSpec for `cfg`: host micro-benchmarks (calibrate_local unless `hardware` is given), the
-    runtime micro-benchmarks, cores(k) for k up to the config's ranks, the OS time slice among that many busy
-    processes and the protection after a wake-up (each measured unless given), and a measured BASELINE run of
-    cfg (run here unless `baseline_trace` is given), fitted by runtime_fit. variants: [(variant, n)] residuals to
-    price (default: cfg's own)."""
-    from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
-    from costmodel.hardware import HardwareSpec, get_hardware
-    from costmodel.runtime_fit import fit_runtime_profile
-
-    hw = hardware if isinstance(hardware, HardwareSpec) else (
-        get_hardware(hardware) if hardware is not None else calibrate_local(quick=quick))
-    hw = hw.model_copy(update={"runtime": None})
-    r = cfg.model.residual
-    variants = list(variants) if variants is not None else [(r.variant, r.n)]
-    base_cfg = cfg.with_residual("residual", 1)
-    bench = bench_runtime_pieces(cfg, variants, rounds=rounds)
-    if cores is None:
-        cores = measure_core_sharing(cfg, cfg.parallel.ranks, cycles=12 if quick else 24)
-    if time_slice_us is None:
-        time_slice_us = measure_time_slice(cfg.parallel.ranks)
-    if protect_us is None:
-        protect_us = measure_protection(cfg.parallel.ranks, time_slice_us)
-    if baseline_trace is None:
-        tmp = tempfile.mkdtemp(prefix="cal_base_") if work_dir is None else str(work_dir)
-        baseline_trace, _ = run_runtime(base_cfg, tmp, steps, timeout_s)
-    profile = fit_runtime_profile(baseline_trace, cfg, bench, cores, hw, time_slice_us=time_slice_us,
-                                  protect_us=protect_us)
-    return hw.model_copy(update={"runtime": profile})
+def profile_for(hw, cfg) -> RuntimeProfile | None:
+    """The hardware's runtime profile when it was calibrated for this config's shape (else None: roofline)."""
+    prof = hw.runtime
+    if prof is None:
+        return None
+    return prof if prof.key == runtime_key(cfg) else None

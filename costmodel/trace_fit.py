@@ -1,41 +1,41 @@
-"""Calibration from a measured trace: fit a hardware spec's efficiencies to a run's action times (costmodel.md §3).
+"""Fitting a hardware spec to a measured trace: the one entry point, `fit_trace(trace, cfg, hw, fitter)`.
 
-A trace of this runtime on the target machine (`mhcpipe run --trace-dir` on the GPUs, or bench/stage.py) holds
-every F, I, W, B and F&B action. The cost model prices the same actions from kernels whose times are a roofline
-of three efficiency curves (matrix, vector, memory) plus a per-kernel launch gap (costmodel.hardware). The fit
-scales those four - each curve as a whole, its shape kept and its efficiencies capped at 1, and the launch gap -
-so that the priced actions match the measured ones: it minimises the mean squared log error over the action keys
-('F/s3', 'FB/s3+s4'; measured = median over the trace's spans of that key) plus a weak pull of every log-scale
-towards 0, so a scale the trace cannot see (e.g. the vector curve when every elementwise kernel is memory-bound)
-stays 1. Coordinate descent with a golden-section search per scale, a few rounds.
-
-The result is the spec renamed `<name>-fitted`, to save as a profile and pass to `mhcpipe predict --hardware
-FILE.json`. Fit on a baseline (n = 1) run: the mHC run is what the fitted profile then predicts, never an input.
+The trace is a run of this runtime (`mhcpipe run --trace-dir`, bench/stage.py, or the demo's runs) holding every
+F, I, W, B and F&B action, named as in traces.md §5. It must be a BASELINE (n = 1) run of `cfg`'s model and
+layout: the mHC run is what the fitted spec then predicts, never an input (costmodel.md §3). A fitter turns the
+measured action times into a fitted spec:
+* costmodel.roofline_fit.RooflineFit scales a spec's efficiency curves and launch gap (any hardware,
+  `python -m costmodel.calibrate --from-trace`);
+* costmodel.local.runtime_fit.RuntimeProfileFit fits a runtime profile for `local` (full-speed work per
+  action on ranks sharing the host's cores), from the host measurements it is built with.
+Both read the trace with the helpers here: action keys 'F/s3' and 'FB/s3+s4', F/B halves inside an F&B left out.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
+from typing import Protocol
 
-from costmodel.hardware import Curve, HardwareSpec
+from costmodel.hardware import HardwareSpec
+from traces.compare import schedule_descriptor
 
-SCALES = ("matrix", "vector", "memory", "launch")
-LOG_BOUND = math.log(20.0)  # a scale between 1/20 and 20: beyond that the trace is not of this config
-PULL = 1e-3  # weight of log(scale)^2 against the mean squared log error
-ROUNDS = 4
+RUNTIME_KINDS = ("F", "I", "W", "B", "FB")
 
 
 @dataclass
 class TraceFit:
-    hardware: HardwareSpec  # the fitted spec
-    scales: dict[str, float]  # matrix, vector, memory efficiency and launch gap, relative to the input spec
-    measured_us: dict[str, float]  # per action key, median over the trace
-    before_us: dict[str, float]  # priced with the input spec
-    after_us: dict[str, float]  # priced with the fitted spec
+    """What a fit returns: the fitted spec and, per action key, the measured time it was fitted to; where the
+    fitter prices the keys itself, also their prices with the input spec and with the fitted one."""
+
+    hardware: HardwareSpec
+    measured_us: dict[str, float]
+    before_us: dict[str, float] | None = None
+    after_us: dict[str, float] | None = None
 
     def kind_errors(self) -> dict[str, tuple[float, float]]:
-        """Per kind, median |error| in % before and after the fit."""
+        """Per kind, median |error| in % before and after the fit (empty when the fitter priced no keys)."""
+        if self.before_us is None or self.after_us is None:
+            return {}
         out: dict[str, tuple[float, float]] = {}
         for kind in sorted({k.split("/")[0] for k in self.measured_us}):
             keys = [k for k in self.measured_us if k.split("/")[0] == kind]
@@ -45,22 +45,41 @@ class TraceFit:
         return out
 
 
-def scaled_hardware(hw: HardwareSpec, matrix: float = 1.0, vector: float = 1.0, memory: float = 1.0,
-                    launch: float = 1.0) -> HardwareSpec:
-    """`hw` with its efficiency curves multiplied by the given factors (capped at 1) and its launch gaps scaled."""
-    def curve(c: Curve, f: float) -> Curve:
-        return Curve(unit=c.unit, points=[(s, min(1.0, e * f)) for s, e in c.points])
+class TraceFitter(Protocol):
+    def fit(self, trace, cfg, hw: HardwareSpec) -> TraceFit:
+        """`hw` fitted to `trace`, a checked baseline run of `cfg`'s model and layout."""
 
-    return hw.model_copy(update={
-        "matrix_eff": curve(hw.matrix_eff, matrix), "vector_eff": curve(hw.vector_eff, vector),
-        "memory_eff": curve(hw.memory_eff, memory), "launch_us": hw.launch_us * launch,
-        "bwd_launch_us": None if hw.bwd_launch_us is None else hw.bwd_launch_us * launch})
+
+def fit_trace(trace, cfg, hw: HardwareSpec, fitter: TraceFitter) -> TraceFit:
+    """Fit `hw` to `trace` with `fitter` after refusing a trace that is not a baseline run of `cfg`'s model and
+    layout (see the module docstring)."""
+    check_baseline_trace(trace)
+    check_same_run(trace, cfg)
+    return fitter.fit(trace, cfg, hw)
+
+
+def action_key(s) -> str:
+    return f"{s.kind}/s{s.stage}" + (f"+s{s.partner[0]}" if s.kind == "FB" and s.partner else "")
+
+
+def nested_in_fb(spans) -> set[int]:
+    """Indices of F/B spans that are the halves of an overlapped FB (inside an FB span on the same rank)."""
+    fbs: dict[int, list] = {}
+    for s in spans:
+        if s.kind == "FB":
+            fbs.setdefault(s.rank, []).append((s.start, s.end))
+    out = set()
+    for i, s in enumerate(spans):
+        if s.kind in ("F", "B"):
+            for a, b in fbs.get(s.rank, ()):
+                if a - 1e-6 <= s.start and s.end <= b + 1e-6:
+                    out.add(i)
+                    break
+    return out
 
 
 def measured_action_us(trace) -> dict[str, float]:
     """Per action key, the median duration of the trace's compute actions (F/B halves inside an F&B excluded)."""
-    from costmodel.runtime_fit import RUNTIME_KINDS, action_key, nested_in_fb
-
     spans = [s for s in trace.spans if s.kind in RUNTIME_KINDS and s.stage is not None]
     halves = nested_in_fb(spans)
     by_key: dict[str, list[float]] = {}
@@ -73,75 +92,17 @@ def measured_action_us(trace) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in by_key.items()}
 
 
-def _action_of(key: str):
-    from schedules.ir import Action, Kind
-
-    head, _, partner = key.partition("+")
-    kind, stage = head.split("/s")
-    if partner:
-        return Action(Kind.FB, int(stage), 0, int(partner.removeprefix("s")), 0)
-    return Action(Kind(kind), int(stage), 0)
-
-
-def priced_action_us(cfg, hw: HardwareSpec, keys, spec=None) -> dict[str, float]:
-    """The cost model's time of every action key for `cfg` on `hw` (roofline pricing, no runtime profile)."""
-    from costmodel.predict import Options, Pricer, residual_spec_of, resolve_layout
-    from schedules.build import build
-
-    p = cfg.parallel
-    layout = resolve_layout(cfg, build(p.schedule, p.ranks, p.microbatches), allow_uneven=True)
-    pricer = Pricer(cfg, hw.model_copy(update={"runtime": None}), spec or residual_spec_of(cfg), layout, Options())
-    out = {}
-    for key in keys:
-        action = _action_of(key)
-        stages = [action.stage] + ([action.b_stage] if action.b_stage >= 0 else [])
-        missing = [s for s in stages if s not in layout]
-        if missing:
-            raise ValueError(f"trace action {key} has stage {missing[0]}, but {cfg.model.name} on "
-                             f"{p.schedule} x {p.ranks} ranks has stages 0..{max(layout)}: give the config of the "
-                             "traced run (--preset/--config with its layout)")
-        out[key] = pricer.compute_time(action)
-    return out
+def check_baseline_trace(trace) -> None:
+    res = trace.meta.get("residual")
+    if isinstance(res, dict):
+        variant, n = res.get("variant"), res.get("n")
+        if variant not in (None, "residual") or n not in (None, 1):
+            raise ValueError(f"calibration needs a baseline (n = 1, plain residual) run, got a trace of "
+                             f"{variant} n={n}: the mHC run is the test, never an input (costmodel.md §3)")
 
 
-def fit_trace(trace, cfg, hw: HardwareSpec) -> TraceFit:
-    """Fit `hw`'s efficiencies and launch gap to `trace`, a measured baseline (n = 1) run of `cfg`'s model and
-    layout (see the module docstring)."""
-    from costmodel.runtime_fit import check_baseline_trace
-
-    check_baseline_trace(trace)
-    _check_same_run(trace, cfg)
-    cfg = cfg.with_residual("residual", 1)  # the trace is a baseline run, whatever residual the config names
-    measured = measured_action_us(trace)
-    keys = sorted(measured)
-
-    def loss(x: list[float]) -> float:
-        hw_x = scaled_hardware(hw, *(math.exp(v) for v in x))
-        priced = priced_action_us(cfg, hw_x, keys)
-        err = statistics.fmean(math.log(priced[k] / measured[k]) ** 2 for k in keys)
-        return err + PULL * sum(v * v for v in x)
-
-    x = [0.0] * len(SCALES)
-    best = loss(x)
-    width = LOG_BOUND
-    for _ in range(ROUNDS):
-        for i in range(len(SCALES)):
-            lo, hi = max(-LOG_BOUND, x[i] - width), min(LOG_BOUND, x[i] + width)
-            x[i], best = _golden(lambda v, i=i: loss(x[:i] + [v] + x[i + 1:]), lo, hi, x[i], best)
-        width /= 3
-    scales = dict(zip(SCALES, (math.exp(v) for v in x)))
-    fitted = scaled_hardware(hw, **scales)
-    fitted = fitted.model_copy(update={
-        "runtime": None, "name": f"{hw.name}-fitted", "description": f"{hw.description or hw.name}, efficiencies fitted to a trace",
-        "meta": {**hw.meta, "fitted_from": trace.meta.get("source", "trace"), "fit_scales": scales,
-                 "fit_base": hw.name, "fit_actions": len(keys)}})
-    return TraceFit(fitted, scales, measured, priced_action_us(cfg, hw, keys), priced_action_us(cfg, fitted, keys))
-
-
-def _check_same_run(trace, cfg) -> None:
+def check_same_run(trace, cfg) -> None:
     """Refuse a trace of another model or layout than `cfg` (its meta, when the recorder wrote it)."""
-    from traces.compare import schedule_descriptor
-
     meta = trace.meta
     model = meta.get("model")
     if isinstance(model, str) and model != cfg.model.name:
@@ -153,28 +114,3 @@ def _check_same_run(trace, cfg) -> None:
     if diffs:
         raise ValueError(f"the trace and the config differ in parallel layout (trace vs config: {'; '.join(diffs)}); "
                          "give the traced run's config")
-
-
-def at_bound(scales: dict[str, float]) -> list[str]:
-    """Scales the fit pushed to a bound: the spec is far from the traced machine there (or the trace from the
-    config), and the fitted value is only a limit."""
-    return [k for k, v in scales.items() if abs(abs(math.log(v)) - LOG_BOUND) < 1e-3]
-
-
-def _golden(f, lo: float, hi: float, x0: float, f0: float, iters: int = 20) -> tuple[float, float]:
-    """Minimum of f on [lo, hi] (golden-section search), never worse than the starting point (x0, f0)."""
-    g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(iters):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = f(d)
-    x, fx = (c, fc) if fc < fd else (d, fd)
-    return (x, fx) if fx < f0 else (x0, f0)

@@ -406,7 +406,7 @@ class _PostRes(torch.autograd.Function):
         x, y, hp, hr = ctx.saved_tensors
         t, n, c = x.shape
         dout = dout.to(x.dtype).contiguous()
-        # bench/kernels.py times this backward on a stand-in ctx without `launch`: then the current choice.
+        # bench/kernel_bench.py times this backward on a stand-in ctx without `launch`: then the current choice.
         launch = getattr(ctx, "launch", None) or launch_config(x.device)
         block_t, block_c = astuple(launch.apply(c, n))
         dx, dy = torch.empty_like(x), torch.empty_like(y)

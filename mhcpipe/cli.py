@@ -11,11 +11,11 @@ import importlib
 import sys
 
 SUBCOMMANDS = (
-    "schedules.cli",
+    "schedules.schedule_cli",
     "mhcpipe.demo",
     "pipeline.run_cli",
-    "traces.cli",
-    "costmodel.cli",
+    "traces.trace_cli",
+    "costmodel.predict_cli",
 )
 
 

@@ -155,15 +155,17 @@ def run(args: argparse.Namespace) -> int:
     if args.schedule_only:
         return schedule_picture(Path(args.out))
     from costmodel.calibrate import calibrate_local
-    from costmodel.runtime_profile import calibrate_local_for
+    from costmodel.local.calibration import calibrate_local_for
+    from costmodel.local.host_pricing import HostPricing
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
+    from pipeline.host_measurements import block_round, time_stage_pieces
     from traces.chrome import save_chrome
     from traces.compare import compare, drop_warmup_step
     from traces.trace import Trace
     from traces.view import plot_overhead, write_picture
 
-    from pipeline.__main__ import variant_dir
+    from pipeline.run_args import variant_dir
     from configs import load_config
     from pipeline.train import residual_label
 
@@ -194,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
     _say("3/5", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
                 f"share the cores and the OS time slice, fitting on the baseline trace, predicting baseline and "
                 f"mHC (n={n})")
-    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace)
-    pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False))
+    stage_us = time_stage_pieces(cfg, [(cfg.model.residual.variant, n)])
+    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round)
+    pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False), profile_pricing=HostPricing())
     s = pred.summary
     print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
           f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.1f}%", flush=True)

@@ -73,7 +73,7 @@ class Executor:
         self.ready: dict[tuple[Kind, int, int], torch.Tensor] = {}  # produced, not yet posted (channel order)
         self.posted: set[tuple[Kind, int, int]] = set()
         self.next_send = {peer: 0 for peer in self.send_order}
-        self.hold_sends = False  # a serial F&B posts its sends after the pair, as before the overlap existed
+        self.hold_sends = False  # a serial F&B (--no-overlap) posts its sends after the pair
         self.deferred_posts: list[int] | None = None  # peers whose sends wait for the current span to close
         self.loss_sum = torch.zeros((), dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                                     device=self.device)
@@ -157,8 +157,8 @@ class Executor:
     @contextlib.contextmanager
     def _span(self, kind: str | None, stage: int, mb: int):
         """The span of a whole F/B/I: opened once its input is here (the wait for it is a WAIT span, not F), and
-        closed before the output it produced is posted (posting is communication: a gloo send costs up to a few
-        hundred us of CPU on a loaded host, which an F span would wrongly count as compute)."""
+        closed before the output it produced is posted (posting is communication: a gloo send's CPU time inside
+        an F span would be counted as compute)."""
         if kind is None:
             yield
             return
@@ -275,8 +275,7 @@ class Executor:
         """One F&B pair. Run in turn, its span starts once its first half's input is here (that wait is a WAIT
         span before it) and the other half waits for its own input when it comes to it; overlapped (exchanges
         inside), the halves start together and either computes while the other's input is in flight. Serial
-        (--no-overlap), as before the overlap existed: both inputs first, F, then B, and the pair's sends after
-        it."""
+        (--no-overlap): both inputs first, F, then B, and the pair's sends after it."""
         name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
         fb = lambda: self.recorder.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name)  # noqa: E731
         f_half = lambda given=None: self._forward(a.stage, a.mb, batch, span="F", given=given)  # noqa: E731

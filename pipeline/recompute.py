@@ -12,32 +12,17 @@ stored y and coefficients - never attention or the MLP - with the very functions
 rebuilt tensors are bitwise the forward's. The unpack hook then serves tokens from that cache; `release()`
 drops it after the block's backward, so only one block's intermediates are transient at a time.
 
-Blocks never cross a stage boundary. Block length: config mode 'block' (block_size) or 'auto' = Eq. 20,
-argmin over L_r of n*ceil(L/L_r) + (n+2)*L_r with L = the stage's sub-layers (the memory a rank holds; the
-cost model uses the same rule).
+Blocks never cross a stage boundary. Block length: `configs.recompute_block_size` (mode 'block': the
+configured size; 'auto': Eq. 20 over the stage's sub-layers), the one rule the cost model prices too;
+`split_blocks` cuts a stage's sub-layers into blocks of that length.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
 Token = tuple[str, int, tuple[int, ...], tuple[int, ...], int]  # (what, sub-layer, size, stride, offset)
-
-
-def eq20_block_size(num_sublayers: int, n: int) -> int:
-    """L_r* = argmin_{L_r} n*ceil(L/L_r) + (n+2)*L_r (per token, in units of C; mhc.md Eq. 20)."""
-    return min(range(1, num_sublayers + 1), key=lambda r: (n * math.ceil(num_sublayers / r) + (n + 2) * r, r))
-
-
-def block_size(recompute_cfg, num_sublayers: int, n: int) -> int | None:
-    """Sub-layers per recompute block, or None when recompute is off."""
-    if recompute_cfg.mode == "off":
-        return None
-    if recompute_cfg.mode == "block":
-        return int(recompute_cfg.block_size)
-    return eq20_block_size(num_sublayers, n)
 
 
 def split_blocks(sublayers: list, size: int | None, unit: int = 2) -> list[list]:

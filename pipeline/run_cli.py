@@ -2,7 +2,7 @@
 
     mhcpipe run --nproc 4 --config configs/tiny.yaml --schedule dualpipev --trace-dir runs/x
 
-Every flag except --nproc is passed through to `python -m pipeline` (see pipeline/__main__.py). A bad config is
+Every flag except --nproc is passed through to `python -m pipeline` (flags: pipeline/run_args.py). A bad config is
 reported here as one line (exit 2) before any process starts; the ranks' exit code is returned as is.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import subprocess
 import sys
 
-from .__main__ import add_run_arguments, check_resume, config_from_args, interleaved_configs
+from .run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .memory import SavedTensors
+from .saved_tensors import SavedTensors
 from .model import build_block, build_embedding, build_head
 from .partition import StageSpec
 from .recompute import RecomputeBlock, split_blocks

@@ -24,19 +24,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from configs import recompute_block_size
+
 from .comm import Comms
 from .data import load_tokens, make_batch
 from .executor import Executor
 from .expert import ExpertComm
 from .grad_reduce import GradReducer
 from .layout import Layout, ParallelGroups, build_groups
-from .memory import SavedTensors
+from .saved_tensors import SavedTensors
 from .model import activation_dtype, make_optimizer, param_dtype
 from .overlap import PairRunner
 from .collective import collective, group_device, synchronize
 from .p2p import PipelineError, Transport
 from .partition import plan_rank
-from .recompute import block_size
 from .recorder import Recorder, merge_rank_traces, rank_trace_path
 from .stage import Stage, StageEnv
 from .weight_grad import WeightGradStore
@@ -90,7 +91,7 @@ class RankRuntime:
         self.timeout_s = cfg.train.timeout_s
         # gloo P2P completion is watched (waiter threads) only where the runtime uses it: an F&B pair that hands the
         # turn over while a receive is in flight (expert parallelism). Elsewhere, recording included, it is not:
-        # the threads' wake-ups cost 10-15% of a recorded step on 2 cores, and such a trace then says that its P2P
+        # the threads' wake-ups take CPU time from the step's compute, and such a trace then says that its P2P
         # spans end where a wait saw them done (meta p2p_completion), which traces.comm_overlap respects.
         # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
         nccl = device.type == "cuda" and not staged and groups.world_group is not None
@@ -102,7 +103,8 @@ class RankRuntime:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair)
         # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
         # cost model prices it; blocks never cross a stage boundary
-        rc_blocks = {sp.stage: block_size(cfg.recompute, 2 * len(sp.blocks), n) for sp in self.plan.local()}
+        rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
+                     for sp in self.plan.local()}
         self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
         self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
                                        expert=self.expert).to(device=device, dtype=param_dtype(cfg.train.dtype))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from schedules.engine import run_engine
 from schedules.graph import describe_cycle, find_cycle
 from schedules.ir import COMM_KINDS, Kind, Schedule
+from schedules.lowering import lower_comms
 
 MAX_REPORTED = 8
 
@@ -156,8 +158,6 @@ def _msg(m: tuple) -> str:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise ScheduleError unless `schedule` satisfies every rule (a compute-only schedule is lowered first)."""
-    from schedules.simulate import run_engine
-
     lowered = check_structure(schedule)
     result = run_engine(lowered, lambda a: 0.0, lambda a: 0.0, record=False)
     if not result.completed:
@@ -167,8 +167,6 @@ def validate_schedule(schedule: Schedule) -> None:
 def check_structure(schedule: Schedule) -> Schedule:
     """Every rule but deadlock freedom; returns the lowered schedule. P2P pairing is checked for schedules
     that arrive with SEND/RECV; `lower_comms` output is correct by construction (and tested to be)."""
-    from schedules.lowering import lower_comms
-
     problems = _structure_problems(schedule)
     if not problems:
         problems = _compute_problems(schedule)

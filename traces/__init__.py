@@ -6,7 +6,9 @@ Times are microseconds (float) everywhere in this package; a simulated trace wit
 Modules: `trace` (the model, our JSON), `names` (range names of traces.md §5), `io.load_trace` (any format, by
 content), `chrome` (Chrome/Perfetto JSON in and out), `nsys` (Nsight Systems SQLite export), `nsys_csv` (`nsys
 stats` NVTX CSV), `kineto` (PyTorch profiler JSON), `project` (CPU range -> GPU projection), `compare` and
-`report` (predicted vs measured), `view` and `plot` (pictures), `cli` (`mhcpipe view`, `mhcpipe compare`).
+`report` (predicted vs measured), `receive_wait` (waiting for messages, what both sides can compare of P2P),
+`comm_overlap` (measured communication under compute), `view` and `plot` (pictures), `trace_cli` (`mhcpipe
+view`, `mhcpipe compare`).
 """
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 

@@ -5,11 +5,16 @@ count as kind `F.post_res`) are joined on (rank, kind, stage, micro-batch, FB pa
 trace holds several steps (each key k times, the prediction once), every measured instance is compared with the
 prediction and the instance order (by start) is the step index. Unmatched spans on either side are listed.
 
-Per op e = (pred - meas) / meas: signed median, median |e| and p90 |e| per kind with counts. Makespan: end of the
-last minus start of the first schedule span of a step (median over measured steps, with min/max as the
-run-to-run spread); relative error in %. Per rank: busy (union of compute + hp spans), idle = makespan - busy,
-bubble fraction, exposed communication = comm time not under compute. Overhead (with a baseline pair):
-T_mHC / T_base - 1, predicted and measured each from their own baseline, difference in percentage points.
+Per op e = (pred - meas) / meas: signed median, median |e| and p90 |e| per kind with counts, for the ops whose
+spans mean the same on both sides. SEND/RECV spans do not when one trace is a prediction and the other a run
+(traces.receive_wait.comm_span_meaning): the predicted span is the transfer (both sides posted -> arrival), the
+measured one the op from its post to its completion, which also holds the wait for the peer. Those are listed
+apart with their means (`comm_spans`), not as errors; the communication the two sides can compare is the time
+a rank's compute waits for incoming messages, per rank (traces.receive_wait). Makespan: end of the last minus
+start of the first schedule span of a step (median over measured steps, with min/max as the run-to-run
+spread); relative error in %. Per rank: busy (union of compute + hp spans), idle = makespan - busy, bubble
+fraction, waiting for messages. Overhead (with a baseline pair): T_mHC / T_base - 1, predicted and measured
+each from their own baseline, difference in percentage points.
 
 Clocks: spans of different ranks are compared on their trace's time axis, which assumes one clock per trace
 (one host, or nsys/Kineto files aligned by the reader).
@@ -25,8 +30,8 @@ import numpy as np
 
 from traces.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
-from traces.trace import union_length
-from traces.trace import Span, Trace, TraceError
+from traces.receive_wait import comm_span_meaning, receive_wait
+from traces.trace import Span, Trace, TraceError, union_length
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
 MIN_SHARED_KEYS = 0.5  # below this fraction of shared keys the two traces are different schedules
@@ -108,13 +113,21 @@ def step_index(trace: Trace) -> dict[int, int]:
 
 
 def drop_warmup_step(trace: Trace) -> Trace:
-    """The trace without its first step's schedule spans (warm-up: allocator, first-touch pages), when it has
-    more than one step."""
+    """The trace without its first step (warm-up: allocator, first-touch pages), when it has more than one step:
+    the first step's schedule spans and, on each rank, every other span (WAIT, step and optimizer ranges) that
+    starts before the rank's first schedule span of the next step."""
     steps = step_index(trace)
     if max(steps.values(), default=0) < 1:
         return trace
     first = {i for i, k in steps.items() if k == 0}
-    return Trace([s for i, s in enumerate(trace.spans) if i not in first], dict(trace.meta))
+    next_start: dict[int, float] = {}
+    for i, k in steps.items():
+        if k == 1:
+            s = trace.spans[i]
+            next_start[s.rank] = min(next_start.get(s.rank, s.start), s.start)
+    drop = first | {i for i, s in enumerate(trace.spans)
+                    if i not in steps and s.rank in next_start and s.start < next_start[s.rank]}
+    return Trace([s for i, s in enumerate(trace.spans) if i not in drop], dict(trace.meta))
 
 
 # ---- schedule identity -------------------------------------------------------------------------------------
@@ -187,13 +200,23 @@ class RankStats:
     pred_bubble_pct: float
     meas_bubble_pct: float
     bubble_diff_pp: float
-    pred_exposed_comm_us: float
-    meas_exposed_comm_us: float
+    # the time per step the rank's compute waited for incoming messages (traces.receive_wait)
+    pred_recv_wait_us: float
+    meas_recv_wait_us: float
     # from the measured trace's WAIT spans (traces.comm_overlap), None when it has none: per step, the time the
     # compute thread blocked on communication, and the share of communication time hidden under compute
     meas_comm_wait_us: float | None = None
     comm_hidden_pct: float | None = None
     fb_comm_hidden_pct: float | None = None  # the ops posted inside overlapped F&B pairs
+
+
+@dataclass
+class CommSpans:
+    """One communication kind whose spans mean different things in the two traces: their means, side by side."""
+    kind: str
+    n: int
+    pred_mean_us: float  # over the predicted spans (what comm_span_meaning['pred'] says they cover)
+    meas_mean_us: float  # over the matched measured spans (comm_span_meaning['meas'])
 
 
 @dataclass
@@ -209,6 +232,7 @@ class TimeStats:
     exposed_comm: dict[int, float]
     kind_time: dict[str, float]  # per kind, summed over ranks, per step (top-level compute + hp spans)
     rank_kind_time: dict[int, dict[str, float]] = field(default_factory=dict)  # the same per rank
+    recv_wait: dict[int, float] = field(default_factory=dict)  # per rank and step: waiting for messages
 
 
 @dataclass
@@ -241,6 +265,8 @@ class Comparison:
     ranks: list[RankStats]
     overhead: Overhead | None = None
     notes: list[str] = field(default_factory=list)
+    comm_span_meaning: dict[str, str] = field(default_factory=dict)  # "pred" / "meas": what a SEND/RECV span covers
+    comm_spans: list[CommSpans] = field(default_factory=list)  # SEND/RECV kinds kept out of `kinds` (unlike spans)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -257,6 +283,7 @@ def time_stats(trace: Trace) -> TimeStats:
     mks: list[float] = []
     busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
     step_kt: list[Counter[tuple[int, str]]] = []
+    step_streams: list[list[str]] = []
     ranks = sorted({s.rank for spans in by_step.values() for s in spans})
     for k in steps:
         spans = by_step[k]
@@ -265,6 +292,7 @@ def time_stats(trace: Trace) -> TimeStats:
         mks.append(mk)
         per_rank: dict[int, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         streams = [logical_stream(s) for s in spans]
+        step_streams.append(streams)
         for s, ls in zip(spans, streams):
             per_rank[s.rank][ls].append((s.start, s.end))
         step_kt.append(_kind_times([(s, ls) for s, ls in zip(spans, streams) if ls != "comm"]))
@@ -284,7 +312,8 @@ def time_stats(trace: Trace) -> TimeStats:
     return TimeStats(makespan_us=med(mks), makespan_min_us=min(mks, default=0.0), makespan_max_us=max(mks, default=0.0),
                      steps=len(steps), busy={r: med(v) for r, v in busy.items()},
                      idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
-                     kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks})
+                     kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
+                     recv_wait=receive_wait(trace, [by_step[k] for k in steps], step_streams))
 
 
 def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
@@ -353,8 +382,14 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
             errs[sp.kind].append((sp.duration - sm.duration) / sm.duration)
         else:
             zero_meas += 1
-    kinds = []
+    meaning = {"pred": comm_span_meaning(pred), "meas": comm_span_meaning(meas)}
+    unlike = meaning["pred"] != meaning["meas"]
+    kinds, comm_spans = [], []
     for kind in sorted(pdur, key=_kind_order):
+        if unlike and kind.split(".", 1)[0] in ALL_COMM_KINDS:
+            comm_spans.append(CommSpans(kind=kind, n=len(pdur[kind]), pred_mean_us=float(np.mean(pdur[kind])),
+                                        meas_mean_us=float(np.mean(mdur[kind]))))
+            continue
         e = np.asarray(errs[kind])
         # a kind whose measured spans all have zero length (e.g. free simulated P2P) has no relative error
         stats = (np.median(e), np.median(np.abs(e)), np.percentile(np.abs(e), 90)) if e.size else (np.nan,) * 3
@@ -376,14 +411,16 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         mbf = _pct(mi / ms.makespan_us) if ms.makespan_us else 0.0
         ranks.append(RankStats(rank=r, pred_busy_us=pb, meas_busy_us=mb, pred_idle_us=pi, meas_idle_us=mi,
                                pred_bubble_pct=pbf, meas_bubble_pct=mbf, bubble_diff_pp=pbf - mbf,
-                               pred_exposed_comm_us=ps.exposed_comm.get(r, 0.0),
-                               meas_exposed_comm_us=ms.exposed_comm.get(r, 0.0)))
+                               pred_recv_wait_us=ps.recv_wait.get(r, 0.0), meas_recv_wait_us=ms.recv_wait.get(r, 0.0)))
         o = None if overlap is None else overlap.get(r)
         if o is not None:
             ranks[-1].meas_comm_wait_us = o.blocked_us / max(1, ms.steps)
             ranks[-1].comm_hidden_pct = o.all.hidden_pct
             ranks[-1].fb_comm_hidden_pct = o.in_fb.hidden_pct
     notes = []
+    if comm_spans:
+        notes.append(f"SEND/RECV spans cover the {meaning['pred']} in the prediction and the {meaning['meas']} in the "
+                     "measurement: listed apart, not compared per op; waiting for messages is compared per rank")
     if zero_meas:
         notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
     if fb_halves:
@@ -407,7 +444,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         makespan_pred_us=ps.makespan_us, makespan_meas_us=ms.makespan_us, makespan_meas_min_us=ms.makespan_min_us,
         makespan_meas_max_us=ms.makespan_max_us,
         makespan_err_pct=_pct((ps.makespan_us - ms.makespan_us) / ms.makespan_us) if ms.makespan_us else float("nan"),
-        ranks=ranks, notes=notes)
+        ranks=ranks, notes=notes, comm_span_meaning=meaning, comm_spans=comm_spans)
     if baseline is not None:
         comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms)
     return comp

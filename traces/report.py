@@ -42,12 +42,17 @@ def sections(c: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["kind", "n", "signed median %", "median |e| %", "p90 |e| %", "pred mean us", "meas mean us"],
                 [[k.kind, str(k.n), _sign(k.signed_median_pct), _f(k.median_abs_pct), _f(k.p90_abs_pct),
                   _f(k.pred_mean_us, 2), _f(k.meas_mean_us, 2)] for k in c.kinds]))
-    out.append(("Per rank: idle (bubble) and exposed communication, us",
+    if c.comm_spans:
+        m = c.comm_span_meaning
+        out.append((f"Communication spans, not compared per op: predicted = {m['pred']}, measured = {m['meas']}",
+                    ["kind", "n", f"pred mean us ({m['pred']})", f"meas mean us ({m['meas']})"],
+                    [[k.kind, str(k.n), _f(k.pred_mean_us, 2), _f(k.meas_mean_us, 2)] for k in c.comm_spans]))
+    out.append(("Per rank: idle (bubble) and waiting for incoming messages, us per step",
                 ["rank", "busy pred", "busy meas", "idle pred", "idle meas", "bubble pred %", "bubble meas %",
-                 "bubble diff pp", "exposed comm pred", "exposed comm meas"],
+                 "bubble diff pp", "recv wait pred", "recv wait meas"],
                 [[str(r.rank), _f(r.pred_busy_us), _f(r.meas_busy_us), _f(r.pred_idle_us), _f(r.meas_idle_us),
-                  _f(r.pred_bubble_pct), _f(r.meas_bubble_pct), _sign(r.bubble_diff_pp), _f(r.pred_exposed_comm_us),
-                  _f(r.meas_exposed_comm_us)] for r in c.ranks]))
+                  _f(r.pred_bubble_pct), _f(r.meas_bubble_pct), _sign(r.bubble_diff_pp), _f(r.pred_recv_wait_us),
+                  _f(r.meas_recv_wait_us)] for r in c.ranks]))
     if any(r.comm_hidden_pct is not None for r in c.ranks):
         out.append(("Measured communication: time blocked on it (WAIT spans, us per step) and share hidden under "
                     "compute",

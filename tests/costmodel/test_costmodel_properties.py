@@ -3,11 +3,10 @@ import math
 
 import pytest
 
-from costmodel.memory import eq20_objective, optimal_block
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.overlap import overlap
 from costmodel.predict import Options, predict, residual_spec_of
-from configs import load_config, stage_blocks
+from configs import eq20_block_size, eq20_objective, load_config, stage_blocks
 from schedules import Durations, build
 from schedules.formulas import bubble_formula
 
@@ -81,7 +80,7 @@ def test_fused_is_faster_than_unfused(small_cfg, variant):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("L", [1, 2, 5, 10, 24, 60])
 def test_eq20_auto_minimises_within_the_stage(n, L):
-    best = optimal_block(n, L)
+    best = eq20_block_size(L, n)
     assert 1 <= best <= L
     assert eq20_objective(n, L, best) == min(eq20_objective(n, L, r) for r in range(1, L + 1))
 
@@ -92,7 +91,7 @@ def test_predict_chooses_eq20_block_for_each_stage():
         cfg = load_config("paper-27b", {"parallel": {"ranks": ranks, "microbatches": M}})
         L = 2 * len(stage_blocks(30, ranks)[0])
         chosen.append(predict(cfg, "h800", ladder=False).summary["recompute_block"])
-        assert chosen[-1] == [optimal_block(4, L)]
+        assert chosen[-1] == [eq20_block_size(L, 4)]
     assert chosen == [[2], [5]]
 
 

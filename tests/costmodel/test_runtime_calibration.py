@@ -1,20 +1,33 @@
-"""Runtime calibration of `local` (costmodel.runtime_profile.calibrate_local_for pieces) on synthetic traces."""
+"""Runtime calibration of `local` (costmodel.local: the runtime-profile fit and the pricing from it) on synthetic
+traces, and the runtime's stage timings it is built from (pipeline.host_measurements)."""
 import dataclasses
 
 import pytest
 
-from costmodel.runtime_fit import baseline_action_stats, fit_runtime_profile, scale_residual
-from costmodel.runtime_bench import bench_runtime_pieces
-from costmodel.runtime_profile import runtime_key
-from costmodel.hardware import BUILTIN, RuntimeProfile
+from costmodel.hardware import BUILTIN
+from costmodel.local.host_pricing import HostPricing
+from costmodel.local.runtime_fit import RuntimeProfileFit, baseline_action_stats, scale_residual
 from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict
+from costmodel.predict import predict as predict_roofline
+from costmodel.runtime_profile import RESIDUAL_PIECES, RuntimeProfile, runtime_key
+from costmodel.trace_fit import fit_trace
 from configs import load_config
+from pipeline.host_measurements import time_stage_pieces
 from traces.trace import Trace
 
 KNOWN = {"F": 1000.0, "I": 700.0, "W": 200.0, "B": 900.0}
 WRAP = {"fwd": 300.0, "bwd": 500.0, "w": 40.0, "b": 570.0, "rc": 50.0, "expand_fwd": 10.0, "expand_bwd": 20.0,
         "contract_fwd": 5.0, "contract_bwd": 6.0}
+
+
+def predict(*args, **kw):
+    """predict() with the `local` runtime profile priced by costmodel.local (what `mhcpipe predict` plugs in)."""
+    return predict_roofline(*args, profile_pricing=HostPricing(), **kw)
+
+
+def fit_runtime_profile(trace, cfg, stage_us, cores, hw):
+    """The runtime profile fitted through the one fitting entry point."""
+    return fit_trace(trace, cfg, hw, RuntimeProfileFit(stage_us, cores)).hardware.runtime
 
 
 def _profile(cfg, action_us, cores=(64.0,)):
@@ -213,6 +226,13 @@ def test_profile_of_another_shape_falls_back_to_roofline(tiny):
     assert pred.summary["pricing"] == "roofline"
 
 
+def test_a_profile_is_never_priced_without_its_pricing(tiny):
+    """The analytic core does not know how to price a runtime profile: a spec that carries one for this config
+    and no ProfilePricing is refused, not silently priced by the roofline."""
+    with pytest.raises(ValueError, match="profile_pricing=costmodel.local.host_pricing.HostPricing"):
+        predict_roofline(tiny, _hw(tiny, _table(tiny)), ladder=False)
+
+
 def test_missing_variant_names_the_fix(tiny):
     with pytest.raises(ValueError, match="calibrate_local_for"):
         predict(tiny, _hw(tiny, _table(tiny)), ResidualSpec("hc", 4), ladder=False)
@@ -225,10 +245,11 @@ def test_profile_from_an_older_calibration_names_the_fix(tiny):
                        cores_by_concurrency=[1.0])
 
 
-def test_bench_runtime_pieces_quick(tiny):
-    out = bench_runtime_pieces(tiny, [("mhc", 4)], rounds=3, warmup=1)
+def test_time_stage_pieces_quick(tiny):
+    out = time_stage_pieces(tiny, [("mhc", 4)], rounds=3, warmup=1)
     assert set(out["block"]) == {"F", "I", "W", "B"} and all(v > 0 for v in out["block"].values())
     extra = out["residual"]["mhc:4"]
+    assert set(extra) == set(RESIDUAL_PIECES)  # every piece a runtime profile needs, nothing else
     # mHC's wrapper (coefficients, Sinkhorn, pre, post+res) costs more than the plain residual's add, both ways
     assert extra["fwd"] > 0 and extra["bwd"] > 0 and extra["b"] > 0
 

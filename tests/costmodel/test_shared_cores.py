@@ -1,12 +1,14 @@
-"""Processor sharing along a schedule (costmodel.shared_cores) and the cores(k) measurement (core_sharing)."""
+"""Processor sharing along a schedule (costmodel.local.shared_cores) and the cores(k) measurement
+(costmodel.local.core_sharing)."""
 import os
 import random
 
 import pytest
 
-from costmodel.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
-from costmodel.shared_cores import capacity, simulate_shared
+from costmodel.local.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
+from costmodel.local.shared_cores import capacity, simulate_shared
 from configs import load_config
+from pipeline.host_measurements import block_round
 from schedules.build import build
 from schedules.ir import Kind
 from schedules.simulate import simulate
@@ -185,7 +187,7 @@ def work_of(span, free):
 
 @pytest.mark.timeout(180)
 def test_measure_core_sharing_runs_the_block():
-    cores = measure_core_sharing(load_config("tiny"), 2, seconds=0.2, cycles=1)
+    cores = measure_core_sharing(load_config("tiny"), 2, block_round, seconds=0.2, cycles=1)
     assert len(cores) == 2
     assert 0.5 < cores[0] < 1.5  # one process against itself
     assert 0.3 < cores[1] < 2.6  # two processes on a shared CI machine: anything but nonsense

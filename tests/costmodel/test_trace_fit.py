@@ -1,4 +1,5 @@
-"""Fitting a hardware spec to a measured trace (costmodel.trace_fit, `python -m costmodel.calibrate --from-trace`)."""
+"""Fitting a hardware spec's efficiencies to a measured trace (costmodel.roofline_fit through trace_fit.fit_trace,
+`python -m costmodel.calibrate --from-trace`)."""
 import json
 
 import yaml
@@ -7,7 +8,8 @@ from costmodel.calibrate import main as calibrate_main
 from costmodel.hardware import HardwareSpec, get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
-from costmodel.trace_fit import measured_action_us, priced_action_us, scaled_hardware
+from costmodel.roofline_fit import priced_action_us, scaled_hardware
+from costmodel.trace_fit import measured_action_us
 from mhcpipe.cli import main as mhcpipe_main
 
 

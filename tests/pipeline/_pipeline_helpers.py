@@ -38,6 +38,23 @@ def merged_grads(results, variant: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], param_names, tol: float,
+                       what: str) -> None:
+    """Every parameter of the single-process model (`param_names`) has a gradient on both sides (`want`: the
+    single-process model's, `got`: the one under test), and each pair agrees: ||g - g_ref|| / ||g_ref|| <= tol.
+    A parameter without a gradient on either side is an error naming it (one that never reaches the loss would
+    otherwise drop out of the comparison unnoticed), and so is a gradient of a parameter the model lacks."""
+    names = set(param_names)
+    for side, grads in (("the single-process model", want), ("the run under test", got)):
+        missing = sorted(names - set(grads))
+        assert not missing, f"{what}: no gradient in {side} for {len(missing)} parameters: {missing[:5]}"
+        extra = sorted(set(grads) - names)
+        assert not extra, f"{what}: {side} has gradients of parameters the single-process model lacks: {extra[:5]}"
+    for name in sorted(names):
+        err = rel_err(got[name], want[name])
+        assert err <= tol, f"{what}: grad {name} rel err {err:.2e}"
+
+
 def check_ok(results) -> None:
     bad = [(r.rank, r.exitcode, r.error) for r in results if r.exitcode != 0 or r.error]
     assert not bad, f"ranks failed: {bad}"

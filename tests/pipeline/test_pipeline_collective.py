@@ -232,6 +232,7 @@ def test_runtime_step_under_nccl_wait_semantics_matches():
     check_ok(nccl)
     for a, b in zip(plain, nccl):
         assert abs(a.value["loss"] - b.value["loss"]) <= 1e-12 * abs(a.value["loss"])
+        assert a.value["grads"] and set(a.value["grads"]) == set(b.value["grads"]), "gradients of other parameters"
         for name, g in a.value["grads"].items():
             assert rel_err(b.value["grads"][name], g) <= 1e-12, name
         calls = set(b.value["helper_calls"])

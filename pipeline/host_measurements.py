@@ -1,27 +1,51 @@
-"""Micro-benchmarks of this runtime's own code for the `local` calibration (costmodel.md §3).
+"""Timings of this runtime on the host, for the `local` calibration (costmodel.local): plain data in, plain data
+out, so the cost model never imports the runtime; the app layer (mhcpipe.demo, bench/) hands the results over.
 
 Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
-bench_runtime_pieces(cfg, variants) times, in this process with one thread (like a rank):
+time_stage_pieces(cfg, variants) times, in this process with one thread (like a rank):
 * one middle pipeline stage holding one Transformer block, through pipeline.stage.Stage exactly as a rank runs it
   (forward generator, split backward I with the WeightGradStore, its W, and the full backward B), once with the
   plain residual and once per residual variant. The variant's extra cost per sub-layer is the difference over
   the block's two sub-layers. Timing the whole stage rather than the residual wrapper alone keeps what the
-  wrapper does to the code around it: an mHC block's weight-grad GEMMs run about twice as long as the baseline's
-  after the wrapper's backward has pushed their operands out of cache, although the GEMMs are the same.
+  wrapper does to the code around it: an mHC block's weight-grad GEMMs run slower than the baseline's after
+  the wrapper's backward has pushed their operands out of cache, although the GEMMs are the same.
 * the pieces a middle stage does not have: the recompute rebuild (pre and post+res from stored coefficients)
   and the stack ends expand/contract, on kernels.MHCSublayer with F = identity.
 Every timed piece starts from an evicted cache: in the pipeline the ranks time-share the cores, so an action
 rarely finds its operands where the previous action of its own rank left them. All pieces interleave round by
 round, so every one of them sees the same background load; the result is the median over rounds.
+
+block_round(cfg_dict) is the work costmodel.local.core_sharing runs in k processes at once to measure how they
+share the cores: forward and backward of one Transformer block of the config's shape.
+
+run_runtime(cfg, trace_dir) / run_runtime_interleaved(cfgs, trace_dirs) run configs on local gloo ranks and
+load the measured traces (the baseline run a `local` calibration is fitted on).
 """
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from configs import parse_config
+from kernels import MHCSublayer, contract, expand
+from traces.trace import Trace
+
+from .local import interleaved_worker, launch
+from .model import activation_dtype, build_block
+from .partition import StageSpec
+from .recorder import Recorder
+from .saved_tensors import SavedTensors
+from .stage import ChunkRun, Stage, StageEnv
+from .weight_grad import WeightGradStore
 
 EVICT_BYTES = 8 << 20  # more than one core's L2 on current server CPUs (1-2 MiB)
-PIECES = ("fwd", "bwd", "w", "b", "rc", "expand_fwd", "expand_bwd", "contract_fwd", "contract_bwd")
+# pieces timed outside a middle stage, each the variant's extra over the plain residual's
+END_PIECES = ("rc", "expand_fwd", "expand_bwd", "contract_fwd", "contract_bwd")
 
 
 def residual_key(variant: str, n: int) -> str:
@@ -44,15 +68,6 @@ class _Rounds:
 
 def _stage_round(cfg, R: _Rounds, tag: str, evict):
     """One round of F, I (+ flush), W and F, B of a one-block middle stage of `cfg`'s residual."""
-    import torch
-
-    from pipeline.memory import SavedTensors
-    from pipeline.model import activation_dtype
-    from pipeline.partition import StageSpec
-    from pipeline.recorder import Recorder
-    from pipeline.stage import ChunkRun, Stage, StageEnv
-    from pipeline.weight_grad import WeightGradStore
-
     dt = activation_dtype(cfg.train.dtype)
     T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
     block = min(1, cfg.model.num_blocks - 1)
@@ -100,11 +115,6 @@ def _stage_round(cfg, R: _Rounds, tag: str, evict):
 
 def _ends_round(cfg, R: _Rounds, tag: str, evict):
     """One round of the recompute rebuild and the stack ends of `cfg`'s residual on its CPU backend."""
-    import torch
-
-    from kernels import MHCSublayer, contract, expand
-    from pipeline.model import activation_dtype
-
     dt = activation_dtype(cfg.train.dtype)
     T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
     plain = cfg.model.residual.variant == "residual"
@@ -139,15 +149,13 @@ def _ends_round(cfg, R: _Rounds, tag: str, evict):
     return one_round
 
 
-def bench_runtime_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40, warmup: int = 5,
-                         threads: int = 1) -> dict:
+def time_stage_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40, warmup: int = 5,
+                      threads: int = 1) -> dict:
     """Micro-benchmark (us, one process), see the module docstring. Returns
     {"block": {F, I, W, B} of one baseline block in a middle stage,
      "residual": {"variant:n": {fwd, bwd, w, b, rc, expand_fwd, expand_bwd, contract_fwd, contract_bwd}}}
     where fwd/bwd/w/b are the variant's extra F/I/W/B cost per sub-layer over the plain residual, and rc and the
     stack ends the extra cost of those pieces; "raw_us" has every median."""
-    import torch
-
     torch.set_num_threads(threads)
     evict_buf = torch.zeros(EVICT_BYTES // 4)
 
@@ -171,7 +179,54 @@ def bench_runtime_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40,
         tag = residual_key(v, n)
         extra = {p: max(0.0, (med[f"{tag}.{k}"] - med[f"{base}.{k}"]) / 2)  # the block's two sub-layers
                  for p, k in (("fwd", "F"), ("bwd", "I"), ("w", "W"), ("b", "B"))}
-        extra.update({p: max(0.0, med[f"{tag}.{p}"] - med[f"{base}.{p}"]) for p in PIECES if p not in extra})
+        extra.update({p: max(0.0, med[f"{tag}.{p}"] - med[f"{base}.{p}"]) for p in END_PIECES})
         out["residual"][tag] = extra
     out["raw_us"] = med
     return out
+
+
+def block_round(cfg_dict: dict) -> Callable[[], None]:
+    """One forward + backward of block 0 of the config's shape with the plain residual, as a callable (built
+    once; called repeatedly by the core-sharing measurement in each of its processes)."""
+    cfg = parse_config(cfg_dict).with_residual("residual", 1)
+    T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
+    block = build_block(cfg.model, cfg.parallel.seq_len, 0, cfg.train.seed, WeightGradStore())
+    x = torch.randn(T, 1, C)
+    g = torch.randn(T, 1, C)
+
+    def one_round() -> None:
+        y = x.detach().requires_grad_(True)
+        for _, sub in block.sublayers():
+            y = sub(y)
+        torch.autograd.backward(y, g)
+        block.zero_grad(set_to_none=True)
+
+    return one_round
+
+
+def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int | None = None,
+                            timeout_s: float = 300.0):
+    """Run several configs in one launch on their local gloo ranks, one step of each in turn
+    (pipeline.local.interleaved_worker): an A/B measurement in which every variant sees the same drift of a
+    shared host's speed. Returns [(Trace, per-step step times in seconds)], one per config."""
+    data = []
+    for cfg in cfgs:
+        d = cfg.model_dump()
+        if steps is not None:
+            d["train"]["steps"] = steps
+        d["train"]["device"] = "cpu"
+        data.append(d)
+    dirs = [Path(t) for t in trace_dirs]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    res = launch(interleaved_worker, cfgs[0].parallel.ranks, (data, [str(d) for d in dirs]), timeout_s=timeout_s)
+    bad = [r for r in res if r.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"runtime run failed: {bad[0].error or f'rank {bad[0].rank} exit {bad[0].exitcode}'}")
+    return [(Trace.load(d / "trace.json"), [s["step_time_s"] for s in stats]) for d, stats in zip(dirs, res[0].value)]
+
+
+def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
+    """Run cfg on its local gloo ranks and load the measured trace (run_runtime_interleaved with one config).
+    Returns (Trace, per-step step times in seconds as the runtime reports them)."""
+    return run_runtime_interleaved([cfg], [trace_dir], steps, timeout_s)[0]

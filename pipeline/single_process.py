@@ -16,7 +16,7 @@ from .data import Batch, make_batch
 from .model import activation_dtype, build_block, build_embedding, build_head, make_optimizer, param_dtype
 
 
-class ReferenceModel(nn.Module):
+class SingleProcessModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed
@@ -34,9 +34,9 @@ class ReferenceModel(nn.Module):
         return self.head(x, batch.labels.reshape(-1), batch.num_tokens)
 
 
-def reference_run(cfg, steps: int = 1, device: str | torch.device = "cpu"):
+def train_single_process(cfg, steps: int = 1, device: str | torch.device = "cpu"):
     """Train `steps` optimizer steps on one process. Returns (losses, grads of step 0 by name, final params)."""
-    model = ReferenceModel(cfg).to(device=device, dtype=param_dtype(cfg.train.dtype))
+    model = SingleProcessModel(cfg).to(device=device, dtype=param_dtype(cfg.train.dtype))
     opt = make_optimizer(model.parameters(), cfg.train)
     losses, first_grads = [], {}
     for step in range(steps):

@@ -12,38 +12,23 @@ single-thread processes in units of one process alone (core_sharing.measure_core
 min(k, cores) on a shared VM.
 
 The OS does not share a core as a fluid, though. With `slice_us` > 0 the simulation schedules the ranks the
-way Linux does on the VM this was measured on: the host has `slots` = round(max cores(k)) cores; a rank holds one
-while it computes, keeps it from one action to the next while its next action is ready, and gives it back when
-it waits for a message. A rank that takes a core is protected for `protect_us` (the base slice; core_sharing.
-measure_protection, 2 ms here); after that, the scheduler tick (every `slice_us`; core_sharing.
-measure_time_slice, 4 ms here) hands its core to a rank waiting for one. A rank that wakes up (its message
+way Linux's scheduler does: the host has `slots` = round(max cores(k)) cores; a rank holds one while it
+computes, keeps it from one action to the next while its next action is ready, and gives it back when it waits
+for a message. A rank that takes a core is protected for `protect_us` (the base slice;
+core_sharing.measure_protection); after that, the scheduler tick (every `slice_us`;
+core_sharing.measure_time_slice) hands its core to a rank waiting for one. A rank that wakes up (its message
 arrived) goes first in line: it slept, so it has used the least CPU time. A rank that posts a message to a rank
 blocked waiting for one gives its core up at once when its protection is over: on loopback TCP the receiver is
-woken inside the sender's send call, on the sender's core, and preempts it (measured: a process waking into
-busy cores gets one within 0.07 ms, median); it takes a core again, with a fresh protection, as soon as one is
-free. A rank on a core progresses at min(1, cores(m) / m), m = min(k, slots) ranks on cores; what k > slots busy
-processes lose beyond that (cores(k) < cores(slots)) is lost at the switches: a rank taking a core from another
-first loses slice x slots x (1 - cores(k) / cores(slots)) / min(k - slots, slots), so that k always-ready ranks
-progress at exactly cores(k) in total, with min(k - slots, slots) switches per tick. What this gets right and the fluid model does not: a rank that wakes while
-the cores are taken waits *before* its action (the span starts late, with its work at full speed), an action is
-stretched only by the time it loses at ticks, and an action's speed does not depend on how many ranks wait.
-
-Measured on a 2-vCPU VM (18 interleaved runs of bench/predict_local.py in four batches, each re-priced with
-every model; the mHC run is never an input):
-* the mHC forwards' median is within 10 % of their full-speed work while a few take 3-4x as long, and an mHC
-  action's median is as many times its micro-benchmark as a baseline action's (backwards 1.3-1.5x), although
-  more ranks want a core during the mHC run: the oversubscription shows in the step, not in the actions;
-* replaying the baseline run, the per-action median |error| of F fell from 18-28 % (fluid sharing with a
-  full-speed first slice) to 11-22 %, of FB from 11-28 % to 7-16 % (whole slices);
-* predicting the mHC run, the signed median per kind (per batch of 4-5 runs): fluid F +30..+41 %, B +21..+29 %;
-  whole 4 ms slices handed on at their end (this module's previous model) F -3..+7 %, W +9..+27 %,
-  B +17..+38 %, FB 0..+7 %, step -2.3..-8.4 %, median |e| of F 18-26 %; ticks with the 2 ms protection and the
-  sender preempted by the receiver it wakes: F -3..+6 %, W +8..+26 %, B +7..+18 %, FB -5..+2 %, step
-  -0.3..-6.9 %, median |e| of F 14-20 %.
-  Without the sender's preemption B rose to +7..+19 %; preempting at a wake-up after the message's latency as
-  well (instead of at the post) B +13..+58 %; with the directly measured message latency instead of the fitted
-  one every kind got worse (B +16..+58 %, step -3..-12 %).
-slice_us = 0 is the fluid model.
+woken inside the sender's send call, on the sender's core, and preempts it; it takes a core again, with a fresh
+protection, as soon as one is free. A rank on a core progresses at min(1, cores(m) / m), m = min(k, slots)
+ranks on cores; what k > slots busy processes lose beyond that (cores(k) < cores(slots)) is lost at the
+switches: a rank taking a core from another first loses slice x slots x (1 - cores(k) / cores(slots)) /
+min(k - slots, slots), so that k always-ready ranks progress at exactly cores(k) in total, with
+min(k - slots, slots) switches per tick. What this gets right and the fluid model does not: a rank that wakes
+while the cores are taken waits *before* its action (the span starts late, with its work at full speed), an
+action is stretched only by the time it loses at ticks, and an action's speed does not depend on how many
+ranks wait. slice_us = 0 is the fluid model. (bench/predict_local.py measures how close each variant of this
+model comes to real runs.)
 
 Semantics are those of schedules.simulate (the needs/produces of schedules.deps, non-blocking posts, FIFO
 channels per (src, dst) in the sender's program order, a transfer starts when both sides posted and the channel
@@ -63,6 +48,7 @@ from typing import Callable, Sequence
 from schedules.deps import Topology, needs, produces
 from schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from schedules.simulate import SimResult, peak_live_activations
+from schedules.validate import check_structure, raise_deadlock
 from traces.trace import Span, Trace
 
 _SEND = {Kind.SEND_F: ("XF", Kind.RECV_F), Kind.SEND_B: ("XG", Kind.RECV_B)}
@@ -98,8 +84,6 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     core. `fb_forward_share(a)`: the share of an F&B pair's work that is its forward half, which the runtime runs
     first and whose output it sends as soon as it exists (pipeline.executor); None: the pair publishes both
     outputs at its end."""
-    from schedules.validate import check_structure, raise_deadlock
-
     lowered = check_structure(schedule)
     topo = Topology(lowered)
     cap = capacity(cores)

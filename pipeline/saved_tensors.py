@@ -8,10 +8,10 @@ views of them, e.g. W^T) are not activations and are not counted. On CUDA the sa
 torch.cuda.max_memory_allocated.
 
 Counting is instrumentation, like the trace recorder: it costs a Python object and callback for every saved
-tensor (thousands per step: each of the 20 unrolled Sinkhorn rounds saves its own), about a quarter of an mHC
-step on CPU. A runtime counts when it records (`counting=True`); otherwise the hooks run only inside recompute
-blocks, which need them to drop tensors, and `peak` stays 0. Storage identity without building a storage object
-per tensor: the storage's base address is data_ptr - storage_offset * element_size.
+tensor (thousands per step: each of the unrolled Sinkhorn rounds saves its own). A runtime counts when it
+records (`counting=True`); otherwise the hooks run only inside recompute blocks, which need them to drop
+tensors, and `peak` stays 0. Storage identity without building a storage object per tensor: the storage's
+base address is data_ptr - storage_offset * element_size.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """`mhcpipe predict`: what mHC will cost before launch (time, overhead %, breakdown, memory, L_r).
 
+The command's wiring: it parses the arguments and plugs costmodel.local's HostPricing into the analytic core,
+so that `--hardware local` calibrated for this runtime is priced from its runtime profile.
+
 Examples:
   mhcpipe predict --preset paper-27b --hardware h800 --pp 6 --schedule dualpipe --ep 8
   mhcpipe predict --preset paper-27b --hardware h800 --pp 8 --uneven --json out.json --trace-out pred.json
@@ -14,6 +17,7 @@ import math
 from pathlib import Path
 
 from costmodel.hardware import hardware_names
+from costmodel.local.host_pricing import HostPricing
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)
     if args.sweep:
         return _sweep(cfg, hw, spec, opts, args)
-    pred = predict(cfg, hw, spec, opts)
+    pred = predict(cfg, hw, spec, opts, profile_pricing=HostPricing())
     print(format_table(pred))
     if args.json:
         print(f"wrote {write_json(pred, args.json)}")
@@ -183,7 +187,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
             points.append((v, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9)))
     rows = []
     for v, s, o in points:
-        pred = predict(cfg, hw, s, o)
+        pred = predict(cfg, hw, s, o, profile_pricing=HostPricing())
         b = pred.summary["breakdown_pp"]
         rows.append((v, pred.summary["overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
                      pred.summary["memory_gib"]["mhc"]))

@@ -1,52 +1,38 @@
-"""How k concurrent ranks share this host's CPU cores: cores(k) and the time slice for costmodel.shared_cores.
+"""How k concurrent ranks share this host's CPU cores: cores(k), the time slice and the protection after a
+wake-up, the inputs of costmodel.local.shared_cores.
 
-measure_core_sharing(cfg, k_max) spawns k_max single-thread processes that each build one Transformer block of
-cfg's shape (the runtime's own code) and, for k = 1 .. k_max in turn, let k of them run forward + backward rounds
-for `seconds` while the rest wait. cores(k) = the k processes' summed rounds per second / one process's rate
-alone. On a dedicated host with c cores this is about min(k, c); on a shared VM it is what the VM gives, and it
-can fall beyond c: k > c processes time-slicing c cores refill their caches after every switch.
+measure_core_sharing(cfg, k_max, workload) spawns k_max single-thread processes that each build one round of
+the workload (the runtime's own Transformer block of cfg's shape, pipeline.host_measurements.block_round) and,
+for k = 1 .. k_max in turn, let k of them run rounds for `seconds` while the rest wait. cores(k) = the k
+processes' summed rounds per second / one process's rate alone. On a dedicated host with c cores this is about
+min(k, c); on a shared VM it is what the VM gives, and it can fall beyond c: k > c processes time-slicing c
+cores refill their caches after every switch.
 
 measure_time_slice(k) lets k busy processes spin, each stamping the clock every few microseconds; a jump in its
 stamps is a time it was descheduled. The median length of the runs between jumps is the scheduler's time slice
-under that load (4 ms on the 2-vCPU VM this was written on: a 250 Hz tick). An action shorter than the slice
-that starts on a core mostly ends before it is preempted, so it runs at full speed however many ranks compute
-(costmodel.shared_cores schedules the ranks on the cores in such slices).
+under that load (one scheduler tick, e.g. 4 ms at 250 Hz). An action shorter than the slice that starts on a
+core mostly ends before it is preempted, so it runs at full speed however many ranks compute
+(costmodel.local.shared_cores schedules the ranks on the cores in such slices).
 
 measure_protection(k, slice_us) lets half of k processes spin while the others wake up from short sleeps into
 the busy cores and spin until they are descheduled: the median of their first on-CPU run after a wake-up. The
 scheduler preempts a task at the first tick after it has run its base slice, and a wake-up falls anywhere
-between two ticks, so that median is the base slice plus half a tick: protection = median - slice / 2. On the
-2-vCPU VM (Linux 6.18, EEVDF, 250 Hz tick): a woken process got a core within 0.07 ms (median; 90 % within 3
-ms), then ran 2.1 ms (10 %), 4.1-4.3 ms (median), 5.8-6.4 ms (90 %) before it lost it: protection about 2 ms.
+between two ticks, so that median is the base slice plus half a tick: protection = median - slice / 2.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
 import time
+from typing import Callable
 
 
-def _worker(index: int, cfg_dict: dict, plan: list[int], seconds: float, start, results) -> None:
+def _worker(index: int, workload: Callable[[dict], Callable[[], None]], cfg_dict: dict, plan: list[int],
+            seconds: float, start, results) -> None:
     import torch
 
-    from configs import parse_config
-    from pipeline.model import build_block
-    from pipeline.weight_grad import WeightGradStore
-
     torch.set_num_threads(1)
-    cfg = parse_config(cfg_dict).with_residual("residual", 1)
-    T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
-    block = build_block(cfg.model, cfg.parallel.seq_len, 0, cfg.train.seed, WeightGradStore())
-    x = torch.randn(T, 1, C)
-    g = torch.randn(T, 1, C)
-
-    def one_round() -> None:
-        y = x.detach().requires_grad_(True)
-        for _, sub in block.sublayers():
-            y = sub(y)
-        torch.autograd.backward(y, g)
-        block.zero_grad(set_to_none=True)
-
+    one_round = workload(cfg_dict)
     for _ in range(3):
         one_round()
     for phase, k in enumerate(plan):
@@ -77,14 +63,15 @@ def _gather(procs, results, count: int, timeout_s: float, what: str) -> list:
                 p.kill()
 
 
-def measure_core_sharing(cfg, k_max: int, seconds: float = 0.25, cycles: int = 12,
-                         timeout_s: float = 120.0) -> list[float]:
-    """[cores(1), ..., cores(k_max)] for cfg's block on this host (see the module docstring). The sweep
-    k = 1 .. k_max runs `cycles` times, each closed by a solo phase; a cycle's cores(k) is its rate at k over the
-    mean of the solo rates at both of its ends, and the result is the median over cycles (shared VMs drift and
-    stall, so single phases are noisy). Many short cycles rather than a few long ones: on the 2-vCPU VM, whose
-    speed switches within seconds, 12 x 0.25 s gave cores(4) = 1.59-1.79 over 6 measurements right after a
-    pipeline run, 3 x 1 s gave 1.38-1.89 in the same 12 s."""
+def measure_core_sharing(cfg, k_max: int, workload: Callable[[dict], Callable[[], None]], seconds: float = 0.25,
+                         cycles: int = 12, timeout_s: float = 120.0) -> list[float]:
+    """[cores(1), ..., cores(k_max)] for cfg's block on this host (see the module docstring). `workload(cfg_dict)`
+    builds one round of the work (pipeline.host_measurements.block_round); it runs in spawned processes, so it
+    must be a module-level function. The sweep k = 1 .. k_max runs `cycles` times, each closed by a solo phase;
+    a cycle's cores(k) is its rate at k over the mean of the solo rates at both of its ends, and the result is
+    the median over cycles (shared VMs drift and stall, so single phases are noisy). Many short cycles rather
+    than a few long ones: a shared VM's speed can switch within seconds, and short cycles put both ends of a
+    cycle in the same state."""
     if k_max < 1 or cycles < 1:
         raise ValueError(f"k_max and cycles must be >= 1, got k_max={k_max}, cycles={cycles}")
     sweep = list(range(1, k_max + 1))
@@ -92,7 +79,8 @@ def measure_core_sharing(cfg, k_max: int, seconds: float = 0.25, cycles: int = 1
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(k_max, timeout=timeout_s)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(i, cfg.model_dump(), plan, seconds, start, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(i, workload, cfg.model_dump(), plan, seconds, start, results),
+                         daemon=True)
              for i in range(k_max)]
     rates: dict[int, float] = {}
     for phase, _, r in _gather(procs, results, sum(plan), timeout_s, "core-sharing"):
@@ -128,8 +116,7 @@ def _slice_worker(seconds: float, results) -> None:
 def measure_time_slice(k: int, seconds: float = 0.5, timeout_s: float = 60.0, repeats: int = 3) -> float:
     """Median on-CPU run (us) of k processes that all want a core (see the module docstring); 0 when they were
     almost never descheduled (k <= cores: there is nothing to share). The median over `repeats` independent
-    measurements of `seconds` each: one of them, disturbed by another process waking up, once came out at a
-    quarter of the others."""
+    measurements of `seconds` each, so that one disturbed by another process waking up does not decide it."""
     if k < 1 or repeats < 1:
         raise ValueError(f"k and repeats must be >= 1, got k={k}, repeats={repeats}")
     slices = []

@@ -1,7 +1,7 @@
 """Benchmark: generate + validate + simulate large schedules (target: DualPipe P=64, M=1024 under 2 s on the
 2-core CI machine). Prints a table and writes bench/results/schedules.json.
 
-    .venv/bin/python bench/schedules.py [--repeat 3] [--out bench/results/schedules.json]
+    .venv/bin/python bench/schedule_bench.py [--repeat 3] [--out bench/results/schedules.json]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schedules import Durations, build, simulate  # noqa: E402
 from schedules.validate import check_structure  # noqa: E402
-from schedules.simulate import run_engine  # noqa: E402
+from schedules.engine import run_engine  # noqa: E402
 
 CASES = [("dualpipe", 64, 1024), ("dualpipev", 32, 512), ("zb1p", 64, 512), ("1f1b", 64, 512), ("dualpipe", 8, 20)]
 TARGET_S = 2.0

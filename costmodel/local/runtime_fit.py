@@ -1,6 +1,7 @@
-"""Fit this runtime's `local` RuntimeProfile on a measured BASELINE run (costmodel.md §3).
+"""RuntimeProfileFit: this runtime's `local` RuntimeProfile fitted on a measured BASELINE run (costmodel.md §3;
+a costmodel.trace_fit.TraceFitter, used through fit_trace).
 
-Model (costmodel.shared_cores): every compute action is full-speed *work*; the ranks that want to compute are
+Model (shared_cores.py): every compute action is full-speed *work*; the ranks that want to compute are
 scheduled on the host's cores in time slices (the slice measured) so that k busy ranks progress at cores(k)
 in total (measured, core_sharing.py); the executor spends full-speed work `gap` before each action; a
 stage-boundary message takes alpha + bytes / bandwidth.
@@ -11,67 +12,41 @@ The fit, on the steady-state steps of the baseline trace (the first step is drop
   that moment and the simulation applies the sharing again, so the measured duration is only where the fit
   starts: each round scales every key's work by the square root of its measured over its simulated duration,
   until the simulated baseline reproduces the measured ones (fit_work; work stays at most the measured duration,
-  since sharing only slows). The measured duration is the key's median: the simulation already makes a rank lose
-  time slices to the others, and the mean of a short action carries the slices it lost in the run a second time
-  (measured: baseline means 10-20 % above the medians, mHC's mostly under 10 %: its long actions lose slices evenly,
-  as simulated). On 15 interleaved runs (bench/predict_local.py) fitting the means over-predicted the mHC kinds
-  by a median +12 to +20 % (F, W, B, FB) and the step by up to 15 %, the medians by -6 to +14 % and 13 %;
+  since sharing only slows). The target is the key's median, not its mean: the simulation already makes a rank
+  lose time slices to the others, and the mean of a short action carries the slices it lost in the run a second
+  time;
 * alpha, around that: bisected so that the simulated baseline step equals the measured median step, the work
   refitted at every alpha. It takes up what the model does not have (gloo progress, waking a descheduled
   receiver, an executor preempted between two actions); the directly measured message latency (producer end to
   waiting consumer start, meta `message_latency_us`) is reported next to it;
-* the residual's extra cost per kind: its micro-benchmarked extra (runtime_bench) x that kind's in-pipeline
-  factor, the measured median of the block-only baseline stages over the same blocks micro-benchmarked (meta
-  `insitu_over_bench`: F, I, W, B and `all`). Inside the pipeline the same code runs at another speed than in
-  the micro-benchmark (measured: forwards 0.6-1.0x, backwards 0.9-1.4x), because of what runs between two
-  actions of a rank and because the VM's speed moves between the micro-benchmark and the run. Re-pricing the
-  same 16 measured runs three ways (with a median-based work fit), the per-kind factor kept every kind's signed
-  median error within 18 % in each of 3 series; one factor for all kinds let forwards reach +24 % in one, no
-  factor let input-grads reach -27 to -30 % in two.
-The mHC run is never an input: a trace of another residual is refused.
+* the residual's extra cost per kind: its micro-benchmarked extra (the stage timings the fitter is built with)
+  x that kind's in-pipeline factor, the measured median of the block-only baseline stages over the same blocks
+  micro-benchmarked (meta `insitu_over_bench`: F, I, W, B and `all`). Inside the pipeline the same code runs at
+  another speed than in the micro-benchmark, because of what runs between two actions of a rank and because a
+  shared host's speed moves between the micro-benchmark and the run; a factor per kind follows that better
+  than one factor for all kinds or none (bench/predict_local.py measures it).
+The mHC run is never an input: a trace of another residual is refused (fit_trace).
 """
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
-RUNTIME_KINDS = ("F", "I", "W", "B", "FB")
+from costmodel.hardware import HardwareSpec
+from costmodel.local.host_pricing import HostPricing
+from costmodel.mhc_cost import ResidualSpec
+from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.runtime_profile import RuntimeProfile, runtime_key
+from costmodel.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
+from schedules.build import build
+from traces.compare import step_index
+
 STALL_FACTOR = 5.0  # a duration above this many medians of its key is a stall (page faults, VM steal), not sharing
-WORK_ROUNDS = 6  # rounds of fit_work; on local runs the simulated durations are then within 1% (median key), 3% (p90)
-
-
-def action_key(s) -> str:
-    return f"{s.kind}/s{s.stage}" + (f"+s{s.partner[0]}" if s.kind == "FB" and s.partner else "")
-
-
-def nested_in_fb(spans) -> set[int]:
-    """Indices of F/B spans that are the halves of an overlapped FB (inside an FB span on the same rank)."""
-    fbs: dict[int, list] = {}
-    for s in spans:
-        if s.kind == "FB":
-            fbs.setdefault(s.rank, []).append((s.start, s.end))
-    out = set()
-    for i, s in enumerate(spans):
-        if s.kind in ("F", "B"):
-            for a, b in fbs.get(s.rank, ()):
-                if a - 1e-6 <= s.start and s.end <= b + 1e-6:
-                    out.add(i)
-                    break
-    return out
-
-
-def check_baseline_trace(trace) -> None:
-    res = trace.meta.get("residual")
-    if isinstance(res, dict):
-        variant, n = res.get("variant"), res.get("n")
-        if variant not in (None, "residual") or n not in (None, 1):
-            raise ValueError(f"calibration needs a baseline (n = 1, plain residual) run, got a trace of "
-                             f"{variant} n={n}: the mHC run is the test, never an input (costmodel.md §3)")
+WORK_ROUNDS = 6  # rounds of fit_work: enough for the simulated durations to settle within a few % of the targets
 
 
 def steady_steps(trace, skip_steps: int = 1) -> dict[int, list[int]]:
     """step -> indices of its schedule spans, without the first `skip_steps` steps (all when that leaves none)."""
-    from traces.compare import step_index
-
     steps = step_index(trace)
     nsteps = 1 + max(steps.values(), default=-1)
     skip = skip_steps if nsteps > skip_steps else 0
@@ -135,13 +110,11 @@ def gaps_and_makespan(trace, skip_steps: int = 1) -> tuple[float, float]:
 
 
 def _baseline_pricer(cfg, hw):
-    from costmodel.mhc_cost import ResidualSpec
-    from costmodel.predict import Options, Pricer, resolve_layout
-    from schedules.build import build
-
     base = cfg.with_residual("residual", 1)
     sched = build(cfg.parallel.schedule, cfg.parallel.ranks, cfg.parallel.microbatches)
-    return Pricer(base, hw, ResidualSpec.baseline(), resolve_layout(base, sched, True), Options()), sched
+    pricer = Pricer(base, hw, ResidualSpec.baseline(), resolve_layout(base, sched, True), Options(),
+                    profile_pricing=HostPricing())
+    return pricer, sched
 
 
 def message_latencies(trace, schedule, skip_steps: int = 1) -> list[float]:
@@ -218,32 +191,42 @@ def fit_work_and_latency(cfg, hw, targets: dict[str, float], target_us: float,
     return at(alpha)[0], alpha
 
 
-def fit_runtime_profile(trace, cfg, bench: dict, cores: list[float], hw_base, skip_steps: int = 1,
-                        time_slice_us: float = 0.0, protect_us: float = 0.0):
-    """RuntimeProfile from a measured baseline trace, `bench_runtime_pieces` output, cores(k) and the OS time
-    slice (see above). `hw_base`: the host's HardwareSpec (its link prices the message bytes)."""
-    from costmodel.hardware import RuntimeProfile
-    from costmodel.runtime_profile import runtime_key
+@dataclass
+class RuntimeProfileFit:
+    """costmodel.trace_fit.TraceFitter for `local` (module docstring), built with the host measurements:
+    `stage_us` (pipeline.host_measurements.time_stage_pieces: {"block": {F, I, W, B} of one baseline block,
+    "residual": {"variant:n": pieces}}), `cores` (cores(k), core_sharing.measure_core_sharing), the OS time slice
+    and the protection after a wake-up (core_sharing). The input spec's link prices the message bytes; the
+    result is that spec with the fitted profile."""
 
-    means, medians, used = baseline_action_stats(trace, skip_steps)
-    gap, makespan = gaps_and_makespan(trace, skip_steps)
-    lat = message_latencies(trace, _baseline_pricer(cfg, hw_base)[1], skip_steps)
-    profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
-                             action_overhead_us=gap, cores_by_concurrency=list(cores), time_slice_us=time_slice_us,
-                             protect_us=protect_us)
-    # the simulation takes the time slices away again, so the work reproduces the median; alpha takes up the
-    # rest of the measured step
-    work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)
-    factors = insitu_factors(medians, cfg, bench)
-    return profile.model_copy(update={
-        "action_us": work, "p2p_latency_us": alpha,
-        "residual_us": {key: scale_residual(pieces, factors) for key, pieces in bench.get("residual", {}).items()},
-        "meta": {"measured_mean_us": means, "measured_median_us": medians, "block_bench_us": bench.get("block", {}),
-                 "residual_bench_us": bench.get("residual", {}), "bench_raw_us": bench.get("raw_us", {}),
-                 "insitu_over_bench": factors, "steps_used": used, "baseline_makespan_us": makespan,
-                 "message_latency_us": {"mean": statistics.fmean(lat), "median": statistics.median(lat),
-                                        "n": len(lat)} if lat else None,
-                 "source": trace.meta.get("source")}})
+    stage_us: dict
+    cores: list[float]
+    time_slice_us: float = 0.0
+    protect_us: float = 0.0
+    skip_steps: int = 1
+
+    def fit(self, trace, cfg, hw_base: HardwareSpec) -> TraceFit:
+        bench, skip_steps = self.stage_us, self.skip_steps
+        means, medians, used = baseline_action_stats(trace, skip_steps)
+        gap, makespan = gaps_and_makespan(trace, skip_steps)
+        lat = message_latencies(trace, _baseline_pricer(cfg, hw_base)[1], skip_steps)
+        profile = RuntimeProfile(key=runtime_key(cfg), action_us=dict(medians), residual_us=bench.get("residual", {}),
+                                 action_overhead_us=gap, cores_by_concurrency=list(self.cores),
+                                 time_slice_us=self.time_slice_us, protect_us=self.protect_us)
+        # the simulation takes the time slices away again, so the work reproduces the median; alpha takes up the
+        # rest of the measured step
+        work, alpha = fit_work_and_latency(cfg, hw_base.model_copy(update={"runtime": profile}), medians, makespan)
+        factors = insitu_factors(medians, cfg, bench)
+        profile = profile.model_copy(update={
+            "action_us": work, "p2p_latency_us": alpha,
+            "residual_us": {key: scale_residual(pieces, factors) for key, pieces in bench.get("residual", {}).items()},
+            "meta": {"measured_mean_us": means, "measured_median_us": medians, "block_bench_us": bench.get("block", {}),
+                     "residual_bench_us": bench.get("residual", {}), "bench_raw_us": bench.get("raw_us", {}),
+                     "insitu_over_bench": factors, "steps_used": used, "baseline_makespan_us": makespan,
+                     "message_latency_us": {"mean": statistics.fmean(lat), "median": statistics.median(lat),
+                                            "n": len(lat)} if lat else None,
+                     "source": trace.meta.get("source")}})
+        return TraceFit(hw_base.model_copy(update={"runtime": profile}), medians)
 
 
 PIECE_KIND = {"fwd": "F", "expand_fwd": "F", "contract_fwd": "F", "bwd": "I", "rc": "I", "expand_bwd": "I",
@@ -255,16 +238,13 @@ def scale_residual(pieces: dict[str, float], factors: dict[str, float]) -> dict[
     has no block-only stage of takes the factor over all kinds (`all`), else 1.
 
     The full backward's piece `b` is the residual's input-gradient work (`bwd`) plus its weight-gradient work
-    (`w`, 2-5 % of it on CPU), so it takes the factors of I and W weighted by those two pieces, not the
+    (`w`, a few % of it on CPU), so it takes the factors of I and W weighted by those two pieces, not the
     baseline B's factor: that one weights W by the baseline block's GEMM weight gradients (about a fifth of its
-    B), which run slower in the pipeline than its input gradients (measured factors W 1.3-1.6 vs I 1.1-1.5). On
-    18 interleaved runs (bench/predict_local.py, four batches, same scheduling model) the mHC B's signed median
-    error fell from +17..+38 % to +9..+24 % per batch.
+    B), which run slower in the pipeline than its input gradients, and they are not what the residual adds.
 
     The weight-gradient piece `w` is used as micro-benchmarked, without the baseline W's factor (here and in
-    that blend). Measured: re-pricing 28 stored runs (six batches of bench/predict_local.py) both ways, the mHC
-    W's signed median error per run was -7..+31 % with the factor and -16..+14 % without, its median |error|
-    13-39 % vs 15-27 %, the step error unchanged (W is 0.2-0.3 ms, its mHC part ~0.1 ms)."""
+    that blend): the baseline W's factor is its GEMMs', while the residual's W piece is a small elementwise
+    part whose in-pipeline speed that factor does not describe (bench/predict_local.py compares both ways)."""
     fallback = factors.get("all", 1.0)
     kind_factor = {**factors, "W": 1.0}
     out = {p: v * kind_factor.get(PIECE_KIND[p], fallback) for p, v in pieces.items() if p in PIECE_KIND}
@@ -280,12 +260,9 @@ def scale_residual(pieces: dict[str, float], factors: dict[str, float]) -> dict[
 
 
 def insitu_factors(work: dict[str, float], cfg, bench: dict) -> dict[str, float]:
-    """Per kind F, I, W, B: fitted full-speed work of the block-only stages over the same blocks
+    """Per kind F, I, W, B: the measured (median) durations `work` of the block-only stages over the same blocks
     micro-benchmarked in one process, and `all` over every such action: how much slower (or faster) the code
     runs inside the pipeline. Kinds without a block-only stage are left out."""
-    from costmodel.predict import resolve_layout
-    from schedules.build import build
-
     block = bench.get("block") or {}
     sched = build(cfg.parallel.schedule, cfg.parallel.ranks, cfg.parallel.microbatches)
     layout = resolve_layout(cfg, sched, True)  # stage -> (blocks, first of its pipeline, last)

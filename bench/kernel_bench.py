@@ -1,8 +1,8 @@
 """Benchmark the mHC kernels (gpu.md §7): per-kernel time and GB/s against measured copy bandwidth, and
 block-level fwd+bwd time of plain residual / mHC fused / mHC eager / mHC torch.compile. Writes JSON.
 
-  python bench/kernels.py                       # H200: C in {2560, 4096, 7168}, T=4096, n=4, bf16
-  python bench/kernels.py --device cpu --small  # smoke test: tiny shapes, fused kernels under the interpreter
+  python bench/kernel_bench.py                       # H200: C in {2560, 4096, 7168}, T=4096, n=4, bf16
+  python bench/kernel_bench.py --device cpu --small  # smoke test: tiny shapes, fused kernels under the interpreter
 
 Shape letters: T tokens, n streams, C hidden. Targets (issue): each fused kernel >= 70% of copy bandwidth
 for T*C >= 1e7; block overhead of fused mHC at C=4096 <= 12%.
@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, sys.path[0] is bench/, where this file would shadow the `kernels` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
 
 def parse_args():

@@ -1,0 +1,164 @@
+"""The import graph of our packages (design.md, "Dependency direction"), read from the source with `ast`: every
+`import` and `from ... import` counts, at module level or inside a function (a deferred import is still a
+dependency; it only hides a circle until something runs it).
+
+* No circles: no module reaches itself through the imports of other modules.
+* Layering: a package imports only the packages below it - traces and kernels nothing of ours, schedules
+  traces, the config models kernels and schedules (validation builds the schedule), costmodel schedules,
+  traces and configs, pipeline kernels, schedules, traces and configs, the app layer (mhcpipe) everything;
+  nothing imports mhcpipe.
+* Inside costmodel the analytic core never imports the `local` host emulation: local plugs in through the
+  interfaces the core defines (pricing.ProfilePricing, trace_fit.TraceFitter). Only the predict command's
+  wiring (predict_cli) names both.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("configs", "kernels", "traces", "schedules", "costmodel", "pipeline", "mhcpipe")
+ALLOWED = {  # package -> the packages of ours it may import
+    "kernels": set(),
+    "traces": set(),
+    "schedules": {"traces"},
+    "configs": {"kernels", "schedules", "traces"},
+    "costmodel": {"schedules", "traces", "configs"},
+    "pipeline": {"kernels", "schedules", "traces", "configs"},
+    "mhcpipe": {"configs", "kernels", "traces", "schedules", "costmodel", "pipeline"},
+}
+LOCAL = "costmodel.local"
+LOCAL_WIRING = {"costmodel.predict_cli"}  # may import both rooms of costmodel
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of our packages (a package is its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = f.relative_to(root).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ours that `name` imports anywhere in its source (`from p import m` is module p.m when that
+    exists, else p)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # `import a.b.c` of a name inside a module: the module a.b
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = module_files(root)
+    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(graph.items()):
+        pkg = src.split(".")[0]
+        for dst in sorted(targets):
+            other = dst.split(".")[0]
+            if other != pkg and other not in ALLOWED[pkg]:
+                may = ", ".join(sorted(ALLOWED[pkg])) or "nothing of ours"
+                bad.append(f"{src} -> {dst} ({pkg} may import {may})")
+            in_local = src == LOCAL or src.startswith(LOCAL + ".")
+            if (pkg == "costmodel" and not in_local and src not in LOCAL_WIRING
+                    and (dst == LOCAL or dst.startswith(LOCAL + "."))):
+                bad.append(f"{src} -> {dst} (the costmodel core never imports costmodel.local)")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_every_package_is_walked(graph):
+    assert {name.split(".")[0] for name in graph} == set(PACKAGES)
+    assert "schedules.simulate" in graph["costmodel.pricing"]  # a module-level import
+    assert "schedules.build" in graph["schedules.torch_csv"]  # an import inside a function
+
+
+def test_no_module_imports_itself_through_others(graph):
+    found = circles(graph)
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_packages_import_only_downward(graph):
+    bad = forbidden_imports(graph)
+    assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
+    """The walk resolves relative and function-level imports and the checks flag what they must."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "schedules" / "a.py").write_text("from . import b\n")
+    (tmp_path / "schedules" / "b.py").write_text("def f():\n    from schedules.a import x\n")
+    (tmp_path / "traces" / "t.py").write_text("def g():\n    import costmodel.pricing\n")
+    (tmp_path / "costmodel" / "pricing.py").write_text("from costmodel.local import host\n")
+    (tmp_path / "costmodel" / "local").mkdir()
+    (tmp_path / "costmodel" / "local" / "__init__.py").write_text("")
+    (tmp_path / "costmodel" / "local" / "host.py").write_text("from ..pricing import x\n")
+    g = import_graph(tmp_path)
+    assert sorted(circles(g)) == [["costmodel.local.host", "costmodel.pricing"], ["schedules.a", "schedules.b"]]
+    bad = forbidden_imports(g)
+    assert any(b.startswith("traces.t -> costmodel.pricing") for b in bad)
+    assert any(b.startswith("costmodel.pricing -> costmodel.local.host (the costmodel core") for b in bad)

@@ -1,0 +1,74 @@
+"""Waiting for messages: per rank and step, the time its compute waits for incoming stage-boundary messages
+(RECV_F, RECV_B). It is the exposed P2P communication that a prediction and a measurement can both state, so
+traces.compare compares it per rank; the SEND/RECV spans themselves mean different things on the two sides
+(`comm_span_meaning`).
+
+* A trace that records WAIT spans (the runtime's, meta `wait_spans`): the WAIT spans of a receive, i.e. the
+  time the compute thread blocked on it, from the wait's start to the message's completion.
+* Any other trace (predictions, imported runs): read off the timeline. On each rank, a stretch in which it
+  computes nothing before a compute action - from the step's start or from its previous compute's end - counts
+  up to the last receive that completes inside it. That is the same wait: a simulated rank idles only until a
+  message it needs arrives, and a receive's span ends at its arrival (a transfer) or its completion.
+Both are summed over a rank's steps and divided by the number of steps.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from traces.names import WAIT_KIND
+from traces.trace import Span, Trace
+
+RECEIVE_KINDS = ("RECV_F", "RECV_B")
+TRANSFER = "transfer"  # a SEND/RECV span is the message on the wire: both sides posted -> arrival
+POST_TO_COMPLETION = "post to completion"  # a SEND/RECV span runs from the op's post to its completion
+
+
+def comm_span_meaning(trace: Trace) -> str:
+    """What a SEND/RECV span of `trace` covers: a prediction's (schedules.simulate, costmodel.local.shared_cores)
+    is the transfer; a measured run's is the op from its post to its completion (traces.md §5)."""
+    return TRANSFER if trace.meta.get("source") in ("predicted", "simulated") else POST_TO_COMPLETION
+
+
+def receive_wait(trace: Trace, steps: list[list[Span]], streams: list[list[str]]) -> dict[int, float]:
+    """Per rank, the mean time per step its compute waited for incoming messages (see the module docstring).
+    `steps`: the schedule spans of each counted step; `streams`: their logical streams (compute, hp, comm)."""
+    if not steps:
+        return {}
+    ranks = sorted({s.rank for spans in steps for s in spans})
+    total: dict[int, float] = dict.fromkeys(ranks, 0.0)
+    if trace.meta.get("wait_spans"):
+        for w in trace.spans:
+            target = w.label[5:] if w.kind == WAIT_KIND and w.label.startswith("WAIT/") else ""
+            if target.split("/", 1)[0] in RECEIVE_KINDS:
+                total[w.rank] = total.get(w.rank, 0.0) + w.duration
+    else:
+        for spans, ls in zip(steps, streams):
+            for r, v in _timeline_waits(spans, ls).items():
+                total[r] = total.get(r, 0.0) + v
+    return {r: v / len(steps) for r, v in total.items()}
+
+
+def _timeline_waits(spans: list[Span], streams: list[str]) -> dict[int, float]:
+    """One step: per rank, the idle stretches before compute, each counted up to the last receive completing
+    inside it."""
+    t0 = min(s.start for s in spans)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    arrivals: dict[int, list[float]] = defaultdict(list)
+    for s, ls in zip(spans, streams):
+        if ls in ("compute", "hp"):
+            busy[s.rank].append((s.start, s.end))
+        elif s.kind.split(".", 1)[0] in RECEIVE_KINDS:
+            arrivals[s.rank].append(s.end)
+    out = {}
+    for r, intervals in busy.items():
+        waited, free = 0.0, t0
+        ends = sorted(arrivals.get(r, ()))
+        for start, end in sorted(intervals):
+            if start > free:
+                eps = 1e-9 * max(1.0, abs(start))
+                inside = [a for a in ends if free < a <= start + eps]
+                if inside:
+                    waited += min(max(inside), start) - free
+            free = max(free, end)
+        out[r] = waited
+    return out
