@@ -90,9 +90,9 @@ import torch  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.config import MHCConfig  # noqa: E402
+from kernels.parity import NAMES, run_ops  # noqa: E402
 
 F64 = torch.float64
-NAMES = ["out", "lin", "h_pre", "h_post", "h_res", "dx", "dphi", "dalpha", "dbias", "dscale", "dy0"]
 COEFFS = ("h_pre", "h_post", "h_res")  # fp32 outputs computed from mix/sumsq only: no bf16 store on their path
 
 # (stream dtype, tensor group, interpreted) -> tolerance; the derivation is in the module docstring.
@@ -134,22 +134,6 @@ def inputs(t: int, n: int, c: int, dtype: torch.dtype, device: str, seed: int):
     return cfg, [x, phi, alpha, bias, scale, y0], g
 
 
-def run(ops, leaves, g, cfg, dtype, combined: bool):
-    leaves = [v.detach().clone().to(dtype if i in (0, 4, 5) else v.dtype).requires_grad_()
-              for i, v in enumerate(leaves)]
-    x, phi, alpha, bias, scale, y0 = leaves
-    t, n, c = x.shape
-    if combined:
-        lin, hp, hq, hr = ops.mhc_pre_side(x, phi, alpha, bias, cfg)
-    else:
-        mix, ss = ops.project(x, phi)
-        hp, hq, hr = ops.coefficients(mix, ss, alpha, bias, cfg, n * c)
-        lin = ops.pre(x, hp)
-    out = ops.post_res(x, lin * scale + y0, hq, hr)
-    out.backward(g.to(out.dtype))
-    return [out, lin, hp, hq, hr] + [v.grad for v in leaves]
-
-
 def launch_context(launch: str, num_sms: int | None):
     import kernels.fused as fused
 
@@ -174,7 +158,7 @@ def check(t: int, n: int, c: int, dtype: torch.dtype, device: str, seed: int, la
     import kernels.fused as fused
 
     cfg, leaves, g = inputs(t, n, c, dtype, device, seed)
-    ref = run(reference, [v.to(F64) for v in leaves], g.to(F64), cfg, F64, combined=False)
+    ref = run_ops(reference, [v.to(F64) for v in leaves], g.to(F64), cfg, combined=False, dtype=F64)
     ref = [r.detach() for r in ref]
     tols = {k: tolerance(dtype, fused.INTERPRETED, k) for k in NAMES}
     lsum = launch_summary(t, n, c, dtype, device, launch, num_sms)
@@ -182,7 +166,7 @@ def check(t: int, n: int, c: int, dtype: torch.dtype, device: str, seed: int, la
     for combined in (False, True):
         t0 = time.perf_counter()
         with launch_context(launch, num_sms):
-            got = run(fused, leaves, g, cfg, dtype, combined)
+            got = run_ops(fused, leaves, g, cfg, combined, dtype=dtype)
         if device == "cuda":
             torch.cuda.synchronize()
         errs = {k: rel(a, b) for k, a, b in zip(NAMES, got, ref)}

@@ -43,7 +43,7 @@ def oracle_trace(meas):
     action prediction."""
     from dataclasses import replace
 
-    from traces.compare import span_key, step_index
+    from traces.matching import span_key, step_index
     from traces.trace import Trace
 
     steps = step_index(meas)
@@ -63,7 +63,7 @@ def out_of_run_oracle(pred, others, q: float):
 
     import numpy as np
 
-    from traces.compare import span_key
+    from traces.matching import span_key
     from traces.trace import Trace
 
     pooled: dict = {}
@@ -120,7 +120,8 @@ def main() -> int:
     from costmodel.predict import predict
     from pipeline.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config
-    from traces.compare import compare, drop_warmup_step
+    from traces.compare import compare
+    from traces.matching import drop_warmup_step
 
     t_start = time.time()
     out = Path(args.out)

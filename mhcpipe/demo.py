@@ -71,7 +71,7 @@ def last_step(trace):
     """The last recorded step of a measured trace, shifted to start at 0 (steady state, for pictures)."""
     from dataclasses import replace
 
-    from traces.compare import step_index
+    from traces.matching import step_index
     from traces.trace import Trace
 
     steps = step_index(trace)
@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.predict import predict
     from pipeline.host_measurements import block_round, time_stage_pieces
     from traces.chrome import save_chrome
-    from traces.compare import compare, drop_warmup_step
+    from traces.compare import compare
+    from traces.matching import drop_warmup_step
     from traces.trace import Trace
     from traces.view import plot_overhead, write_picture
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from traces.matching import match_spans
 from traces.names import RANGE_KIND, parse_name
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 
@@ -135,8 +136,6 @@ def _p2p_flows(trace: Trace, tid_of_span: list[int]) -> list[dict[str, Any]]:
 
 
 def _overlay(pred: Trace, meas: Trace) -> dict[int, dict[str, float]]:
-    from traces.compare import match_spans  # local import: compare imports nothing from here
-
     out = {}
     for pi, mi in match_spans(pred, meas):
         p, m = pred.spans[pi].duration, meas.spans[mi].duration

@@ -78,7 +78,7 @@ def run_view(args: argparse.Namespace) -> int:
             raise TraceError(f"internal: the Chrome export is malformed: {problems[0]}")
         save_chrome(out, *traces)
     elif suffix == ".html":
-        from traces.view import markdown_tables_to_html, write_html
+        from traces.html_view import markdown_tables_to_html, write_html
         comparison = ""
         preds = [t for t in traces if is_predicted(t)]
         meass = [t for t in traces if not is_predicted(t)]

@@ -39,7 +39,7 @@ from costmodel.pricing import Options, Pricer, resolve_layout
 from costmodel.runtime_profile import RuntimeProfile, runtime_key
 from costmodel.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
 from schedules.build import build
-from traces.compare import step_index
+from traces.matching import step_index
 
 STALL_FACTOR = 5.0  # a duration above this many medians of its key is a stall (page faults, VM steal), not sharing
 WORK_ROUNDS = 6  # rounds of fit_work: enough for the simulated durations to settle within a few % of the targets

@@ -14,6 +14,7 @@ import torch
 
 from kernels import dispatch, reference
 from kernels.config import MHCConfig
+from kernels.parity import NAMES, run_ops
 from kernels.module import MHCSublayer
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -40,22 +41,6 @@ def _inputs(t, n, c, dtype, device, seed):
     return cfg, leaves, g.to(device)
 
 
-def _run(ops, leaves, g, cfg, dtype, combined: bool):
-    leaves = [v.detach().clone().to(dtype if i in (0, 4, 5) else v.dtype).requires_grad_() for i, v in enumerate(leaves)]
-    x, phi, alpha, bias, scale, y0 = leaves
-    t, n, c = x.shape
-    if combined:
-        lin, hp, hq, hr = ops.mhc_pre_side(x, phi, alpha, bias, cfg)
-    else:
-        mix, ss = ops.project(x, phi)
-        hp, hq, hr = ops.coefficients(mix, ss, alpha, bias, cfg, n * c)
-        lin = ops.pre(x, hp)
-    out = ops.post_res(x, lin * scale + y0, hq, hr)  # F(u) = u * scale + y0 routes gradient through pre
-    out.backward(g.to(out.dtype))
-    return [out, lin, hp, hq, hr] + [v.grad for v in leaves]
-
-
-NAMES = ["out", "lin", "h_pre", "h_post", "h_res", "dx", "dphi", "dalpha", "dbias", "dscale", "dy0"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -66,10 +51,10 @@ def test_fused_matches_reference_fwd_bwd(t, c, n, dtype, fused_device):
     import kernels.fused as fused
 
     cfg, leaves, g = _inputs(t, n, c, dtype, fused_device, seed=t * 1000 + c + n)
-    ref = _run(reference, [v.to(F64) if v.dtype != F64 else v for v in [v.to(dtype) for v in leaves]],
-               g.to(dtype).to(F64), cfg, F64, combined=False)
+    ref = run_ops(reference, [v.to(F64) if v.dtype != F64 else v for v in [v.to(dtype) for v in leaves]],
+                  g.to(dtype).to(F64), cfg, combined=False, dtype=F64)
     for combined in (False, True):
-        got = _run(fused, leaves, g, cfg, dtype, combined)
+        got = run_ops(fused, leaves, g, cfg, combined, dtype)
         errs = {k: rel(a, b) for k, a, b in zip(NAMES, got, ref)}
         bad = {k: e for k, e in errs.items() if not e <= TOL[dtype]}
         assert not bad, f"combined={combined} errors over {TOL[dtype]}: {bad}"

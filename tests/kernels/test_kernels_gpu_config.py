@@ -41,6 +41,7 @@ import triton
 
 from kernels import dispatch, reference
 from kernels.config import MHCConfig
+from kernels.parity import NAMES, run_ops
 
 F64 = torch.float64
 NUM_SMS = 11  # fake SM count: with T=67, C=300, n=4 it gives split-K 5 (forward) and split-R 2 (backward)
@@ -49,7 +50,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 TOL_BF16_COEFFS = 1e-3  # h_pre, h_post, h_res of bf16 streams: fp32 math on an exact input, TF32 the only error
 KERNELS = ("project_fwd_kernel", "project_bwd_kernel", "coeffs_fwd_kernel", "coeffs_bwd_kernel", "pre_fwd_kernel",
            "pre_bwd_kernel", "post_res_fwd_kernel", "post_res_bwd_kernel")
-NAMES = ["out", "lin", "h_pre", "h_post", "h_res", "dx", "dphi", "dalpha", "dbias", "dscale", "dy0"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -123,20 +123,6 @@ def _inputs(dtype, device, seed):
     return cfg, [v.to(device) for v in (x, phi, alpha, bias, scale, y0)], g.to(device)
 
 
-def _run(ops, leaves, g, cfg, combined: bool):
-    leaves = [v.detach().clone().requires_grad_() for v in leaves]
-    x, phi, alpha, bias, scale, y0 = leaves
-    if combined:
-        lin, hp, hq, hr = ops.mhc_pre_side(x, phi, alpha, bias, cfg)
-    else:
-        mix, ss = ops.project(x, phi)
-        hp, hq, hr = ops.coefficients(mix, ss, alpha, bias, cfg, N * C)
-        lin = ops.pre(x, hp)
-    out = ops.post_res(x, lin * scale + y0, hq, hr)  # F(u) = u * scale + y0 routes gradient through pre
-    out.backward(g.to(out.dtype))
-    return [out, lin, hp, hq, hr] + [v.grad for v in leaves]
-
-
 def _check_launches(log, dtype):
     """The launches that ran are the GPU configuration's, with split > 1 and several programs."""
     import kernels.fused as fused
@@ -178,10 +164,10 @@ def test_fused_gpu_config_matches_reference(dtype, fused_device, launches, tf32_
     import kernels.fused as fused
 
     cfg, leaves, g = _inputs(dtype, fused_device, seed=18 + (dtype == torch.bfloat16))
-    ref = _run(reference, [v.to(F64) for v in leaves], g.to(F64), cfg, combined=False)
+    ref = run_ops(reference, [v.to(F64) for v in leaves], g.to(F64), cfg, combined=False)
     for combined in (False, True):
         with fused.use_config("gpu", num_sms=NUM_SMS):
-            got = _run(fused, leaves, g, cfg, combined)
+            got = run_ops(fused, leaves, g, cfg, combined)
         errs = {k: rel(a, b) for k, a, b in zip(NAMES, got, ref)}
         tol = {k: TOL_BF16_COEFFS if dtype == torch.bfloat16 and k.startswith("h_") else TOL[dtype] for k in NAMES}
         bad = {k: f"{e:.2e} > {tol[k]}" for k, e in errs.items() if not e <= tol[k]}  # NaN never passes

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from traces.compare import compare, drop_warmup_step, step_index
+from traces.compare import compare
+from traces.matching import drop_warmup_step, step_index
 from traces.report import to_json, to_markdown, to_text
 from traces.trace import Span, Trace, TraceError
 from traces_testlib import one_f_one_b

@@ -12,7 +12,8 @@ from matplotlib.image import imread
 import mhcpipe.cli as cli
 from traces.chrome import validate_chrome
 from traces.io import load_trace
-from traces.view import build_layout, write_html, write_picture
+from traces.html_view import write_html
+from traces.view import build_layout, write_picture
 from traces_testlib import one_f_one_b, shared_traces  # noqa: F401
 
 

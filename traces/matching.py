@@ -1,0 +1,159 @@
+"""Which spans of two traces are the same action, and which step of a run to compare (costmodel.md §4, traces.md
+§5). Schedule spans (an op kind of traces.md §5 with a stage; mHC kernel parts like `F/s3/mb7/L12.post_res` count as
+kind `F.post_res`) are keyed on (rank, kind, stage, micro-batch, FB partner, part); a measured trace with several
+steps holds each key once per step, in step order. Two traces describe the same schedule when their metadata
+agree and enough keys are shared.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
+from traces.trace import Span, Trace, TraceError
+
+Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
+MIN_SHARED_KEYS = 0.5  # below this fraction of shared keys the two traces are different schedules
+
+
+def span_key(s: Span) -> Key:
+    part = None
+    if "." in s.kind:
+        parsed = parse_name(s.label)
+        part = parsed.part if parsed is not None else s.label
+    return (s.rank, s.kind, s.stage, s.mb, s.partner, part)
+
+
+def key_label(k: Key) -> str:
+    rank, kind, stage, mb, partner, part = k
+    name = f"{kind.split('.', 1)[0]}/s{stage}/mb{mb}"
+    if partner is not None:
+        name += f"+s{partner[0]}/mb{partner[1]}"
+    if part is not None:
+        name += f"/{part}"
+    return f"rank {rank} {name}"
+
+
+def logical_stream(s: Span) -> str:
+    """compute / hp / comm for a schedule span, whatever stream the reader put it on (e.g. "cpu")."""
+    if s.stream in LOGICAL_STREAMS:
+        return s.stream
+    parsed = parse_name(s.label)
+    if parsed is not None and parsed.stream in LOGICAL_STREAMS:
+        if parsed.stream != "compute" or s.kind.split(".", 1)[0] not in ALL_COMM_KINDS:
+            return parsed.stream
+    return "comm" if s.kind.split(".", 1)[0] in ALL_COMM_KINDS else "compute"
+
+
+def schedule_spans(trace: Trace) -> list[int]:
+    """Indices of the spans that take part in matching (a schedule op kind with a stage)."""
+    ok: dict[str, bool] = {}
+    out = []
+    for i, s in enumerate(trace.spans):
+        if s.stage is None:
+            continue
+        v = ok.get(s.kind)
+        if v is None:
+            v = ok[s.kind] = is_schedule_span(s.kind, s.stage)
+        if v:
+            out.append(i)
+    return out
+
+
+def key_groups(trace: Trace) -> dict[Key, list[int]]:
+    groups: dict[Key, list[int]] = defaultdict(list)
+    for i in schedule_spans(trace):
+        groups[span_key(trace.spans[i])].append(i)
+    for idx in groups.values():
+        idx.sort(key=lambda i: trace.spans[i].start)
+    return groups
+
+
+def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
+    """(pred index, meas index) pairs. One predicted instance pairs with every measured instance (steps)."""
+    pg, mg = key_groups(pred), key_groups(meas)
+    pairs = []
+    for key, pidx in pg.items():
+        midx = mg.get(key, [])
+        if len(pidx) == 1:
+            pairs.extend((pidx[0], m) for m in midx)
+        else:
+            pairs.extend(zip(pidx, midx))
+    return pairs
+
+
+def step_index(trace: Trace) -> dict[int, int]:
+    """Span index -> step (instance order of its key), for schedule spans."""
+    out = {}
+    for idx in key_groups(trace).values():
+        for k, i in enumerate(idx):
+            out[i] = k
+    return out
+
+
+def drop_warmup_step(trace: Trace) -> Trace:
+    """The trace without its first step (warm-up: allocator, first-touch pages), when it has more than one step:
+    the first step's schedule spans and, on each rank, every other span (WAIT, step and optimizer ranges) that
+    starts before the rank's first schedule span of the next step."""
+    steps = step_index(trace)
+    if max(steps.values(), default=0) < 1:
+        return trace
+    first = {i for i, k in steps.items() if k == 0}
+    next_start: dict[int, float] = {}
+    for i, k in steps.items():
+        if k == 1:
+            s = trace.spans[i]
+            next_start[s.rank] = min(next_start.get(s.rank, s.start), s.start)
+    drop = first | {i for i, s in enumerate(trace.spans)
+                    if i not in steps and s.rank in next_start and s.start < next_start[s.rank]}
+    return Trace([s for i, s in enumerate(trace.spans) if i not in drop], dict(trace.meta))
+
+
+# ---- schedule identity -------------------------------------------------------------------------------------
+
+def schedule_descriptor(meta: dict[str, Any]) -> dict[str, Any]:
+    sched = meta.get("schedule")
+    out: dict[str, Any] = {}
+    if isinstance(sched, str):
+        out["kind"] = sched
+    elif isinstance(sched, dict):
+        for name, keys in (("kind", ("kind", "name")), ("ranks", ("ranks", "num_ranks", "pp")),
+                           ("microbatches", ("microbatches", "num_microbatches"))):
+            v = next((sched[k] for k in keys if k in sched and isinstance(sched[k], (str, int))), None)
+            if v is not None:
+                out[name] = v
+    for name, keys in (("ranks", ("num_ranks",)), ("microbatches", ("microbatches", "num_microbatches"))):
+        if name not in out:
+            v = next((meta[k] for k in keys if isinstance(meta.get(k), int)), None)
+            if v is not None:
+                out[name] = v
+    return out
+
+
+def check_same_schedule(pred: Trace, meas: Trace, pred_name: str = "PRED", meas_name: str = "MEAS") -> None:
+    ps, ms = pred.meta.get("source"), meas.meta.get("source")
+    if ps == "measured" and ms in ("predicted", "simulated"):
+        raise TraceError(f"{pred_name} is a measured trace and {meas_name} a {ms} one: the arguments are swapped "
+                         "(pass the prediction first, then the measurement)")
+    pd, md = schedule_descriptor(pred.meta), schedule_descriptor(meas.meta)
+    diffs = [f"{k} {pd[k]!r} vs {md[k]!r}" for k in pd if k in md and str(pd[k]).lower() != str(md[k]).lower()]
+    if diffs:
+        raise TraceError(f"{pred_name} and {meas_name} are traces of different schedules ({'; '.join(diffs)}); "
+                         "compare a measured run with the prediction of the same schedule")
+    pk, mk = set(key_groups(pred)), set(key_groups(meas))
+    for keys, name, t in ((pk, pred_name, pred), (mk, meas_name, meas)):
+        if not keys:
+            foreign = t.meta.get("foreign_ranges") or {}
+            hint = f"; it holds {len(t.spans)} spans, e.g. ranges {list(foreign)[:3]}" if t.spans else ""
+            raise TraceError(f"{name} has no schedule spans named as in traces.md §5 (e.g. F/s3/mb7){hint}; "
+                             "label ranges with the naming convention (NVTX or record_function)")
+    shared = len(pk & mk)
+    if shared < MIN_SHARED_KEYS * max(len(pk), len(mk)):
+        examples = [f"only in {name}: {', '.join(key_label(k) for k in sorted(keys, key=str)[:2])}"
+                    for name, keys in ((pred_name, pk - mk), (meas_name, mk - pk)) if keys]
+        raise TraceError(f"{pred_name} and {meas_name} are traces of different schedules: only {shared} of "
+                         f"{len(pk)} predicted and {len(mk)} measured ops share (rank, kind, stage, micro-batch) "
+                         f"(e.g. {'; '.join(examples)}); compare a run with the prediction of the same schedule")
+
+
+# ---- statistics --------------------------------------------------------------------------------------------
