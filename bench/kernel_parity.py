@@ -90,7 +90,7 @@ import torch  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.config import MHCConfig  # noqa: E402
-from kernels.parity import NAMES, run_ops  # noqa: E402
+from kernels.parity import NAMES, parity_inputs, run_ops  # noqa: E402
 
 F64 = torch.float64
 COEFFS = ("h_pre", "h_post", "h_res")  # fp32 outputs computed from mix/sumsq only: no bf16 store on their path
@@ -118,22 +118,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def inputs(t: int, n: int, c: int, dtype: torch.dtype, device: str, seed: int):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cfg = MHCConfig(n=n)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device=device)
-
-    x = r(t, n, c).to(dtype)
-    phi = r(n * c, cfg.num_mix) / (n * c) ** 0.5
-    alpha = torch.rand(3, generator=gen, device=device) + 0.5  # O(1) gates: the dynamic path carries weight
-    bias = r(cfg.num_mix) * 0.5
-    scale, y0 = r(c).to(dtype), r(t, c).to(dtype)
-    g = r(t, n, c).to(dtype)  # random upstream gradient
-    return cfg, [x, phi, alpha, bias, scale, y0], g
-
-
 def launch_context(launch: str, num_sms: int | None):
     import kernels.fused as fused
 
@@ -157,7 +141,7 @@ def check(t: int, n: int, c: int, dtype: torch.dtype, device: str, seed: int, la
           num_sms: int | None = None) -> list[dict]:
     import kernels.fused as fused
 
-    cfg, leaves, g = inputs(t, n, c, dtype, device, seed)
+    cfg, leaves, g = parity_inputs(t, n, c, dtype, device, seed)
     ref = run_ops(reference, [v.to(F64) for v in leaves], g.to(F64), cfg, combined=False, dtype=F64)
     ref = [r.detach() for r in ref]
     tols = {k: tolerance(dtype, fused.INTERPRETED, k) for k in NAMES}

@@ -126,15 +126,20 @@ class LaunchConfig:
         # interpreter accepts "tf32" but computes the dot in full fp32 (it does not round the operands).
         return "tf32" if (self.gpu and dtype == torch.bfloat16) else "ieee"
 
+    def _split(self, length: int, block: int, other_programs: int) -> tuple[int, int]:
+        """(slices, elements per slice) of a reduction over `length` in `block`-sized blocks, beside
+        `other_programs` programs: on the GPU enough slices for 2 programs per SM, one under the interpreter."""
+        blocks = triton.cdiv(length, block)
+        split = max(1, min(blocks, triton.cdiv(2 * self.num_sms, other_programs))) if self.gpu else 1
+        per_split = triton.cdiv(blocks, split) * block
+        return triton.cdiv(length, per_split), per_split
+
     def project_fwd(self, r: int, k: int, m: int, dtype: torch.dtype) -> ProjectTiles:
         """mix = A[r, k] @ phi[k, m]: split K so a short T still fills the GPU."""
         block_r, block_m = 32, max(16, _np2(m))
         block_k = 128 if self.gpu else 256
         grid_r = triton.cdiv(r, block_r)
-        k_blocks = triton.cdiv(k, block_k)
-        split = max(1, min(k_blocks, triton.cdiv(2 * self.num_sms, grid_r))) if self.gpu else 1
-        per_split = triton.cdiv(k_blocks, split) * block_k
-        split = triton.cdiv(k, per_split)
+        split, per_split = self._split(k, block_k, grid_r)
         return ProjectTiles(block_r, block_k, block_m, split, per_split, self.precision(dtype), (grid_r, split))
 
     def project_bwd(self, r: int, k: int, m: int, dtype: torch.dtype) -> ProjectTiles:
@@ -142,10 +147,7 @@ class LaunchConfig:
         block_r, block_m = 32, max(16, _np2(m))
         block_k = 64 if self.gpu else 256
         k_blocks = triton.cdiv(k, block_k)
-        r_blocks = triton.cdiv(r, block_r)
-        split = max(1, min(r_blocks, triton.cdiv(2 * self.num_sms, k_blocks))) if self.gpu else 1
-        per_split = triton.cdiv(r_blocks, split) * block_r
-        split = triton.cdiv(r, per_split)
+        split, per_split = self._split(r, block_r, k_blocks)
         return ProjectTiles(block_r, block_k, block_m, split, per_split, self.precision(dtype), (k_blocks, split))
 
     def apply(self, c: int, n: int) -> ApplyTiles:

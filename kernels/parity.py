@@ -4,6 +4,27 @@ from __future__ import annotations
 
 import torch
 
+def parity_inputs(t: int, n: int, c: int, dtype: torch.dtype, device, seed: int):
+    """(cfg, leaves = [x, phi, alpha, bias, scale, y0], upstream gradient g) for `run_ops`, drawn on the host from
+    `seed` (the same numbers on every device): streams in `dtype`, O(1) gates so the dynamic path carries weight,
+    a random upstream gradient (never all-ones, mhc.md §4.4)."""
+    from kernels.config import MHCConfig
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MHCConfig(n=n)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = r(t, n, c).to(dtype)
+    phi = r(n * c, cfg.num_mix) / (n * c) ** 0.5
+    alpha = torch.rand(3, generator=gen) + 0.5
+    bias = r(cfg.num_mix) * 0.5
+    scale, y0 = r(c).to(dtype), r(t, c).to(dtype)
+    g = r(t, n, c).to(dtype)
+    return cfg, [v.to(device) for v in (x, phi, alpha, bias, scale, y0)], g.to(device)
+
+
 NAMES = ["out", "lin", "h_pre", "h_post", "h_res", "dx", "dphi", "dalpha", "dbias", "dscale", "dy0"]
 
 

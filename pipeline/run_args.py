@@ -46,6 +46,21 @@ def _positive(flag: str, value: int | None) -> None:
         raise ValueError(f"--{flag} {value}: must be >= 1")
 
 
+# flag -> (config section, field, value to set; None = the flag's own value); `--pp` (which may come from the
+# process count) and `--recompute` (parsed) are handled apart
+_FLAG_FIELDS = {
+    "schedule": ("parallel", "schedule", None),
+    "microbatches": ("parallel", "microbatches", None),
+    "dp": ("parallel", "data_parallel", None),
+    "ep": ("parallel", "expert_parallel", None),
+    "no_overlap": ("parallel", "overlap", False),
+    "cpu_bind": ("train", "cpu_bind", True),
+    "steps": ("train", "steps", None),
+    "device": ("train", "device", None),
+    "timeout": ("train", "timeout_s", None),
+}
+
+
 def config_from_args(args: argparse.Namespace, world: int | None):
     """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
     ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
@@ -55,18 +70,10 @@ def config_from_args(args: argparse.Namespace, world: int | None):
     for flag in ("pp", "dp", "ep", "microbatches", "steps"):
         _positive(flag, getattr(args, flag))
     over: dict = {"parallel": {}, "train": {}, "model": {}}
-    if args.schedule:
-        over["parallel"]["schedule"] = args.schedule
-    if args.microbatches:
-        over["parallel"]["microbatches"] = args.microbatches
-    if args.dp:
-        over["parallel"]["data_parallel"] = args.dp
-    if args.ep:
-        over["parallel"]["expert_parallel"] = args.ep
-    if args.no_overlap:
-        over["parallel"]["overlap"] = False
-    if args.cpu_bind:
-        over["train"]["cpu_bind"] = True
+    for flag, (section, field, value) in _FLAG_FIELDS.items():
+        given = getattr(args, flag)
+        if given:  # unset flags (None, False, 0) keep the config's value
+            over[section][field] = given if value is None else value
     if args.pp:
         over["parallel"]["ranks"] = args.pp
     elif world is not None:
@@ -78,12 +85,6 @@ def config_from_args(args: argparse.Namespace, world: int | None):
             raise ValueError(f"parallel.data_parallel (--dp {dp}) does not divide the {world} processes started; "
                              "processes = --pp x --dp")
         over["parallel"]["ranks"] = world // dp
-    if args.steps:
-        over["train"]["steps"] = args.steps
-    if args.device:
-        over["train"]["device"] = args.device
-    if args.timeout:
-        over["train"]["timeout_s"] = args.timeout
     if args.recompute:
         if args.recompute in ("off", "auto"):
             over["recompute"] = {"mode": args.recompute}

@@ -14,7 +14,7 @@ import torch
 
 from kernels import dispatch, reference
 from kernels.config import MHCConfig
-from kernels.parity import NAMES, run_ops
+from kernels.parity import NAMES, parity_inputs, run_ops
 from kernels.module import MHCSublayer
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -27,20 +27,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _inputs(t, n, c, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    cfg = MHCConfig(n=n)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    x = r(t, n, c).to(dtype)
-    phi = r(n * c, cfg.num_mix) / (n * c) ** 0.5
-    alpha = torch.rand(3, generator=gen) + 0.5  # O(1) gates so the dynamic path carries weight
-    bias = r(cfg.num_mix) * 0.5
-    scale, y0 = r(c).to(dtype), r(t, c).to(dtype)
-    g = r(t, n, c).to(dtype)  # random upstream gradient, never all-ones (mhc.md §4.4)
-    leaves = [v.to(device) for v in (x, phi, alpha, bias, scale, y0)]
-    return cfg, leaves, g.to(device)
-
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -50,7 +36,7 @@ def _inputs(t, n, c, dtype, device, seed):
 def test_fused_matches_reference_fwd_bwd(t, c, n, dtype, fused_device):
     import kernels.fused as fused
 
-    cfg, leaves, g = _inputs(t, n, c, dtype, fused_device, seed=t * 1000 + c + n)
+    cfg, leaves, g = parity_inputs(t, n, c, dtype, fused_device, seed=t * 1000 + c + n)
     ref = run_ops(reference, [v.to(F64) if v.dtype != F64 else v for v in [v.to(dtype) for v in leaves]],
                   g.to(dtype).to(F64), cfg, combined=False, dtype=F64)
     for combined in (False, True):

@@ -41,7 +41,7 @@ import triton
 
 from kernels import dispatch, reference
 from kernels.config import MHCConfig
-from kernels.parity import NAMES, run_ops
+from kernels.parity import NAMES, parity_inputs, run_ops
 
 F64 = torch.float64
 NUM_SMS = 11  # fake SM count: with T=67, C=300, n=4 it gives split-K 5 (forward) and split-R 2 (backward)
@@ -111,16 +111,7 @@ def tf32_emulated(fused_device, monkeypatch):
 
 
 def _inputs(dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    cfg = MHCConfig(n=N)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    x = r(T, N, C).to(dtype)
-    phi = r(N * C, cfg.num_mix) / (N * C) ** 0.5
-    alpha = torch.rand(3, generator=gen) + 0.5  # O(1) gates so the dynamic path carries weight
-    bias = r(cfg.num_mix) * 0.5
-    scale, y0 = r(C).to(dtype), r(T, C).to(dtype)
-    g = r(T, N, C).to(dtype)  # random upstream gradient
-    return cfg, [v.to(device) for v in (x, phi, alpha, bias, scale, y0)], g.to(device)
+    return parity_inputs(T, N, C, dtype, device, seed)
 
 
 def _check_launches(log, dtype):
