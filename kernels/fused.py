@@ -24,15 +24,16 @@ that passes through a bf16 store (those stores dominate, ~1.5e-3 each); fp32 str
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import astuple, dataclass
-from typing import Literal
+from dataclasses import astuple
 
 import torch
 import triton
 
 from . import reference
 from .config import MHCConfig
+from .launch import (ApplyTiles, CoeffTiles, LaunchConfig, ProjectTiles, np2, gpu_config,  # noqa: F401
+                     interpreter_config, use_config)
+from .launch import launch_config as _launch_config
 from .triton_apply import post_res_bwd_kernel, post_res_fwd_kernel, pre_bwd_kernel, pre_fwd_kernel
 from .triton_coeffs import coeffs_bwd_kernel, coeffs_fwd_kernel
 from .triton_project import project_bwd_kernel, project_fwd_kernel
@@ -40,16 +41,6 @@ from .triton_project import project_bwd_kernel, project_fwd_kernel
 # Whether the @triton.jit functions above were built for the interpreter (decided at decoration time).
 INTERPRETED: bool = type(pre_fwd_kernel).__name__ == "InterpretedFunction"
 _STREAM_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _np2(v: int) -> int:
-    return triton.next_power_of_2(max(int(v), 1))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
 
 
 def _check_stream(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -63,150 +54,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
 
-# ---------------------------------------------------------------- launch configuration (tiles, splits, precision)
-@dataclass(frozen=True)
-class ProjectTiles:
-    """One launch of a projection kernel. Grid = (grid[0], split): the forward splits K into `split` slices of
-    `per_split` columns, the backward splits R into `split` slices of `per_split` rows; each slice writes its own
-    fp32 partial sum (mix/sumsq forward, dphi backward) and the caller reduces them (deterministic, no atomics)."""
-
-    block_r: int
-    block_k: int
-    block_m: int
-    split: int
-    per_split: int
-    precision: str  # tl.dot input_precision: "tf32" (bf16 streams on GPU) or "ieee"
-    grid: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class ApplyTiles:
-    """Pre read / post+res write: each program owns block_t tokens and block_c channels (forward grid
-    [cdiv(T, block_t), cdiv(C, block_c)]; the backward walks C in block_c steps, grid [cdiv(T, block_t)])."""
-
-    block_t: int
-    block_c: int
-
-
-@dataclass(frozen=True)
-class CoeffTiles:
-    """Coefficient kernels: block_t tokens per program; the backward writes one dalpha/dbias partial sum per
-    program (`grid` of them), reduced by the caller."""
-
-    block_t: int
-    grid: int
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Every tile size, split count and dot precision of the fused kernels, as pure functions of the shapes.
-
-    kind "gpu" is the production choice (`gpu_config(num_sms)`): split-K projection forward and split-R
-    backward sized to fill 2 programs per SM, TF32 dots for bf16 streams, 1024-element apply tiles, 32-token
-    coefficient programs. kind "interpreter" (`interpreter_config()`) is what the Triton interpreter runs by
-    default: it pays per program and per op, not per element, so it gets one large tile per test shape and no
-    splits. Tests and benchmarks run the GPU choice under the interpreter with `use_config("gpu", num_sms=...)`.
-    """
-
-    kind: Literal["gpu", "interpreter"]
-    num_sms: int = 1
-
-    def __post_init__(self):
-        if self.kind not in ("gpu", "interpreter"):
-            raise ValueError(f"LaunchConfig kind={self.kind!r} is unknown; choose 'gpu' or 'interpreter'")
-        if int(self.num_sms) < 1:
-            raise ValueError(f"num_sms={self.num_sms} must be >= 1")
-
-    @property
-    def gpu(self) -> bool:
-        return self.kind == "gpu"
-
-    def precision(self, dtype: torch.dtype) -> str:
-        # mhc.md §2.2 pins a TF32 projection for bf16 streams; fp32 streams keep full precision. The Triton
-        # interpreter accepts "tf32" but computes the dot in full fp32 (it does not round the operands).
-        return "tf32" if (self.gpu and dtype == torch.bfloat16) else "ieee"
-
-    def _split(self, length: int, block: int, other_programs: int) -> tuple[int, int]:
-        """(slices, elements per slice) of a reduction over `length` in `block`-sized blocks, beside
-        `other_programs` programs: on the GPU enough slices for 2 programs per SM, one under the interpreter."""
-        blocks = triton.cdiv(length, block)
-        split = max(1, min(blocks, triton.cdiv(2 * self.num_sms, other_programs))) if self.gpu else 1
-        per_split = triton.cdiv(blocks, split) * block
-        return triton.cdiv(length, per_split), per_split
-
-    def project_fwd(self, r: int, k: int, m: int, dtype: torch.dtype) -> ProjectTiles:
-        """mix = A[r, k] @ phi[k, m]: split K so a short T still fills the GPU."""
-        block_r, block_m = 32, max(16, _np2(m))
-        block_k = 128 if self.gpu else 256
-        grid_r = triton.cdiv(r, block_r)
-        split, per_split = self._split(k, block_k, grid_r)
-        return ProjectTiles(block_r, block_k, block_m, split, per_split, self.precision(dtype), (grid_r, split))
-
-    def project_bwd(self, r: int, k: int, m: int, dtype: torch.dtype) -> ProjectTiles:
-        """dA and dphi = A^T dmix: programs over K blocks, rows split so a narrow K still fills the GPU."""
-        block_r, block_m = 32, max(16, _np2(m))
-        block_k = 64 if self.gpu else 256
-        k_blocks = triton.cdiv(k, block_k)
-        split, per_split = self._split(r, block_r, k_blocks)
-        return ProjectTiles(block_r, block_k, block_m, split, per_split, self.precision(dtype), (k_blocks, split))
-
-    def apply(self, c: int, n: int) -> ApplyTiles:
-        np_ = _np2(n)
-        if not self.gpu:
-            return ApplyTiles(64, min(_np2(c), 512))
-        block_c = min(_np2(c), 256)
-        return ApplyTiles(max(2, 1024 // (np_ * block_c)), block_c)
-
-    def coeffs(self, t: int) -> CoeffTiles:
-        # The interpreter's cost is per program and op, so one program covers all tokens of a test shape.
-        block_t = 32 if self.gpu else min(512, max(16, _np2(t)))
-        return CoeffTiles(block_t, triton.cdiv(t, block_t))
-
-
-def gpu_config(num_sms: int) -> LaunchConfig:
-    """The production (compiled) choice for a device with num_sms streaming multiprocessors (H200: 132)."""
-    return LaunchConfig("gpu", int(num_sms))
-
-
-def interpreter_config() -> LaunchConfig:
-    """The Triton interpreter's default: large tiles, no splits, full-precision dots."""
-    return LaunchConfig("interpreter")
-
-
-# Test/benchmark override set by use_config: None, or (kind, num_sms or None = the device's SM count).
-# A plain module global, not a ContextVar: autograd runs CUDA backward nodes on its own worker thread.
-_OVERRIDE: tuple[str, int | None] | None = None
-
-
-@contextlib.contextmanager
-def use_config(kind: Literal["gpu", "interpreter"], num_sms: int | None = None):
-    """Tests and benchmarks only: launch the fused ops with the "gpu" or "interpreter" choice whatever runs
-    them, e.g. `with use_config("gpu", num_sms=16):` runs the exact GPU tiles, split-K/split-R partial sums and
-    multi-program dalpha/dbias reductions under the interpreter (a small fake SM count makes split > 1 happen
-    at small shapes). num_sms=None takes the device's SM count (CUDA tensors only). An autograd node keeps the
-    choice made at its forward for its backward. Process-wide while active: not for concurrent use."""
-    global _OVERRIDE
-    LaunchConfig(kind, 1 if num_sms is None else num_sms)  # validate now, not at the first launch
-    prev, _OVERRIDE = _OVERRIDE, (kind, None if num_sms is None else int(num_sms))
-    try:
-        yield
-    finally:
-        _OVERRIDE = prev
-
-
 def launch_config(device: torch.device) -> LaunchConfig:
-    """The configuration the fused ops launch with on `device`: the use_config override when one is active,
-    else the interpreter's choice when the kernels were built for the interpreter, else gpu_config(SM count)."""
-    if _OVERRIDE is None:
-        return interpreter_config() if INTERPRETED else gpu_config(_num_sms(device))
-    kind, sms = _OVERRIDE
-    if kind == "interpreter":
-        return interpreter_config()
-    if sms is None:
-        if device.type != "cuda":
-            raise ValueError("use_config('gpu') on a non-CUDA tensor needs num_sms= (there is no SM count to read)")
-        sms = _num_sms(device)
-    return gpu_config(sms)
+    """The configuration the fused ops launch with on `device` (kernels.launch.launch_config)."""
+    return _launch_config(device, INTERPRETED)
 
 
 # ---------------------------------------------------------------- kernel 1: projection + sum of squares
@@ -287,7 +137,7 @@ def _coeffs_fwd(mix, ss, alpha, bias, cfg, width, launch: LaunchConfig | None = 
     tiles = (launch or launch_config(mix.device)).coeffs(t)
     coeffs_fwd_kernel[(tiles.grid,)](
         mix, ss, alpha, bias, h_pre, h_post, h_res, t, consts["inv_width"], consts["rms_eps"], pre_eps,
-        consts["EPS_DIV"], consts["EPS_ADD"], N=n, NP=_np2(n), ITERS=cfg.sinkhorn_iters, BLOCK_T=tiles.block_t)
+        consts["EPS_DIV"], consts["EPS_ADD"], N=n, NP=np2(n), ITERS=cfg.sinkhorn_iters, BLOCK_T=tiles.block_t)
     return h_pre, h_post, h_res
 
 
@@ -302,7 +152,7 @@ def _coeffs_bwd(mix, ss, alpha, bias, dh_pre, dh_post, dh_res, cfg, width, launc
     consts, _ = _coeff_consts(cfg, width)
     coeffs_bwd_kernel[(grid,)](
         mix, ss, alpha, bias, dh_pre, dh_post, dh_res, dmix, dss, dalpha, dbias, t, consts["inv_width"],
-        consts["rms_eps"], consts["EPS_DIV"], consts["EPS_ADD"], N=n, NP=_np2(n), ITERS=cfg.sinkhorn_iters,
+        consts["rms_eps"], consts["EPS_DIV"], consts["EPS_ADD"], N=n, NP=np2(n), ITERS=cfg.sinkhorn_iters,
         BLOCK_T=tiles.block_t)
     return dmix, dss, dalpha.sum(0), dbias.sum(0)
 
@@ -347,7 +197,7 @@ def _pre_fwd(x, h_pre, launch: LaunchConfig | None = None):
     block_t, block_c = astuple((launch or launch_config(x.device)).apply(c, n))
     out = torch.empty(t, c, device=x.device, dtype=x.dtype)
     pre_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-        x, h_pre, out, t, c, N=n, NP=_np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
+        x, h_pre, out, t, c, N=n, NP=np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
     return out
 
 
@@ -356,7 +206,7 @@ def _pre_bwd(x, h_pre, dout, write_dx: bool, launch: LaunchConfig | None = None)
     block_t, block_c = astuple((launch or launch_config(x.device)).apply(c, n))
     dh = torch.empty(t, n, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if write_dx else dh
-    pre_bwd_kernel[(triton.cdiv(t, block_t),)](x, h_pre, dout, dx, dh, t, c, N=n, NP=_np2(n), WRITE_DX=write_dx,
+    pre_bwd_kernel[(triton.cdiv(t, block_t),)](x, h_pre, dout, dx, dh, t, c, N=n, NP=np2(n), WRITE_DX=write_dx,
                                                BLOCK_T=block_t, BLOCK_C=block_c)
     return (dx if write_dx else None), dh
 
@@ -398,7 +248,7 @@ class _PostRes(torch.autograd.Function):
         block_t, block_c = astuple(ctx.launch.apply(c, n))
         out = torch.empty_like(x)
         post_res_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-            x, y, hp, hr, out, t, c, N=n, NP=_np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
+            x, y, hp, hr, out, t, c, N=n, NP=np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
         ctx.save_for_backward(x, y, hp, hr)
         ctx.dtypes = (h_post.dtype, h_res.dtype)
         return out
@@ -414,7 +264,7 @@ class _PostRes(torch.autograd.Function):
         dx, dy = torch.empty_like(x), torch.empty_like(y)
         dhp, dhr = torch.empty_like(hp), torch.empty_like(hr)
         post_res_bwd_kernel[(triton.cdiv(t, block_t),)](
-            x, y, hp, hr, dout, dx, dy, dhp, dhr, t, c, N=n, NP=_np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
+            x, y, hp, hr, dout, dx, dy, dhp, dhr, t, c, N=n, NP=np2(n), BLOCK_T=block_t, BLOCK_C=block_c)
         hp_dt, hr_dt = ctx.dtypes
         return dx, dy, dhp.to(hp_dt), dhr.to(hr_dt)
 

@@ -72,15 +72,18 @@ def check_devices(args, group, what: str, rank: int) -> str | None:
     return backend
 
 
-def finish(work, backend: str | None, timeout_s: float) -> bool:
-    """Wait for a collective's work within `timeout_s` (False on timeout). NCCL: poll, then order the current
-    stream after it (no host busy-wait); others: the backend's timed wait."""
-    if backend == "nccl":
-        if not poll(work.is_completed, timeout_s):
-            return False
-        work.wait()
-        return True
-    return work.wait(datetime.timedelta(seconds=timeout_s)) is not False
+def wait_work(work, limit: float, polled: bool = False) -> bool:
+    """Block until `work` completes or `limit` seconds pass; False on timeout. `polled` (NCCL): poll
+    `is_completed()` and then `wait()` (which only orders the current stream), never `wait(timeout)`."""
+    if not polled:
+        try:
+            return work.wait(datetime.timedelta(seconds=limit)) is not False
+        except (TypeError, NotImplementedError):
+            pass  # backend without a timed wait: poll
+    if not poll(work.is_completed, limit):
+        return False
+    work.wait()
+    return True
 
 
 def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **kwargs):
@@ -93,7 +96,7 @@ def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **
         backend = served.get("cuda") if torch.cuda.is_available() and "cuda" in served else served.get("cpu")
     try:
         work = fn(*args, async_op=True, group=group, **kwargs)
-        ok = finish(work, backend, timeout_s)
+        ok = wait_work(work, timeout_s, polled=backend == "nccl")
     except Exception as err:  # noqa: BLE001 - backend errors have no common type
         cause = describe(err)
         if cause == "the backend timed out":

@@ -23,14 +23,13 @@ connection (it died).
 """
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .collective import check_devices
+from .collective import check_devices, wait_work
 from .errors import PipelineError, describe, poll
 
 __all__ = ["Comms", "Handle", "P2PWaiter", "PipelineError", "describe", "poll", "wait_work"]
@@ -54,20 +53,6 @@ class Handle:
     event: threading.Event | None = None  # set once the work completed (or failed): future callback or waiter
     waited_elsewhere: bool = False  # a P2PWaiter thread owns the work's wait(); wait on `event` instead
     error: BaseException | None = None  # the waiter thread's failure
-
-
-def wait_work(work, limit: float, polled: bool = False) -> bool:
-    """Block until `work` completes or `limit` seconds pass; False on timeout. `polled` (NCCL): poll
-    `is_completed()` and then `wait()` (which only orders the current stream), never `wait(timeout)`."""
-    if not polled:
-        try:
-            return work.wait(datetime.timedelta(seconds=limit)) is not False
-        except (TypeError, NotImplementedError):
-            pass  # backend without a timed wait: poll
-    if not poll(work.is_completed, limit):
-        return False
-    work.wait()
-    return True
 
 
 class P2PWaiter:

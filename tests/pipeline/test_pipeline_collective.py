@@ -109,10 +109,10 @@ def test_stream_ordered_waits_never_pass_a_timeout():
     assert time.monotonic() - t0 < 2.0
 
 
-def test_collective_finish_polls_nccl_works():
+def test_polled_wait_of_nccl_works():
     w = _NcclLikeWork(finish_after_s=0.2)
-    assert coll.finish(w, "nccl", timeout_s=5.0) and w.waits == 1
-    assert not coll.finish(_NcclLikeWork(finish_after_s=None), "nccl", timeout_s=0.2)
+    assert coll.wait_work(w, 5.0, polled=True) and w.waits == 1
+    assert not coll.wait_work(_NcclLikeWork(finish_after_s=None), 0.2, polled=True)
 
 
 class _Event:
