@@ -44,9 +44,12 @@ from .weight_grad import WeightGradStore
 class Executor:
     def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport, recorder, env: StageEnv,
                  store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, pair=None, expert=None, grads=None, on_action=None):
+                 device: torch.device, pair=None, expert=None, grads=None, on_action=None, who: str | None = None):
+        """`who`: how errors name this rank (the global rank; default: the pipeline rank, which is the same
+        without data parallelism)."""
         self.plan = plan
         self.rank = plan.rank
+        self.who = who or f"rank {plan.rank}"
         self.schedule = lower_comms(plan.schedule)
         self.actions = self.schedule.actions[self.rank]
         self.specs = {sp.stage: sp for sp in plan.stages}
@@ -87,7 +90,7 @@ class Executor:
         for a in group:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 if (a.kind, a.stage, a.mb) not in self.posted and (a.kind, a.stage, a.mb) not in self.ready:
-                    raise PipelineError(f"rank {self.rank}: {a.kind.value}/s{a.stage}/mb{a.mb} has nothing to send "
+                    raise PipelineError(f"{self.who}: {a.kind.value}/s{a.stage}/mb{a.mb} has nothing to send "
                                         "(schedule order broken)")
                 continue
             ops.append((False, f"{a.kind.value}/s{a.stage}/mb{a.mb}", a.peer,
@@ -102,7 +105,7 @@ class Executor:
         key = (kind, stage, mb)
         peer = self.send_peer.get(key)
         if peer is None:
-            raise PipelineError(f"rank {self.rank}: produced {kind.value}/s{stage}/mb{mb} but the lowered schedule "
+            raise PipelineError(f"{self.who}: produced {kind.value}/s{stage}/mb{mb} but the lowered schedule "
                                 "has no send for it")
         self.ready[key] = tensor
         if self.deferred_posts is not None:
@@ -127,7 +130,7 @@ class Executor:
     def _take_recv(self, kind: Kind, producer: int, mb: int, side: str | None = None) -> torch.Tensor:
         p = self.recvs.pop((kind, producer, mb), None)
         if p is None:
-            raise PipelineError(f"rank {self.rank}: needs {kind.value}/s{producer}/mb{mb} but never posted its "
+            raise PipelineError(f"{self.who}: needs {kind.value}/s{producer}/mb{mb} but never posted its "
                                 "receive (the lowered schedule is inconsistent)")
         if side is not None and self.pair is not None:
             self.pair.wait(side, p)  # the other half computes while it is in flight
@@ -218,7 +221,7 @@ class Executor:
         spec = self.specs[stage]
         run = self.runs.pop((stage, mb), None)
         if run is None:
-            raise PipelineError(f"rank {self.rank}: backward of s{stage}/mb{mb} before its forward")
+            raise PipelineError(f"{self.who}: backward of s{stage}/mb{mb} before its forward")
         grad = given[0] if given is not None else self._backward_input(stage, mb, side)
         with self._span(span, stage, mb):
             self._backward_compute(spec, run, grad, split, side)
@@ -264,12 +267,12 @@ class Executor:
             with rec.range("W", a.stage, a.mb, name=f"W/s{a.stage}/mb{a.mb}"):
                 label = self.store.pop()
             if label != (a.stage, a.mb):
-                raise PipelineError(f"rank {self.rank}: W/s{a.stage}/mb{a.mb} popped the weight-grads of "
+                raise PipelineError(f"{self.who}: W/s{a.stage}/mb{a.mb} popped the weight-grads of "
                                     f"s{label[0]}/mb{label[1]}; the W queue must be FIFO in I order")
         elif kind is Kind.FB:
             self._pair(a, batch)
         else:
-            raise PipelineError(f"rank {self.rank}: unknown action {a}")
+            raise PipelineError(f"{self.who}: unknown action {a}")
 
     def _pair(self, a, batch: Batch) -> None:
         """One F&B pair. Run in turn, its span starts once its first half's input is here (that wait is a WAIT
@@ -351,5 +354,5 @@ class Executor:
                      "unsent": list(self.ready), "chunks without backward": list(self.runs)}
         bad = {k: v for k, v in leftovers.items() if v}
         if bad or len(self.store):
-            raise PipelineError(f"rank {self.rank}: step ended with leftovers {bad}, "
+            raise PipelineError(f"{self.who}: step ended with leftovers {bad}, "
                                 f"{len(self.store)} W groups; the schedule is incomplete")

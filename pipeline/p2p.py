@@ -30,7 +30,7 @@ class Transport:
     whose ranks are then the pipeline ranks)."""
 
     def __init__(self, rank: int, device: torch.device, comms: Comms, staged: bool = False, group=None):
-        self.rank = rank  # this rank's pipeline rank
+        self.rank = rank  # this rank's pipeline rank (peers are pipeline ranks); messages name the global rank
         self.device = device
         self.comms = comms
         self.staged = staged
@@ -66,11 +66,11 @@ class Transport:
             works, tokens = self.comms.launch(lambda: dist.batch_isend_irecv(p2p), spans)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             names = ", ".join(h.name for h in handles)
-            raise PipelineError(f"rank {self.rank}: posting {names} failed: {describe(err)}") from None
+            raise PipelineError(f"rank {self.comms.rank}: posting {names} failed: {describe(err)}") from None
         if len(works) == 1 and len(handles) > 1:  # NCCL coalesces a batch into one work: every op completes with it
             works = works * len(handles)
         if len(works) != len(handles):
-            raise PipelineError(f"rank {self.rank}: the backend returned {len(works)} works for {len(handles)} "
+            raise PipelineError(f"rank {self.comms.rank}: the backend returned {len(works)} works for {len(handles)} "
                                 "P2P ops")
         for h, w, token in zip(handles, works, tokens):
             h.work, h.token = w, token

@@ -128,7 +128,7 @@ class RankRuntime:
                                  env=self.env, store=self.store,
                                  boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
-                                 on_action=on_action)
+                                 on_action=on_action, who=f"rank {groups.rank}")
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
         if self.grads_reducer.active:
             self.executor.grads = self.grads_reducer

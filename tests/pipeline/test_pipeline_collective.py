@@ -152,6 +152,24 @@ def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, mon
     assert names == ["RECV_B/s0/mb0~comm", "SEND_F/s0/mb0~comm"]
 
 
+def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, monkeypatch):
+    """With data parallelism the pipeline rank differs from the global rank (pp=2 x dp=2: global rank 3 is
+    pipeline rank 1). A failed post must name the rank the user sees in torchrun's output (CI once printed
+    "rank 1: posting SEND_F..." from rank 3)."""
+    from pipeline.p2p import Transport
+
+    def closed(ops):
+        raise RuntimeError("Connection closed by peer [10.0.0.1]:1234")
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", closed)
+    comms = Comms(3, Recorder(3, torch.device("cpu")), timeout_s=5.0, watch_p2p=False)
+    tr = Transport(1, torch.device("cpu"), comms)
+    with pytest.raises(PipelineError) as err:
+        tr.post([(True, "SEND_F/s2/mb0", 0, torch.zeros(4))], labels=[("SEND_F", 2, 0)])
+    assert str(err.value) == ("rank 3: posting SEND_F/s2/mb0 failed: the peer closed its connection "
+                              "(it probably died)")
+
+
 # ---------------------------------------------------------------------------------------- a runtime under NCCL's
 class _HostMarkingTorch(types.ModuleType):
     """`torch` as the runtime modules see it in the NCCL mimic: a tensor created from nothing without a device
