@@ -9,9 +9,10 @@ For the `tiny` preset on 4 CPU ranks with DualPipeV (configs/tiny.yaml):
      the ranks share the cores, fit per-action costs on the BASELINE trace alone (calibration on a baseline run,
      costmodel.md §3 - the mHC run is never an input), predict baseline and mHC;
   4. compare predicted with measured, per op kind and as mHC overhead;
-  5. write runs/demo/: report.md, schedule.png (predicted above measured, one steady-state step),
-     overhead.png, trace.json (Perfetto: predicted and measured processes, P2P arrows), the raw traces
-     (measured/mhc_4/, measured/residual_1/, predicted_*.json).
+  5. write runs/demo/: report.md (with the critical path of a step, mHC's overhead along it, and a what-if
+     replay of the mHC run without mHC), schedule.png (predicted above measured, one steady-state step, the
+     critical path outlined in red), overhead.png, trace.json (Perfetto: predicted and measured processes,
+     P2P arrows), the raw traces (measured/mhc_4/, measured/residual_1/, predicted_*.json).
 `--schedule-only` keeps the old quick picture: DualPipe P=8, M=20 at unit costs.
 """
 from __future__ import annotations
@@ -100,7 +101,46 @@ def measured_memory(lines: list[str], residual: str) -> tuple[str, str]:
     return (" ".join(words[words.index("peak_act") + 1:][:2]), " ".join(words[words.index("peak_mem") + 1:][:2]))
 
 
-def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, measured_mem: dict) -> Path:
+def critical_path_section(mhc_cmp, base_cmp, whatif_mhc0: dict | None) -> list[str]:
+    """The report's critical-path section: the chain that set the step time, predicted vs measured, mHC's overhead
+    along it by cause, and the what-if replay of the mHC run without mHC."""
+    from traces.path_report import compare_sections, to_markdown
+
+    cp = mhc_cmp.critical_path
+    meas, base = cp.get("meas"), base_cmp.critical_path.get("meas")
+    if not meas:
+        return ["## Critical path", "", "Not available: " + "; ".join(n for n in mhc_cmp.notes if "critical" in n), ""]
+    mk = meas["makespan_us"]
+    top = sorted(meas["by_kind"].items(), key=lambda kv: -kv[1])[:3]
+    lines = ["## Critical path", "",
+             "The chain of ops and transfers that set one step's time, across ranks (traces.critical_path: the "
+             f"measured step with the median makespan, step {meas['step']} of {meas['steps']}; `mhcpipe critical-path` "
+             "lists it op by op). Path length = time its ops ran; gaps = delays between them (launch, host and OS "
+             "time: here 4 ranks share the machine's cores). schedule.png outlines in red the path of the step it "
+             "draws (the last), trace.json has it as a `critical path` thread per rank.", "",
+             f"Measured mHC step: {meas['length_us'] / 1e3:.1f} ms of ops on the path and "
+             f"{meas['gaps_us'] / 1e3:.1f} ms "
+             f"of gaps ({100 * meas['gaps_us'] / mk:.1f}%); most of the path is "
+             + ", ".join(f"{k} {100 * v / mk:.1f}%" for k, v in top)
+             + f"; exposed communication on the path {meas['exposed_comm_us'] / 1e3:.1f} ms "
+             f"({100 * meas['exposed_comm_us'] / mk:.1f}%)."
+             + (f" Baseline: {base['length_us'] / 1e3:.1f} ms of ops and {base['gaps_us'] / 1e3:.1f} ms of gaps."
+                if base else ""), ""]
+    if whatif_mhc0:
+        w = whatif_mhc0
+        b = base_cmp.makespan_meas_us
+        lines += [f"What-if (`mhcpipe whatif measured/mhc_4/trace.json --scale mhc=0 --baseline "
+                  f"measured/residual_1/trace.json`): replaying the mHC run without mHC's A/B share of each op "
+                  f"predicts {w['step_us'] / 1e3:.1f} ms per step against {b / 1e3:.1f} ms measured for the baseline "
+                  f"({100 * (w['step_us'] / b - 1):+.1f}%); the unscaled replay reproduces the mHC step to "
+                  f"{w['reproduction_error_pct']:.1g}%. The replay keeps the mHC run's recorded delays between ops "
+                  f"({w['critical_path_after']['gaps_us'] / 1e3:.1f} ms on the replayed path): delays a run with less "
+                  "work would partly not have (fewer, shorter time slices lost to the other ranks).", ""]
+    return lines + [to_markdown(compare_sections(cp), level="###")]
+
+
+def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, measured_mem: dict,
+                 whatif_mhc0: dict | None = None) -> Path:
     from traces.report import to_markdown
 
     s = pred.summary
@@ -142,6 +182,7 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, me
         "", (f"Recompute: mode `{cfg.recompute.mode}`, blocks L_r = {s.get('recompute_block')} sub-layers. "
              if cfg.recompute.mode != "off" else "Recompute: off. ") + f"Pricing: {s.get('pricing')}.", "",
     ]
+    lines += critical_path_section(mhc_cmp, base_cmp, whatif_mhc0)
     lines += ["## Timings of this demo", ""]
     lines += [f"- {k}: {v:.1f} s" for k, v in timings.items()]
     lines += ["", "## mHC run: predicted vs measured (per op kind, bubble, overhead)", "",
@@ -160,11 +201,13 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
     from pipeline.host_measurements import block_round, time_stage_pieces
-    from traces.chrome import save_chrome
+    from traces.chrome import to_chrome
+    from traces.path_marks import chrome_path_events, paths_for
     from traces.compare import compare
     from traces.matching import drop_warmup_step
     from traces.trace import Trace
     from traces.view import plot_overhead, write_picture
+    from traces.whatif import whatif
 
     from pipeline.run_args import variant_dir
     from configs import load_config
@@ -216,11 +259,14 @@ def run(args: argparse.Namespace) -> int:
                   title=f"{cfg.model.name} mHC n={n}, {cfg.parallel.schedule} P={ranks}: predicted (top) vs "
                         "measured (last step)")
     plot_overhead(mhc_cmp, out / "overhead.png")
-    save_chrome(out / "trace.json", pred.mhc.trace, steady)
+    whatif_mhc0 = whatif(mhc_meas, {"mhc": 0.0}, baseline=base_meas, baseline_name="the baseline run").to_dict()
+    chrome = to_chrome(pred.mhc.trace, steady)  # with a `critical path` thread per rank (traces.path_marks)
+    chrome["traceEvents"] += chrome_path_events([pred.mhc.trace, steady], paths_for([pred.mhc.trace, steady])[0])
+    (out / "trace.json").write_text(json.dumps(chrome))
     (out / "comparison.json").write_text(json.dumps(mhc_cmp.to_dict(), indent=1, default=str))
     timings["compare and draw"] = time.perf_counter() - t
     measured_mem = {"baseline": measured_memory(lines, base_res), "mhc": measured_memory(lines, mhc_res)}
-    report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings, measured_mem)
+    report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings, measured_mem, whatif_mhc0)
     o = mhc_cmp.overhead
     print(f"demo done in {time.perf_counter() - started:.0f} s; report: {report}")
     print(f"  step time: baseline predicted {base_cmp.makespan_pred_us / 1e3:.1f} ms vs measured "

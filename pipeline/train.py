@@ -197,6 +197,7 @@ class RankRuntime:
         layout = self.groups.layout
         meta = {"source": "measured", "schedule": {"kind": par.schedule, "ranks": par.ranks,
                                                      "microbatches": par.microbatches_per_replica},
+                "pipelines": [list(chain) for chain in self.plan.schedule.pipelines],  # stage chains (traces)
                 "layout": {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                            "overlap": self.pair is not None},
                 "wait_spans": True,  # every block on a communication handle is a WAIT span (traces.comm_overlap)

@@ -30,6 +30,7 @@ import numpy as np
 
 from traces.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS
+from traces.path_overhead import compare_paths
 from traces.receive_wait import comm_span_meaning, receive_wait
 from traces.trace import Span, Trace, TraceError, union_length
 from traces.matching import (check_same_schedule, key_groups, key_label, logical_stream, match_spans,
@@ -123,6 +124,9 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     comm_span_meaning: dict[str, str] = field(default_factory=dict)  # "pred" / "meas": what a SEND/RECV span covers
     comm_spans: list[CommSpans] = field(default_factory=list)  # SEND/RECV kinds kept out of `kinds` (unlike spans)
+    # the critical path of a step, predicted ("pred") and measured ("meas"), and with a baseline pair mHC's
+    # overhead along them ("overhead_on_path"): traces.path_overhead.compare_paths
+    critical_path: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,9 +223,9 @@ def _pct(x: float) -> float:
 
 
 def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = None,
-            names: tuple[str, str] = ("PRED", "MEAS")) -> Comparison:
+            names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True) -> Comparison:
     """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
-    base_meas)` also the measured vs predicted mHC overhead."""
+    base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths."""
     check_same_schedule(pred, meas, *names)
     pairs = match_spans(pred, meas)
     matched_p = {p for p, _ in pairs}
@@ -303,6 +307,9 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         ranks=ranks, notes=notes, comm_span_meaning=meaning, comm_spans=comm_spans)
     if baseline is not None:
         comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms)
+    if critical:
+        comp.critical_path, path_notes = compare_paths(pred, meas, baseline)
+        comp.notes.extend(path_notes)
     return comp
 
 

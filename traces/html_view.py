@@ -17,15 +17,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from traces.names import RANGE_KIND, STEP_KIND  # noqa: E402
+from traces.path_marks import PATH_COLOR, paths_for, place  # noqa: E402
 from traces.trace import Trace  # noqa: E402
 from traces.view import COLORS, build_layout, draw_breakdown, titles_for  # noqa: E402
 
 def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html: str = "",
-               streams: tuple[str, ...] | None = None) -> Path:
+               streams: tuple[str, ...] | None = None, critical: bool = True, paths: dict | None = None) -> Path:
     """One self-contained HTML file: an interactive canvas timeline (wheel = zoom, drag = pan, hover = details),
-    the per-rank breakdown as an embedded PNG, and the comparison tables when given."""
+    the per-rank breakdown as an embedded PNG, and the comparison tables when given. `critical`: outline each
+    trace's critical path in red (traces.path_marks; `paths` if already found)."""
     titles = titles_for(traces)
     lay = build_layout(traces, titles, streams)
+    if critical and paths is None:
+        paths = paths_for(traces)[0]
+    marks = place(paths, lay.cell_of, lay.origins) if critical else []
     palette = sorted(set(lay.color))
     pal_idx = {c: i for i, c in enumerate(palette)}
     names = list(dict.fromkeys(lay.name))
@@ -38,6 +43,7 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
         "color": [pal_idx[c] for c in lay.color], "palette": palette,
         "text": lay.text, "name": [name_idx[n] for n in lay.name], "names": names,
         "tmax": lay.t_max,
+        "crit": [[m.trace, m.row, m.lane, round(m.start, 3), round(m.end, 3), m.label] for m in marks],
     }
     fig, ax = plt.subplots(figsize=(12, 0.25 * sum(len(t.ranks) for t in traces) + 1.8))
     draw_breakdown(ax, traces, titles, lay.stats)
@@ -49,9 +55,12 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
     legend = "".join(f'<span class="sw" style="background:{COLORS.get(k, "#ccc")}"></span>{html.escape(lbl)} '
                      for k, lbl in (("F", "F"), ("B", "B / F&B 2nd half"), ("I", "I"), ("W", "W"), ("SEND_F", "P2P"),
                                     ("RC", "recompute / mHC"), (STEP_KIND, "step"), (RANGE_KIND, "other range"),
-                                    ("kernel", "kernel"), ("nccl", "NCCL"), ("memcpy", "memcpy")))
+                                    ("kernel", "kernel"), ("nccl", "NCCL"), ("memcpy", "memcpy"))) + \
+        (f'<span class="sw" style="background:none;border:2px solid {PATH_COLOR}"></span>critical path'
+         if marks else "")
     doc = _HTML.replace("__TITLE__", html.escape(title or "mhc-pipe trace")) \
         .replace("__LEGEND__", legend).replace("__PNG__", png).replace("__COMPARISON__", comparison_html) \
+        .replace("__PATHCOLOR__", PATH_COLOR) \
         .replace("__DATA__", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(doc, encoding="utf-8")
@@ -104,7 +113,8 @@ td:first-child,th:first-child{text-align:left} .note{font-size:12px;color:#444;m
 <h1>__TITLE__</h1>
 <div>__LEGEND__</div>
 <p class="hint">One row per rank and stream; predicted rows above measured rows; time in microseconds since each
-trace's first schedule op. Empty stretches of a row are bubbles (idle share at the right of each compute row).
+trace's first schedule op. Empty stretches of a row are bubbles (idle share at the right of each compute row);
+the critical path (the chain of ops and transfers that set the step time) is outlined in red.
 Mouse wheel: zoom, drag: pan, double-click: reset, hover: details.</p>
 <div id="wrap"><canvas id="c"></canvas><div id="tip"></div></div>
 <h3>Where the time goes, per rank</h3>
@@ -131,6 +141,12 @@ function draw(){const W=cv.clientWidth;ctx.setTransform(devicePixelRatio,0,0,dev
   ctx.fillStyle=D.palette[D.color[i]];ctx.fillRect(xa,y,w,h);
   if(edges&&w>3){ctx.strokeStyle='#000';ctx.lineWidth=0.4;ctx.strokeRect(xa,y,w,h);}
   const t=D.text[i];if(t&&w>Math.max(12,6.5*t.length)&&h>8){ctx.fillStyle='#000';ctx.textAlign='center';ctx.fillText(t,xa+w/2,y+h/2);ctx.textAlign='left';}}
+ let pv=null;ctx.strokeStyle='__PATHCOLOR__';
+ for(const [tr,ri,ln,a,b] of D.crit){const r=D.rows[ri],h=(RH-2)/r.lanes,y=TOP+ri*RH+1+ln*h;
+  const xa=Math.max(X(a),LW),xb=Math.min(X(b),W-60);
+  if(xb>=xa){ctx.lineWidth=2;ctx.strokeRect(xa,y,Math.max(xb-xa,1),h);}
+  if(pv&&pv[0]===tr){ctx.lineWidth=1;ctx.beginPath();ctx.moveTo(X(pv[1]),pv[2]);ctx.lineTo(X(a),y+h/2);ctx.stroke();}
+  pv=[tr,b,y+h/2];}
  ctx.fillStyle='#222';const step=nice((x1-x0)/8);for(let t=Math.ceil(x0/step)*step;t<=x1;t+=step){const x=X(t);
   ctx.fillRect(x,TOP-4,1,4);ctx.fillText(fmt(t),x+2,TOP-10);}}
 function nice(v){const p=Math.pow(10,Math.floor(Math.log10(v)));for(const m of [1,2,5,10])if(m*p>=v)return m*p;return 10*p;}

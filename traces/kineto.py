@@ -9,6 +9,8 @@
 * Kernels / memcpys / memsets become spans on stream `cuda:<stream>`.
 * Rank: `distributedInfo.rank` (an explicit `rank` argument overrides it); a file without it is rank 0 with
   `meta["rank_assumed"] = True`.
+* Older releases (capitalised categories Kernel / Operator / Runtime / Memcpy / Memset, GPU tids "stream 7", no
+  distributedInfo) read the same way: see OLD_OPERATOR below.
 
 Timestamps: Kineto microseconds minus `meta["time_origin_us"]` (the earliest event), so spans start near 0.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -26,8 +29,15 @@ from traces.names import parse_name, range_span
 from traces.project import Launches
 from traces.trace import Span, Trace, TraceError
 
-GPU_OP_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+GPU_OP_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
+                "memcpy": "memcpy", "memset": "memset"}  # older releases: Kernel, Memcpy, Memset
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime", "driver")  # older releases: Runtime
+# Older profiler releases (PyTorch 1.8-era Kineto, the torch-tb-profiler test traces) write capitalised categories
+# ("Kernel", "Operator", "Runtime", "Memcpy", "Memset"), GPU tids as strings "stream 7", no distributedInfo, and
+# record_function ranges as "Operator" events like ATen ops: an Operator whose name follows traces.md §5 (or is
+# ProfilerStep#K) is read as an annotation, any other Operator is an ATen op and skipped.
+OLD_OPERATOR = "operator"
+_STREAM_TID = re.compile(r"^\s*stream\s+(\d+)\s*$", re.IGNORECASE)
 
 
 def read_json(path: str | Path) -> Any:
@@ -59,8 +69,17 @@ def is_kineto(data: Any) -> bool:
         return False
     if "distributedInfo" in data or "deviceProperties" in data or "schemaVersion" in data:
         return True
-    cats = {e.get("cat") for e in data["traceEvents"][:5000] if isinstance(e, dict)}
-    return bool(cats & {"cpu_op", "kernel", "cuda_runtime", "user_annotation", "gpu_user_annotation"})
+    cats = {str(e.get("cat")).lower() for e in data["traceEvents"][:5000] if isinstance(e, dict)}
+    return bool(cats & {"cpu_op", "kernel", "cuda_runtime", "user_annotation", "gpu_user_annotation", "operator",
+                        "runtime"})
+
+
+def _stream_of(args: dict, tid: Any) -> Any:
+    """The CUDA stream of a GPU op: `args.stream`, else an older file's tid string "stream 7" -> 7."""
+    if "stream" in args:
+        return args["stream"]
+    m = _STREAM_TID.match(str(tid)) if tid is not None else None
+    return int(m.group(1)) if m else tid
 
 
 def _num(x: Any) -> float | None:
@@ -99,11 +118,17 @@ def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None
     launches_raw: list[tuple[Any, float, float, Any]] = []
     annotations: list[tuple[Any, float, float, str, Any]] = []  # thread, ts, end, name, external id
     gpu_annotations: list[tuple[float, float, str, Any]] = []
-    bad = 0
+    bad = old_ops = 0
     for i, ev in enumerate(data["traceEvents"]):
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
-        cat = ev.get("cat")
+        raw_cat = ev.get("cat")
+        cat = raw_cat.lower() if isinstance(raw_cat, str) else raw_cat
+        if cat == OLD_OPERATOR:
+            if parse_name(str(ev.get("name", ""))) is None:
+                old_ops += 1
+                continue
+            cat = "user_annotation"
         if cat not in GPU_OP_KINDS and cat not in LAUNCH_CATS and cat not in ("user_annotation", "gpu_user_annotation"):
             continue
         ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
@@ -114,7 +139,7 @@ def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None
         name = str(ev.get("name", ""))
         if cat in GPU_OP_KINDS:
             gpu_ops.append((GPU_OP_KINDS[cat], ts, ts + dur, args.get("device", ev.get("pid")),
-                            args.get("stream", ev.get("tid")), name, args.get("correlation")))
+                            _stream_of(args, ev.get("tid")), name, args.get("correlation")))
         elif cat in LAUNCH_CATS:
             launches_raw.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, args.get("correlation")))
         elif cat == "user_annotation":
@@ -188,7 +213,7 @@ def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None
         "time_origin_us": origin, "time_reference": "Kineto timestamp minus time_origin_us",
         "rank": rank, "rank_assumed": rank_assumed, "rank_source": rank_source,
         "projection": "gpu (runtime correlation -> GPU ops)" if has_gpu else "none (no GPU ops; CPU times)",
-        "unprojected_ranges": unprojected, "skipped_events": bad,
+        "unprojected_ranges": unprojected, "skipped_events": bad, "older_schema_operators": old_ops,
         "foreign_ranges": dict(foreign.most_common(50)), "foreign_range_count": sum(foreign.values()),
     }
     for key in ("world_size", "backend"):

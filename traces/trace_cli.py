@@ -1,8 +1,12 @@
 """`mhcpipe view` and `mhcpipe compare`.
 
-    mhcpipe view TRACE [--predicted PRED] -o out.png|.svg|.html|.json
+    mhcpipe view TRACE [--predicted PRED] -o out.png|.svg|.html|.json [--no-critical-path]
     mhcpipe compare PRED MEAS [--baseline-pred P --baseline-meas M] [--json out.json] [--markdown out.md]
                     [--plot overhead.png]
+
+`view` outlines each trace's critical path in red (Perfetto JSON: a `critical path` thread per rank with flow
+arrows); `compare` adds both critical paths and, with the baseline pair, mHC's overhead along them by cause
+(`mhcpipe critical-path` lists one path in full).
 
 TRACE, PRED and MEAS are any format `traces.io.load_trace` reads (our JSON, Chrome/Perfetto JSON, PyTorch profiler
 JSON[.gz], Nsight Systems SQLite, nsys stats NVTX CSV[.xz]) or a folder of per-rank files.
@@ -10,13 +14,16 @@ JSON[.gz], Nsight Systems SQLite, nsys stats NVTX CSV[.xz]) or a folder of per-r
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from traces.chrome import chrome_to_traces, is_predicted, save_chrome, validate_chrome, to_chrome
+from traces import path_report
+from traces.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.compare import compare
 from traces.io import load_trace, sniff
 from traces.kineto import is_kineto, read_json
+from traces.path_marks import chrome_path_events, paths_for
 from traces.report import to_markdown, to_text, write_json, write_markdown
 from traces.trace import FORMAT_NAME, Trace, TraceError
 
@@ -33,6 +40,8 @@ def register(subparsers) -> None:
     v.add_argument("--streams", default=None,
                    help="comma-separated streams to draw (default: all, e.g. compute,hp,comm,cuda:7)")
     v.add_argument("--rank", type=int, default=None, help="rank of a single-process trace file without rank info")
+    v.add_argument("--no-critical-path", dest="critical", action="store_false",
+                   help="do not outline the critical path (drawn in red by default where the names allow it)")
     v.set_defaults(func=run_view)
 
     c = subparsers.add_parser("compare", help="predicted vs measured: per-op error, makespan, bubbles, overhead",
@@ -72,25 +81,41 @@ def run_view(args: argparse.Namespace) -> int:
         traces = [pred] + [t for t in traces if not is_predicted(t)]
     traces.sort(key=lambda t: not is_predicted(t))  # predicted rows on top
     streams = tuple(s.strip() for s in args.streams.split(",")) if args.streams else None
+    paths, path_notes = paths_for(traces) if args.critical else ({}, [])
     if suffix == ".json":
-        problems = validate_chrome(to_chrome(*traces))
+        data = to_chrome(*traces)
+        if args.critical:  # a `critical path` thread per rank, flows between its ops (traces.path_marks)
+            data["traceEvents"].extend(chrome_path_events(traces, paths))
+        problems = validate_chrome(data)
         if problems:
             raise TraceError(f"internal: the Chrome export is malformed: {problems[0]}")
-        save_chrome(out, *traces)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data))
     elif suffix == ".html":
         from traces.html_view import markdown_tables_to_html, write_html
         comparison = ""
         preds = [t for t in traces if is_predicted(t)]
         meass = [t for t in traces if not is_predicted(t)]
         if preds and meass:
-            comparison = markdown_tables_to_html(to_markdown(compare(preds[0], meass[0])))
-        write_html(out, traces, title=args.title or _title(args), comparison_html=comparison, streams=streams)
+            comp = compare(preds[0], meass[0], critical=args.critical)
+            comparison = markdown_tables_to_html(to_markdown(comp) + path_markdown(comp.critical_path))
+        write_html(out, traces, title=args.title or _title(args), comparison_html=comparison, streams=streams,
+                   critical=args.critical, paths=paths)
     else:
         from traces.view import write_picture
-        write_picture(out, traces, title=args.title or _title(args), streams=streams)
+        write_picture(out, traces, title=args.title or _title(args), streams=streams, critical=args.critical,
+                      paths=paths)
     n = sum(len(t.spans) for t in traces)
-    print(f"wrote {out} ({n} spans, {sum(len(t.ranks) for t in traces)} rank rows)")
+    print(f"wrote {out} ({n} spans, {sum(len(t.ranks) for t in traces)} rank rows"
+          + (f", critical path of {len(paths)} trace(s) outlined" if paths else "") + ")")
+    for note in path_notes:
+        print(f"note: {note}")
     return 0
+
+
+def path_markdown(critical: dict) -> str:
+    """The critical-path tables of a comparison (Comparison.critical_path) as Markdown ('' when there are none)."""
+    return path_report.to_markdown(path_report.compare_sections(critical))
 
 
 def _title(args: argparse.Namespace) -> str:
@@ -108,10 +133,13 @@ def run_compare(args: argparse.Namespace) -> int:
         baseline = (load_trace(args.baseline_pred, which="predicted"), load_trace(args.baseline_meas, which="measured"))
     comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
     sys.stdout.write(to_text(comp))
+    sys.stdout.write("\n" + path_report.to_text(path_report.compare_sections(comp.critical_path)))
     if args.json_out:
         write_json(comp, args.json_out)
     if args.md_out:
         write_markdown(comp, args.md_out)
+        with open(args.md_out, "a") as fh:
+            fh.write(path_markdown(comp.critical_path))
     if args.plot_out:
         from traces.view import plot_overhead
         plot_overhead(comp, args.plot_out)

@@ -4,7 +4,8 @@ One row per rank and stream (logical streams first, then step / range / cpu rows
 coloured by kind (F orange, I/B green, W blue, overlapped F&B split orange|green, P2P grey, mHC parts and
 recompute purple, kernels slate), micro-batch numbers in cells that are wide enough, predicted rows above
 measured rows on one time axis (each trace starts at its first schedule op), empty stretches of a row are
-bubbles and each compute row is annotated with its idle share. Below: time per rank split into kinds, exposed
+bubbles and each compute row is annotated with its idle share; the critical path of each trace (its median step)
+is outlined in red and joined by a red line (traces.path_marks). Below: time per rank split into kinds, exposed
 communication and idle. Spans that overlap without nesting on one stream are drawn in thinner lanes.
 
 Drawing is vectorised (one PolyCollection), so 10^5 spans render in a few seconds; labels are only drawn
@@ -31,6 +32,7 @@ from traces.chrome import assign_lanes, is_predicted  # noqa: E402
 from traces.compare import Comparison, TimeStats, _kind_order, time_stats  # noqa: E402
 from traces.matching import schedule_spans  # noqa: E402
 from traces.names import RANGE_KIND, STEP_KIND  # noqa: E402
+from traces.path_marks import PATH_COLOR, draw_marks, paths_for, place  # noqa: E402
 from traces.plot import KIND_COLORS  # noqa: E402
 from traces.trace import Trace, TraceError  # noqa: E402
 
@@ -91,6 +93,9 @@ class Layout:
     t_max: float
     idle: dict[int, dict[int, float]] = field(default_factory=dict)  # trace -> rank -> idle fraction
     stats: dict[int, TimeStats] = field(default_factory=dict)  # trace -> its time budget (schedule traces)
+    cell_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(span) -> (row, lane) of its cell
+    origins: dict[int, float] = field(default_factory=dict)  # trace -> its time zero on the layout
+    marks: list = field(default_factory=list)  # critical path marks (traces.path_marks.Mark)
 
 
 def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...] | None = None) -> Layout:
@@ -99,9 +104,11 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
     t_max = 0.0
     idle: dict[int, dict[int, float]] = {}
     stats: dict[int, TimeStats] = {}
+    cell_of: dict[int, tuple[int, int]] = {}
+    origins: dict[int, float] = {}
     for ti, t in enumerate(traces):
         sched = schedule_spans(t)
-        origin = min((t.spans[i].start for i in sched), default=t.start())
+        origin = origins[ti] = min((t.spans[i].start for i in sched), default=t.start())
         if sched:
             st = time_stats(t)
             stats[ti] = st
@@ -118,6 +125,7 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
             rows.append(Row(ti, rank, stream, max(lanes) + 1, f"{titles[ti]} r{rank} {stream}"))
             for i, lane in zip(idx, lanes):
                 s = t.spans[i]
+                cell_of.setdefault(id(s), (r, lane))
                 a = s.start - origin
                 t_max = max(t_max, a + s.duration)
                 label = s.label
@@ -139,7 +147,7 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
                   lane=np.asarray(cols["lane"], dtype=int), start=np.asarray(cols["start"], dtype=float),
                   dur=np.asarray(cols["dur"], dtype=float), color=cols["color"], text=cols["text"],
                   name=cols["name"], kind=cols["kind"], border=np.asarray(cols["border"], dtype=int),
-                  t_max=t_max, idle=idle, stats=stats)
+                  t_max=t_max, idle=idle, stats=stats, cell_of=cell_of, origins=origins)
 
 
 def _pairs_with_halves(t: Trace, groups) -> set[int]:
@@ -301,8 +309,10 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
 
 
 def render_figure(traces: list[Trace], titles: list[str], title: str = "", streams: tuple[str, ...] | None = None,
-                  with_breakdown: bool = True):
+                  with_breakdown: bool = True, critical: bool = True, paths: dict | None = None):
     lay = build_layout(traces, titles, streams)
+    if critical:  # the critical path of each trace, outlined in red (traces.path_marks)
+        lay.marks = place(paths_for(traces)[0] if paths is None else paths, lay.cell_of, lay.origins)
     nrows = len(lay.rows)
     nbars = sum(len(t.ranks) for t in traces) if with_breakdown else 0
     width = 15.0
@@ -315,6 +325,7 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
     else:
         ax, ax2 = fig.add_subplot(111), None
     draw_layout(ax, lay, width_px=width * 0.8 * 100)
+    draw_marks(ax, lay.marks, [r.lanes for r in lay.rows], ROW_H)
     ax.set_yticks(range(nrows))
     ax.set_yticklabels([r.label for r in lay.rows], fontsize=7 if nrows < 60 else 5)
     ax.set_ylim(nrows - 0.5, -0.5)
@@ -326,8 +337,9 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
             ax.axhline(i - 0.5, color="#999999", lw=0.5)
     unit = traces[0].meta.get("time_unit", "us") if traces else "us"
     ax.set_xlabel(f"time ({unit}) since each trace's first schedule op (its first span if it has none)")
-    ax.legend(handles=_legend_handles(lay), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=6, fontsize=7,
-              frameon=False)
+    handles = _legend_handles(lay) + ([Patch(facecolor="none", edgecolor=PATH_COLOR, linewidth=1.4,
+                                             label="critical path")] if lay.marks else [])
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=7, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     if ax2 is not None:
@@ -339,8 +351,10 @@ def titles_for(traces: list[Trace]) -> list[str]:
     return ["pred" if is_predicted(t) else "meas" for t in traces]
 
 
-def write_picture(path: Path, traces: list[Trace], title: str = "", streams: tuple[str, ...] | None = None) -> Path:
-    fig = render_figure(traces, titles_for(traces), title=title, streams=streams)
+def write_picture(path: Path, traces: list[Trace], title: str = "", streams: tuple[str, ...] | None = None,
+                  critical: bool = True, paths: dict | None = None) -> Path:
+    """`paths`: the traces' critical paths if already found (traces.path_marks.paths_for)."""
+    fig = render_figure(traces, titles_for(traces), title=title, streams=streams, critical=critical, paths=paths)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,123 @@
+"""The critical path, the what-if replay and the path's pictures on real measured traces: the runtime trains the
+tiny DualPipeV model with mHC (n = 4) and the baseline, one step of each in turn, on 4 gloo ranks (3 steps, the
+warm-up dropped) - the demo's setting at test size (about 30 s on 2 cores).
+
+* Every step: the replay of the recorded durations reproduces the recorded makespan, and the path's length plus
+  its gaps (the recorded delays between its ops) is the makespan; the schedule's data edges all hold in the
+  recorded times.
+* Removing an op off the path leaves the step; halving one on the path shortens it.
+* whatif mhc=0 against the baseline run moves the mHC step toward the baseline's.
+* compare: both critical paths, and mHC's overhead along them adds up to the overhead.
+* view: PNG, HTML and Perfetto JSON carry the path.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+
+from _pipeline_helpers import check_ok, tiny_config  # noqa: E402
+from mhcpipe.cli import main  # noqa: E402
+from pipeline.local import interleaved_worker, launch  # noqa: E402
+from traces.chrome import validate_chrome  # noqa: E402
+from traces.compare import compare  # noqa: E402
+from traces.critical_path import critical_path  # noqa: E402
+from traces.matching import drop_warmup_step  # noqa: E402
+from traces.path_marks import paths_for, place  # noqa: E402
+from traces.replay import critical_chain, measured_durations, replay, slack  # noqa: E402
+from traces.span_graph import build_span_graph  # noqa: E402
+from traces.step_select import steps_of  # noqa: E402
+from traces.trace import Trace  # noqa: E402
+from traces.view import build_layout  # noqa: E402
+from traces.whatif import whatif  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("measured")
+    cfgs = [tiny_config("dualpipev", 4, n=n, steps=3, timeout_s=60) for n in (4, 1)]
+    dirs = [str(root / "mhc"), str(root / "base")]
+    check_ok(launch(interleaved_worker, 4, (cfgs, dirs), timeout_s=280))
+    return {name: drop_warmup_step(Trace.load(root / name / "trace.json")) for name in ("mhc", "base")} | \
+        {"root": root}
+
+
+def test_replay_reproduces_every_step_and_length_plus_gaps_is_the_makespan(runs):
+    for name in ("mhc", "base"):
+        t = runs[name]
+        assert t.meta["p2p_completion"] == "at the wait" and t.meta["wait_spans"]
+        for k in steps_of(t).steps:
+            g = build_span_graph(t, step=k)
+            assert not [v for v in g.violations if "(data)" in v], g.violations
+            tm = replay(g)
+            assert abs(tm.makespan - g.makespan) <= 1e-9 * g.makespan
+            assert np.allclose(tm.start, [n.start for n in g.nodes], rtol=0, atol=1e-9 * g.makespan)
+            cp = critical_path(t, step=k)
+            assert abs(cp.length_us + cp.gaps_us - cp.makespan_us) <= 1e-9 * cp.makespan_us
+            assert 0.3 * cp.makespan_us < cp.length_us <= cp.makespan_us
+            assert len({p.rank for p in cp.path}) >= 2  # the chain crosses ranks
+
+
+def test_off_path_removal_keeps_the_step_on_path_halving_shortens_it(runs):
+    g = build_span_graph(runs["mhc"])
+    tm = replay(g)
+    on = set(critical_chain(tm).nodes)
+    sl = slack(tm)
+    off = [v for v in range(len(g.nodes)) if v not in on and sl[v] > 1.0 and g.nodes[v].duration > 0]
+    heavy_on = sorted(on, key=lambda v: -g.nodes[v].duration)[:5]
+    assert off and heavy_on
+    for v in off[:10]:
+        d = measured_durations(g)
+        d[v] = 0.0
+        assert abs(replay(g, d).makespan - tm.makespan) <= 1e-9 * tm.makespan
+    for v in heavy_on:
+        d = measured_durations(g)
+        d[v] *= 0.5
+        assert replay(g, d).makespan < tm.makespan - 1e-9 * tm.makespan, g.nodes[v].label
+
+
+def test_whatif_mhc_zero_moves_the_mhc_step_toward_the_baseline(runs):
+    m, b = runs["mhc"], runs["base"]
+    w = whatif(m, {"mhc": 0.0}, baseline=b)
+    base_step = whatif(b, {}).measured_step_us
+    assert w.reproduction_error_pct < 1e-7
+    assert abs(w.step_us - base_step) < 0.6 * abs(w.measured_step_us - base_step)
+    assert w.after.length_us < w.before.length_us
+
+
+def test_compare_reports_both_paths_and_the_overhead_along_them(runs):
+    pred = critical_path(runs["mhc"])  # a comparison of two measured traces, as a prediction and a measurement
+    assert pred.path
+    c = compare(runs["mhc"], runs["mhc"], baseline=(runs["base"], runs["base"]))
+    cp = c.critical_path
+    assert cp["meas"]["length_us"] > 0 and cp["pred"]["makespan_us"] == cp["meas"]["makespan_us"]
+    ov = cp["overhead_on_path"]["meas"]
+    assert abs(sum(ov["causes_us"].values()) - ov["overhead_us"]) <= 1e-6 * abs(ov["overhead_us"])
+    assert ov["causes_us"]["mhc_kernels"] > 0
+
+
+def test_view_outlines_the_path_in_png_html_and_perfetto(runs, tmp_path, capsys):
+    src = runs["root"] / "mhc" / "trace.json"
+    t = runs["mhc"]
+    lay = build_layout([t], ["meas"])
+    paths, notes = paths_for([t])
+    marks = place(paths, lay.cell_of, lay.origins)
+    assert not notes and len(marks) == len(paths[0].path)
+    for suffix in ("png", "html", "json"):
+        assert main(["view", str(src), "-o", str(tmp_path / f"v.{suffix}")]) == 0
+    html = (tmp_path / "v.html").read_text()
+    assert '"crit":[[0,' in html and "critical path" in html
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert not validate_chrome(data)
+    crit = [e for e in data["traceEvents"] if e.get("cat") == "critical_path" and e["ph"] == "X"]
+    assert len(crit) == len(critical_path(Trace.load(src)).path)
+    assert main(["view", str(src), "-o", str(tmp_path / "w.json"), "--no-critical-path"]) == 0
+    plain = json.loads((tmp_path / "w.json").read_text())["traceEvents"]
+    assert not any(e.get("cat") == "critical_path" for e in plain)

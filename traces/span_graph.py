@@ -1,0 +1,371 @@
+"""The dependency graph of one step of a trace: its operations (traces.span_nodes, traces.transfers) joined by the
+schedule's dependencies, as a networkx DAG. traces.replay times it, traces.critical_path walks it.
+
+Edges (u -> v: v cannot start before u ends, plus `lag`), the rules of schedules/deps.py and schedules/graph.py
+read off span names (traces.md §5) and the stage chains (traces.stage_chains):
+  * program order: on each rank's compute thread, an op follows the op that ended last before the thread reached
+    it (serial on a CPU thread or one stream; overlapping halves of a GPU F&B pair get no edge between them);
+  * data: F(s, m) needs F(prev(s), m) - on the same rank, else its transfer to this rank; B/I(s, m) needs
+    F(s, m) and B/I(next(s), m) (same rank, else the transfer); W(s, m) needs I(s, m). A half of an F&B pair
+    needs what that half needs; a pair without half spans needs both;
+  * a transfer needs its tensor (the producing half on the sender, the last part of it that ended before the
+    send was posted), the sender's and the receiver's posts (the thread's last op before each post; with a
+    lowered schedule passed in, the receiver posts where the schedule says), and the previous message on its
+    channel (FIFO). A channel's order is the sender's; where the recorded times show the next transfer starting
+    before the previous one ended (several in flight), FIFO constrains their ends instead (`ff` edge);
+  * a wait node needs what it waited for and the thread's previous op, with lag = the thread's time between
+    that op's end and the wait's start.
+An edge the recorded times contradict (u ends after v starts, beyond `tol`) is dropped and listed in
+`violations`. Spans that cannot be placed (an input whose producing op is absent although its stage is in the
+trace, a message nobody produced) make the graph impossible: TraceError naming them. Inputs from stages that
+are not in the trace at all (one rank's file of a larger run) are outside the step and listed in `notes`.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from traces.receive_wait import POST_TO_COMPLETION, comm_span_meaning
+from traces.span_nodes import Node, add_parts, comm_name, compute_roles, is_collective, op_of, wait_target
+from traces.stage_chains import channel_order, neighbours, receive_posts, stage_chains
+from traces.step_select import step_trace
+from traces.trace import Trace, TraceError
+from traces.transfers import Transfer, build_transfers
+
+MAX_LISTED = 8
+
+
+@dataclass
+class SpanGraph:
+    trace: Trace  # the step's trace; Node.spans index into trace.spans
+    step: int
+    nodes: list[Node]
+    graph: nx.DiGraph  # edge attributes: kind (fs: finish-to-start, ss: start-to-start, ff: finish-to-finish), lag
+    t0: float  # start of the step's first schedule span
+    t_end: float  # end of its last schedule span
+    # per node: the recorded delay after the input that released it (its binding start-edge: the largest
+    # end + lag), and that input (-1: none; the delay counts from t0)
+    lat: list[float]
+    bind: list[int]
+    order: list[int]  # a topological order
+    transfers: list[Transfer] = field(default_factory=list)
+    wire_us: dict[str, float] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return self.t_end - self.t0
+
+
+def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None) -> SpanGraph:
+    """The graph of `step` of `trace` (default: the step with the median makespan). `schedule`: optionally the
+    lowered `schedules.Schedule` the trace ran, for exact receive posts and channel orders (traces never imports
+    schedules; the caller passes it)."""
+    k, st = step_trace(trace, step)
+    spans = st.spans
+    sched = [s for s in spans if s.stage is not None]
+    t0 = min(s.start for s in sched if _is_schedule(s))
+    t_end = max(s.end for s in sched if _is_schedule(s))
+    tol = 1e-9 * max(1.0, abs(t_end), abs(t_end - t0))
+    b = _Builder(st, tol)
+    b.compute_nodes()
+    b.comm_nodes()
+    b.wait_nodes()
+    prev, nxt = neighbours(stage_chains(trace, schedule))
+    b.program_order()
+    b.data_edges(prev, nxt)
+    b.transfer_edges(schedule)
+    if b.unplaced:
+        more = f" ... and {len(b.unplaced) - MAX_LISTED} more" if len(b.unplaced) > MAX_LISTED else ""
+        raise TraceError(f"critical path impossible: {len(b.unplaced)} spans of step {k} could not be placed in the "
+                         f"schedule's dependencies: {'; '.join(b.unplaced[:MAX_LISTED])}{more}; span names must follow "
+                         "the schedule (traces.md §5) and every op's inputs must be in the trace")
+    g = b.graph
+    if not nx.is_directed_acyclic_graph(g):
+        cyc = [b.nodes[u].label for u, _ in nx.find_cycle(g)][:MAX_LISTED]
+        raise TraceError(f"critical path impossible: the recorded times of step {k} make the dependencies circular "
+                         f"({' -> '.join(cyc)}); the span names do not follow the schedule")
+    lat, bind = [], []
+    for v in b.nodes:
+        ins = [((b.nodes[u].end if d["kind"] == "fs" else b.nodes[u].start) + d["lag"], d["kind"] == "fs", u)
+               for u, _, d in g.in_edges(v.id, data=True) if d["kind"] != "ff"]
+        top = max(ins, default=None)  # ties: a finish-to-start input, then the later node
+        lat.append(v.start - (top[0] if top else t0))
+        bind.append(top[2] if top else -1)
+    order = list(nx.lexicographical_topological_sort(g, key=lambda n: (b.nodes[n].start, n)))
+    return SpanGraph(st, k, b.nodes, g, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
+
+
+def _is_schedule(s) -> bool:
+    from traces.names import is_schedule_span
+    return is_schedule_span(s.kind, s.stage)
+
+
+class _Builder:
+    def __init__(self, trace: Trace, tol: float):
+        self.trace, self.spans, self.tol = trace, trace.spans, tol
+        self.nodes: list[Node] = []
+        self.graph = nx.DiGraph()
+        self.unplaced: list[str] = []
+        self.violations: list[str] = []
+        self.notes: list[str] = []
+        self.halves: dict[tuple[int, str, int, int], list[int]] = defaultdict(list)  # (rank, half, s, m) -> nodes
+        self.transfers: list[Transfer] = []
+        self.wire: dict[str, float] = {}
+        self.thread: dict[int, list[int]] = defaultdict(list)  # rank -> compute-lane nodes
+        # measured SEND/RECV spans start at their post; predicted ones at the transfer (traces.receive_wait)
+        self.posted_spans = comm_span_meaning(trace) == POST_TO_COMPLETION
+        # (rank, op name) -> (comm node, when this rank posted it)
+        self.comm_by_name: dict[tuple[int, str], list[tuple[int, float]]] = defaultdict(list)
+
+    def _add(self, node: Node) -> Node:
+        self.nodes.append(node)
+        self.graph.add_node(node.id)
+        return node
+
+    def edge(self, u: int, v: int, lag: float = 0.0, kind: str = "fs", fallback: tuple[str, ...] = (),
+             why: str = "") -> None:
+        """Add u -> v of type `kind` (fs: v starts after u ends; ss: v starts after u starts; ff: v ends after u
+        ends), or the first of `fallback` the recorded times satisfy; else record a violation."""
+        if u == v:
+            return
+        a, b = self.nodes[u], self.nodes[v]
+        over = 0.0
+        for k in (kind, *fallback):
+            over = {"fs": a.end + lag - b.start, "ss": a.start + lag - b.start, "ff": a.end - b.end}[k]
+            if over <= self.tol:
+                if k == "ss":  # released from inside u: as long after u's start as recorded
+                    lag = max(lag, b.start - a.start)
+                break
+        else:
+            self.violations.append(f"{b.label} (rank {b.rank}) {'ends' if kind == 'ff' else 'starts'} {over:.3f} "
+                                   f"before {a.label} (rank {a.rank}) {'starts' if kind == 'ss' else 'ends'}"
+                                   f"{f' ({why})' if why else ''}")
+            return
+        if self.graph.has_edge(u, v):  # keep the stronger constraint
+            d = self.graph.edges[u, v]
+            rank = {"fs": 2, "ss": 1, "ff": 0}
+            if rank[k] > rank[d["kind"]] or (k == d["kind"] and lag > d["lag"]):
+                d["kind"], d["lag"] = k, lag
+        else:
+            self.graph.add_edge(u, v, lag=lag, kind=k)
+
+    # ---- nodes ---------------------------------------------------------------------------------------------
+    def compute_nodes(self) -> None:
+        idx, part_of, notes = compute_roles(self.spans, self.tol)
+        self.notes.extend(notes)
+        members: dict[int, list[int]] = defaultdict(list)
+        for p, owner in part_of.items():
+            members[owner].append(p)
+        for i in idx:
+            s = self.spans[i]
+            n = self._add(Node(len(self.nodes), s.rank, "compute", op_of(s), s.label, s.start, s.end, (i,),
+                               s.stage, s.mb, s.partner, ts=s.start))
+            add_parts(n, self.spans, members.get(i, []))
+            for half, st, mb in n.halves():
+                self.halves[(n.rank, half, st, mb)].append(n.id)
+            self.thread[n.rank].append(n.id)
+        self._index()
+
+    def comm_nodes(self) -> None:
+        self.waits: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for i, s in enumerate(self.spans):
+            target = wait_target(s)
+            if target is not None:
+                self.waits[(s.rank, target)].append(i)
+        nodes, self.transfers, self.wire, notes = build_transfers(self.trace, self.waits, len(self.nodes), self.tol,
+                                                                  self._send_posted)
+        self.notes.extend(notes)
+        for n, t in zip(nodes, self.transfers):
+            self._add(n)
+            self.comm_by_name[(t.dst, comm_name(self.spans[t.recv]))].append((n.id, self.spans[t.recv].start))
+            if t.send is not None:
+                self.comm_by_name[(t.src, comm_name(self.spans[t.send]))].append((n.id, t.send_start))
+        for i, s in enumerate(self.spans):
+            # all-to-alls and all-reduces posted between ops: from their post to their completion, after the op
+            # before the post; one posted inside an op (an expert layer's exchange) is part of that op
+            if is_collective(s) and self._inside(s.rank, s.start, s.start) is None:
+                n = self._add(Node(len(self.nodes), s.rank, "comm", op_of(s), s.label, s.start, s.end, (i,),
+                                   s.stage, s.mb, ts=s.start))
+                self.comm_by_name[(s.rank, comm_name(s))].append((n.id, s.start))
+                u = self._thread_before(s.rank, s.start)
+                if u is not None:
+                    self.edge(u, n.id, why="posted")
+
+    def _index(self) -> None:
+        """Per rank, its compute nodes by end and by start (for _thread_before and _inside)."""
+        self._by_end = {r: sorted((self.nodes[n].end, n) for n in ids) for r, ids in self.thread.items()}
+        self._by_start = {r: sorted((self.nodes[n].start, n) for n in ids) for r, ids in self.thread.items()}
+        self._max_len = {r: max((self.nodes[n].duration for n in ids), default=0.0) for r, ids in self.thread.items()}
+
+    def _inside(self, rank: int, a: float, b: float) -> int | None:
+        """The compute node of `rank` whose interval holds [a, b], if any."""
+        by_start = self._by_start.get(rank, [])
+        j = bisect.bisect_right(by_start, (a + self.tol, float("inf"))) - 1
+        while j >= 0 and by_start[j][0] >= a - self._max_len[rank] - self.tol:
+            nd = self.nodes[by_start[j][1]]
+            if b <= nd.end + self.tol and nd.start < b + self.tol and nd.end > a:
+                return nd.id
+            j -= 1
+        return None
+
+    def _send_posted(self, i: int) -> float:
+        """When the sender began posting SEND span i. A measured CPU span opens when the post returned (gloo may
+        move the data inside the post), so it is the end of the thread's op before it, the op that produced it;
+        a predicted span starts at the transfer."""
+        s = self.spans[i]
+        if not self.posted_spans:
+            return s.start
+        before = self._thread_before(s.rank, s.start)
+        return self.nodes[before].end if before is not None else s.start
+
+    def wait_nodes(self) -> None:
+        for (rank, target), idx in self.waits.items():
+            for i in idx:
+                w = self.spans[i]
+                host = self._inside(rank, w.start, w.end)
+                if host is not None:  # blocked inside an op (on an exchange posted inside it): part of the op
+                    self.nodes[host].parts["wait"] = self.nodes[host].parts.get("wait", 0.0) + w.duration
+                    continue
+                # the instance of that op this rank posted last before the wait began
+                cands = [(t, c) for c, t in self.comm_by_name.get((rank, target), ()) if t <= w.start + self.tol]
+                c = max(cands)[1] if cands else None
+                if c is not None and self.nodes[c].end > w.end + self.tol:
+                    # a wait that returned before the op completed: an F&B half gave the turn to the other half
+                    # (or a send completed at the sender, buffered, before the receiver saw it arrive)
+                    c = None
+                arrival = min(self.nodes[c].end, w.end) if c is not None else w.start
+                n = self._add(Node(len(self.nodes), rank, "compute", "WAIT", w.label, max(w.start, arrival), w.end,
+                                   (i,), w.stage, w.mb, ts=w.start))
+                self.thread[rank].append(n.id)
+                if c is not None:
+                    self.edge(c, n.id, why="waited for")
+
+    # ---- edges ---------------------------------------------------------------------------------------------
+    def program_order(self) -> None:
+        for ids in self.thread.values():
+            ids.sort(key=lambda n: (self.nodes[n].ts, n))
+            ends: list[tuple[float, int]] = []
+            for v in ids:
+                nv = self.nodes[v]
+                j = bisect.bisect_right(ends, (nv.ts + self.tol, float("inf"))) - 1
+                if j >= 0:
+                    u = ends[j][1]
+                    self.edge(u, v, lag=max(0.0, nv.ts - self.nodes[u].end) if nv.kind == "WAIT" else 0.0,
+                              why="program order")
+                bisect.insort(ends, (nv.end, v))
+
+    def producer(self, rank: int, half: str, stage: int, mb: int, before: float | None = None) -> int | None:
+        """The node that completes (rank, half, stage, mb): its last part that ended by `before`, else its last."""
+        ids = self.halves.get((rank, half, stage, mb))
+        if not ids:
+            return None
+        if before is not None:
+            done = [n for n in ids if self.nodes[n].end <= before + self.tol]
+            if done:
+                return max(done, key=lambda n: self.nodes[n].end)
+        return max(ids, key=lambda n: self.nodes[n].end)
+
+    def data_edges(self, prev: dict[int, int | None], nxt: dict[int, int | None]) -> None:
+        stages = {s.stage for s in self.spans if s.stage is not None}
+        recv: dict[tuple[int, str, int, int], int] = {}
+        for t in self.transfers:
+            recv[(t.dst, t.direction, t.stage, t.mb)] = t.node
+        where: dict[tuple[str, int, int], list[int]] = defaultdict(list)  # (half, stage, mb) -> ranks
+        for (rank, half, st, mb) in self.halves:
+            where[(half, st, mb)].append(rank)
+        for (rank, half, st, mb), ids in self.halves.items():
+            first = min(ids, key=lambda n: (self.nodes[n].start, n))
+            begin = self.nodes[first].start
+            needs: list[tuple[str, int, str]] = []  # (producing half, stage, what it is)
+            if half == "F" and prev.get(st) is not None:
+                needs.append(("F", prev[st], "X"))
+            elif half == "B":
+                needs.append(("F", st, "L"))
+                if nxt.get(st) is not None:
+                    needs.append(("B", nxt[st], "X"))
+            elif half == "W":
+                needs.append(("I", st, "L"))
+            for ph, ps, how in needs:
+                key = "B" if ph == "I" else ph
+                u = self.producer(rank, key, ps, mb, before=begin)
+                if ph == "I" and u is not None and self.nodes[u].kind != "I":
+                    u = None
+                if u is not None:
+                    self.edge(u, first, fallback=_pair_fallback(self.nodes[u], self.nodes[first]), why="data")
+                    continue
+                if how == "X" and (rank, ph, ps, mb) in recv:
+                    u = recv[(rank, ph, ps, mb)]
+                    self.edge(u, first, fallback=_pair_fallback(self.nodes[u], self.nodes[first]), why="data")
+                    continue
+                others = [r for r in where.get((key, ps, mb), ()) if r != rank]
+                if how == "X" and others:  # produced on another rank, transfer not recorded: a direct edge
+                    u = self.producer(others[0], key, ps, mb)
+                    self.edge(u, first, fallback=_pair_fallback(self.nodes[u], self.nodes[first]),
+                              why="data, transfer not in the trace")
+                    continue
+                name = f"{'I' if ph == 'I' else key}/s{ps}/mb{mb}"
+                if ps in stages:
+                    self.unplaced.append(f"{self.nodes[first].label} on rank {rank} (its input {name} is not in the "
+                                         "trace)")
+                else:
+                    self.notes.append(f"{self.nodes[first].label} on rank {rank}: input {name} from a stage outside "
+                                      "the trace")
+
+    def transfer_edges(self, schedule: Any) -> None:
+        posts = receive_posts(schedule, self.halves, self.nodes) if schedule is not None else None
+        channel: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        ranks = {s.rank for s in self.spans}
+        for t in self.transfers:
+            n = self.nodes[t.node]
+            u = self.producer(t.src, "F" if t.direction == "F" else "B", t.stage, t.mb, before=t.send_start)
+            if u is None:
+                if t.src in ranks:
+                    self.unplaced.append(f"{self.spans[t.recv].label} on rank {t.dst} (rank {t.src} never produced "
+                                         f"{t.direction}/s{t.stage}/mb{t.mb})")
+                else:
+                    self.notes.append(f"{n.label}: sender rank {t.src} is not in the trace")
+            else:
+                self.edge(u, t.node, fallback=_pair_fallback(self.nodes[u], n), why="sent tensor")
+            if t.send is not None and self.posted_spans:  # a measured SEND span starts at its post
+                s = self._thread_before(t.src, self.spans[t.send].start)
+                if s is not None:
+                    self.edge(s, t.node, why="send posted")
+            if self.trace.meta.get("p2p") == "dataflow":
+                r = None  # a prediction whose receives count as posted from the start (schedules/engine.py)
+            elif posts is not None and (t.dst, t.direction, t.stage, t.mb) in posts:
+                r = posts[(t.dst, t.direction, t.stage, t.mb)]
+            else:
+                r = self._thread_before(t.dst, self.spans[t.recv].start)
+            if r is not None:
+                self.edge(r, t.node, why="receive posted")
+            channel[(t.src, t.dst)].append(t)
+        order = channel_order(schedule) if schedule is not None else None
+        for (src, dst), ts in channel.items():
+            if order is not None:
+                pos = order.get((src, dst), {})
+                ts.sort(key=lambda t: (pos.get((t.direction, t.stage, t.mb), 1 << 30), t.send_start))
+            else:
+                ts.sort(key=lambda t: (t.send_start, self.nodes[t.node].start, t.node))
+            for a, b in zip(ts, ts[1:]):
+                self.edge(a.node, b.node, fallback=("ff",), why="channel order")
+
+    def _thread_before(self, rank: int, t: float) -> int | None:
+        """The rank's compute op (not a wait) that ended last by `t`."""
+        by_end = self._by_end.get(rank, [])
+        j = bisect.bisect_right(by_end, (t + self.tol, float("inf"))) - 1
+        return by_end[j][1] if j >= 0 else None
+
+
+def _pair_fallback(u: Node, v: Node) -> tuple[str, ...]:
+    """An F&B pair recorded as one span produces its forward's output and needs its backward's input somewhere
+    inside it (the runtime runs either half first, schedules/engine.py may send from inside the pair): when the
+    recorded times say so, the pair's output leaves after the pair started (ss) and the pair ends after its
+    late input arrived (ff)."""
+    out = ("ss",) if u.kind == "FB" else ()
+    return out + (("ff",) if v.kind == "FB" else ())
