@@ -4,9 +4,10 @@
     t_all2all  = (k-1) * alpha + (k-1)/k * S / (bw * eta)    (S = bytes one rank sends, itself included;
                                                              nccl-tests busbw factor (k-1)/k)
 Placement (which fabric a transfer crosses) follows the layout: `gpus_per_node` GPUs share NVLink. An EP group
-of k <= gpus_per_node ranks stays inside a node; a larger one sends (k - g)/k of its bytes over the network
-and (g - 1)/k over NVLink, concurrently (the slower one sets the time). A pipeline boundary is inter-node when
-one stage's EP group fills a node (EP >= gpus_per_node) or the PP x EP ranks do not fit in one node.
+of k ranks with g of them per node (g = min(k, gpus_per_node) unless the layout spreads it: `ep_per_node`) sends
+(k - g)/k of its bytes over the network and (g - 1)/k over NVLink, concurrently (the slower one sets the time).
+A pipeline boundary is inter-node when one stage's EP ranks fill a node (g >= gpus_per_node), the EP group spans
+nodes, or the PP x EP ranks do not fit in one node.
 """
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ def boundary_bytes(tokens: int, width: int, hidden: int, dtype_bytes: int) -> fl
     return float(tokens * width * hidden * dtype_bytes)
 
 
-def pp_link(hw: HardwareSpec, pp: int, ep: int) -> Link:
-    if ep >= hw.gpus_per_node or pp * ep > hw.gpus_per_node:
+def ep_ranks_per_node(hw: HardwareSpec, ep: int, ep_per_node: int | None = None) -> int:
+    g = min(ep, hw.gpus_per_node)
+    return g if ep_per_node is None else max(1, min(ep_per_node, g))
+
+
+def pp_link(hw: HardwareSpec, pp: int, ep: int, ep_per_node: int | None = None) -> Link:
+    g = ep_ranks_per_node(hw, ep, ep_per_node)
+    if g >= hw.gpus_per_node or g < ep or pp * ep > hw.gpus_per_node:
         return hw.inter
     return hw.intra
 
@@ -28,11 +35,11 @@ def p2p_us(link: Link, nbytes: float) -> float:
     return link.time_us(nbytes)
 
 
-def all_to_all_us(hw: HardwareSpec, ep: int, nbytes: float) -> float:
+def all_to_all_us(hw: HardwareSpec, ep: int, nbytes: float, ep_per_node: int | None = None) -> float:
     """Time of one all-to-all in which every rank of an EP group of `ep` sends `nbytes` in total."""
     if ep <= 1 or nbytes <= 0:
         return 0.0
-    g = hw.gpus_per_node
+    g = ep_ranks_per_node(hw, ep, ep_per_node)
     if ep <= g:
         link = hw.intra
         return (ep - 1) * link.latency_us + (ep - 1) / ep * nbytes / (link.bandwidth * link.efficiency) * 1e6

@@ -8,7 +8,17 @@ A kernel's time is a roofline with efficiencies (costmodel.md §2.1):
 GFLOP, memory curve over MB; linear interpolation between points, flat outside). One curve per op class:
 tensor-core matmul, vector/elementwise, memory copy.
 
+Flat extrapolation is silent inside `Curve.coverage()`: from the first point (Calculon's curves start at size 0,
+their near-empty-op anchor) up to the last point times the span of the non-zero points (in log size: a
+saturating curve is trusted as far again beyond its last point as its points reach; Calculon's memory curve,
+1..100 MB, up to 10 GB). A lookup outside (below a first point that is not 0, or beyond that bound) is
+recorded by `CurveLookups` (one per Pricer) and reported as one aggregated line per curve in the prediction's
+warnings (`curve_warnings`). A constant curve (points only at size 0) claims no size dependence and never warns.
+
 Sources of the numbers (all dense, no sparsity):
+* `peak_flops["tf32"]` prices fp32-input GEMMs on tensor cores (mHC's Eq. 14-15 projection: phi is TF32-rounded,
+  mHC Eq. 10-13, TK `round_to_tf32`, DeepGEMM `tf32_hc_prenorm_gemm`). A spec without a tf32 rate (`local`: a CPU
+  has no TF32 unit, it runs such a GEMM in fp32) falls back to its fp32 rate.
 * H800 SXM5: bf16 989.4 TFLOP/s, tf32 494.7, fp32 66.9 (same SXM5 die as H100); HBM3 80 GB at 3.35 TB/s;
   NVLink 400 GB/s bidirectional = 200 GB/s per direction, of which DeepSeek-V3 (arXiv 2412.19437 §3.2.2)
   reports ~160 GB/s achievable (efficiency 0.8); InfiniBand 400 Gb/s = 50 GB/s per GPU (same section).
@@ -28,8 +38,13 @@ Sources of the numbers (all dense, no sparsity):
   (Calculon's 0.95 was tuned on A100 and is not reached by cuBLAS on H200, gpu.md).
 * Links: Calculon latencies 1 us (NVLink) and 2 us (IB) and IB efficiency 0.9; NVLink efficiency 0.6 on
   H100/H200/B200/A100 (Calculon), 0.8 on H800 (DeepSeek-V3's 160 of 200 GB/s).
-* Interference sigma = 0.15: DeepSeek-V3 gives 20 of 132 SMs to communication (0.152), the same value as Calculon's
-  NVLink `processor_usage` 0.15. It is the fraction by which compute slows while an all-to-all runs under it.
+* Communication SM carve-out: DeepSeek-V3 (arXiv 2412.19437 §3.2.2) gives 20 of 132 H800 SMs to its all-to-all
+  kernels, DeepEP's default `num_sms` is 20: while an all-to-all runs, compute runs on sms - comm_sms SMs, i.e. a
+  compute-bound kernel takes 132/112 = 1.18x as long (not +15%). `interference` (sigma) is extra slowdown beyond
+  that (HBM and L2 contention), 0 by default: the optimistic bound, labelled as such in reports.
+* bandwidth_sm_share 0.35: the share of SMs a memory-bound kernel needs to reach its bandwidth (an assumption:
+  Hopper copy kernels saturate HBM with roughly a third of the SMs resident); it is what an mHC kernel on the
+  high-priority stream takes from a co-running GEMM (overlap.py). A sensitivity input, not a measured number.
 * Kernel issue gap (t_launch) 2 us per GPU kernel: an assumption (typical back-to-back CUDA kernel gap without
   graphs); calibrate it from tiny kernels on the target (costmodel.md §3). `local` measures its own.
 """
@@ -49,6 +64,8 @@ from costmodel.runtime_profile import RuntimeProfile
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "runs" / "hardware"
 GB = 1e9
 TB = 1e12
+MB = 1e6
+GFLOP = 1e9
 GIB = 2**30  # "80 GB" HBM parts expose ~80 GiB (H100 80GB: 81559 MiB; H200: 143771 MiB ~ 140 GiB)
 
 
@@ -76,6 +93,19 @@ class Curve(BaseModel):
             if size <= s1:
                 return e0 + (e1 - e0) * (size - s0) / (s1 - s0)
         return pts[-1][1]
+
+    def coverage(self) -> tuple[float, float]:
+        """(lo, hi) sizes the curve vouches for (module docstring): lo its first point, hi its last point times
+        the span last / first of its non-zero points; (0, inf) for a constant curve (points only at size 0)."""
+        nonzero = [s for s, _ in self.points if s > 0]
+        if not nonzero:
+            return 0.0, math.inf
+        return self.points[0][0], nonzero[-1] * (nonzero[-1] / nonzero[0])
+
+    def outside(self, size: float) -> bool:
+        """Whether a lookup at `size` is a flat extrapolation beyond `coverage()`."""
+        lo, hi = self.coverage()
+        return size < lo or size > hi
 
     def scaled(self, top: float) -> "Curve":
         """The same shape with its largest efficiency set to `top`."""
@@ -115,12 +145,20 @@ class HardwareSpec(BaseModel):
     matrix_eff: Curve
     vector_eff: Curve
     memory_eff: Curve
+    mhc_memory_eff: Curve | None = Field(None, description="efficiency curve of the mHC kernels' HBM traffic (groups "
+                                         "mhc and recompute: TileLang, Triton and cuTile kernels differ by up to "
+                                         "~2x); None = memory_eff")
     launch_us: float = Field(2.0, ge=0, description="per-kernel issue gap, forward (us)")
     bwd_launch_us: float | None = Field(None, ge=0, description="per-kernel cost in backward; default launch_us")
     intra: Link = Field(description="intra-node P2P (NVLink / shared memory)")
     inter: Link = Field(description="inter-node P2P (InfiniBand / network)")
     gpus_per_node: int = Field(8, ge=1)
-    interference: float = Field(0.15, ge=0, description="sigma: compute slowdown while an all-to-all runs under it")
+    interference: float = Field(0.0, ge=0, description="sigma: extra compute slowdown while an all-to-all runs under "
+                                "it, beyond the comm_sms carve-out (0 = the carve-out only, the optimistic bound)")
+    comm_sms: int = Field(0, ge=0, description="SMs the communication kernels occupy while an all-to-all runs: "
+                          "compute on the other streams gets sms - comm_sms of them (DeepEP's default 20)")
+    bandwidth_sm_share: float = Field(0.35, gt=0, le=1, description="share of the SMs a memory-bound kernel needs "
+                                      "to draw its full HBM bandwidth (what it takes from a co-running GEMM)")
     host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")
     runtime: RuntimeProfile | None = Field(None, description="`local` only: this runtime's per-action calibration "
                                                              "for one shape (costmodel.local)")
@@ -138,26 +176,41 @@ class HardwareSpec(BaseModel):
     def peak(self, dtype: str) -> float:
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
-        if dtype in ("float32", "fp32"):
+        if dtype in ("float32", "fp32", "tf32"):  # no tf32 rate (a CPU): a TF32-rounded GEMM runs in fp32
             return self.peak_flops.get("fp32", self.vector_flops)
         if dtype in ("bfloat16", "bf16", "float16", "fp16"):
             return self.peak_flops.get("bf16", self.vector_flops)
         raise ValueError(f"{self.name}: no peak rate for dtype {dtype!r}; known {', '.join(self.peak_flops)}")
 
-    def matmul_us(self, flops: float, nbytes: float, dtype: str = "bf16") -> float:
+    def matmul_us(self, flops: float, nbytes: float, dtype: str = "bf16", mhc: bool = False) -> float:
         """Tensor-core GEMM (or attention core): roofline of the matrix and memory curves, without launch."""
-        t_c = flops / (self.peak(dtype) * self.matrix_eff(flops / GB)) if flops > 0 else 0.0
-        return max(t_c * 1e6, self.memory_us(nbytes))
+        t_c = flops / (self.peak(dtype) * self.matrix_eff(flops / GFLOP)) if flops > 0 else 0.0
+        return max(t_c * 1e6, self.memory_us(nbytes, mhc))
 
-    def vector_us(self, flops: float, nbytes: float) -> float:
+    def vector_us(self, flops: float, nbytes: float, mhc: bool = False) -> float:
         """Elementwise / reduction kernel: vector-unit curve vs memory curve, without launch."""
-        t_c = flops / (self.vector_flops * self.vector_eff(flops / GB)) * 1e6 if flops > 0 else 0.0
-        return max(t_c, self.memory_us(nbytes))
+        t_c = flops / (self.vector_flops * self.vector_eff(flops / GFLOP)) * 1e6 if flops > 0 else 0.0
+        return max(t_c, self.memory_us(nbytes, mhc))
 
-    def memory_us(self, nbytes: float) -> float:
+    def memory_us(self, nbytes: float, mhc: bool = False) -> float:
+        """Time to move `nbytes` through HBM; `mhc`: an mHC kernel, at `mhc_memory_eff` when the spec has one."""
         if nbytes <= 0:
             return 0.0
-        return nbytes / (self.hbm_bandwidth * self.memory_eff(nbytes / 1e6)) * 1e6
+        curve = self.mhc_memory_eff if (mhc and self.mhc_memory_eff is not None) else self.memory_eff
+        return nbytes / (self.hbm_bandwidth * curve(nbytes / MB)) * 1e6
+
+    def curve_sizes(self, cls: str, flops: float, nbytes: float) -> list[tuple[str, float]]:
+        """(curve, size in the curve's unit) of every efficiency lookup that pricing a kernel of class `cls`
+        makes (matmul_us / vector_us / memory_us): the lookups CurveLookups checks."""
+        out = []
+        if flops > 0 and cls in ("matrix", "vector"):
+            out.append((cls, flops / GFLOP))
+        if nbytes > 0 and cls in ("matrix", "vector", "memory"):
+            out.append(("memory", nbytes / MB))
+        return out
+
+    def curve(self, name: str) -> Curve:
+        return {"matrix": self.matrix_eff, "vector": self.vector_eff, "memory": self.memory_eff}[name]
 
     @property
     def backward_launch_us(self) -> float:
@@ -187,6 +240,58 @@ class HardwareSpec(BaseModel):
             raise ValueError(f"{path}: {where}: {first['msg']}{fix}") from None
 
 
+class CurveLookups:
+    """Efficiency-curve lookups outside a curve's coverage, collected while one Pricer prices its kernels (no
+    global state: each Pricer owns one; `add` is called for every kernel it prices)."""
+
+    def __init__(self, hw: HardwareSpec):
+        self.hw = hw
+        self.hits: dict[str, dict[str, tuple[float, float]]] = {}  # curve -> kernel name -> (min, max) size
+
+    def add(self, name: str, cls: str, flops: float, nbytes: float) -> None:
+        for curve, size in self.hw.curve_sizes(cls, flops, nbytes):
+            if self.hw.curve(curve).outside(size):
+                lo, hi = self.hits.setdefault(curve, {}).get(name, (size, size))
+                self.hits[curve][name] = (min(lo, size), max(hi, size))
+
+
+def curve_warnings(lookups) -> list[str]:
+    """One line per curve for the out-of-coverage lookups of several CurveLookups (those of one prediction's
+    pricers, which share a hardware spec; None entries are skipped): which curve, which size range, which
+    kernels, and the flat efficiency they were priced at."""
+    merged: dict[str, dict[str, tuple[float, float]]] = {}
+    hw = None
+    for lk in lookups:
+        if lk is None:
+            continue
+        hw = lk.hw
+        for curve, kernels in lk.hits.items():
+            for name, (lo, hi) in kernels.items():
+                a, b = merged.setdefault(curve, {}).get(name, (lo, hi))
+                merged[curve][name] = (min(a, lo), max(b, hi))
+    lines = []
+    for curve in sorted(merged):
+        c = hw.curve(curve)
+        lo_ok, hi_ok = c.coverage()
+        kernels = merged[curve]
+        parts = []
+        below = sorted(n for n, (lo, _) in kernels.items() if lo < lo_ok)
+        above = sorted(n for n, (_, hi) in kernels.items() if hi > hi_ok)
+        if below:
+            lo, hi = min(kernels[n][0] for n in below), min(lo_ok, max(kernels[n][1] for n in below))
+            parts.append(f"{len(below)} kernel(s) at {lo:.3g}-{hi:.3g} {c.unit}, below its first point "
+                         f"{lo_ok:.3g} {c.unit}, at its first efficiency {c.points[0][1]:.2f} "
+                         f"({', '.join(below[:6])}{', ...' if len(below) > 6 else ''})")
+        if above:
+            lo, hi = max(hi_ok, min(kernels[n][0] for n in above)), max(kernels[n][1] for n in above)
+            parts.append(f"{len(above)} kernel(s) at {lo:.3g}-{hi:.3g} {c.unit}, beyond the {hi_ok:.3g} {c.unit} "
+                         f"its points cover, at its last efficiency {c.points[-1][1]:.2f} "
+                         f"({', '.join(above[:6])}{', ...' if len(above) > 6 else ''})")
+        lines.append(f"{hw.name} {curve} efficiency curve extrapolated flat: {'; '.join(parts)}; calibrate the curve "
+                     f"over these sizes (costmodel.calibrate) for a trustworthy price")
+    return lines
+
+
 # ---- curves (Calculon, see module docstring) --------------------------------------------------------------
 CALCULON_MATRIX = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.6), (16, 0.9), (128, 0.95)])
 CALCULON_VECTOR = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.5), (16, 0.95)])
@@ -206,7 +311,7 @@ def _hopper(name: str, description: str, hbm_tbs: float, mem_gb: float, nvlink_g
     return HardwareSpec(
         name=name, description=description,
         peak_flops={"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, vector_flops=66.9e12,
-        hbm_bandwidth=hbm_tbs * TB, memory_bytes=mem_gb * GIB, sms=132,
+        hbm_bandwidth=hbm_tbs * TB, memory_bytes=mem_gb * GIB, sms=132, comm_sms=20,
         matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
         intra=_nvlink(nvlink_gbs, nvlink_eff), inter=IB_400G, meta={"source": "vendor datasheets, see hardware.py"})
 
@@ -218,13 +323,13 @@ BUILTIN: dict[str, HardwareSpec] = {
     "b200": HardwareSpec(
         name="b200", description="NVIDIA B200 (HGX) 180GB, NVLink 1.8 TB/s, IB 400 Gb/s per GPU",
         peak_flops={"bf16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}, vector_flops=75e12,
-        hbm_bandwidth=8 * TB, memory_bytes=180 * GIB, sms=148,
+        hbm_bandwidth=8 * TB, memory_bytes=180 * GIB, sms=148, comm_sms=20,
         matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
         intra=_nvlink(1800, 0.6), inter=IB_400G, meta={"source": "HGX B200 datasheet; curves assumed Hopper-like"}),
     "a100": HardwareSpec(
         name="a100", description="NVIDIA A100 SXM 80GB, NVLink 600 GB/s, IB HDR 200 Gb/s per GPU",
         peak_flops={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, vector_flops=19.5e12,
-        hbm_bandwidth=2.039 * TB, memory_bytes=80 * GIB, sms=108,
+        hbm_bandwidth=2.039 * TB, memory_bytes=80 * GIB, sms=108, comm_sms=20,
         matrix_eff=CALCULON_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=CALCULON_HBM,
         intra=_nvlink(600, 0.6), inter=Link(name="InfiniBand HDR 200Gb/s", bandwidth=25 * GB, latency_us=2.0,
                                             efficiency=0.9),

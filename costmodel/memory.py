@@ -10,18 +10,24 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   and normed 2C, router logits E (fp32), permuted token copies kC, per copy gate, up, activation 3He, the
   shared experts like a SwiGLU of hidden shared*He, the combine input kC. Embedding output C; head: normed C
   and fp32 logits V. One chunk = one stage's layers for one micro-batch.
-* mHC extra per sub-layer (mhc_cost.activation_elems): without recompute x_l + F output + coefficients
-  ((n+1)C + fp32 mix); with recompute of blocks of L_r sub-layers nC/L_r + C - 2C + coefficients, plus a
-  transient (n+2)C L_r during the active block's backward (Eq. 20's second term).
+* Residual side of a stage (mhc_cost.residual_activation_elems; what pipeline/stage.py keeps): without recompute
+  x_l + F output + coefficients per sub-layer ((n+1)C + fp32 mix; nothing for the plain residual, whose x_l is
+  its norm input); with recompute of blocks of L_r sub-layers x_l0 once per block (ceil(L / L_r) of them), F's
+  output and the coefficients per sub-layer, minus F's norm input and output (2C), which the recompute rebuilds.
+  The plain residual (the baseline) recomputes under the same config as the runtime does, with its own Eq. 20
+  block (n = 1). Plus a transient while the active block's backward runs (mhc_cost.recompute_transient_elems:
+  ((n+2)L_r - n)C, (2L_r - 1)C for the plain residual; Eq. 20's second term).
 * Eq. 20:  L_r* = argmin_{1 <= L_r <= L} [ n C ceil(L / L_r) + (n+2) C L_r ],  L = sub-layers on the stage
   (recompute blocks never cross a stage boundary, mhc.md §5).
-* Receive buffers: one forward and one backward boundary buffer (T n C) per stage held by the rank.
+* Receive buffers: one forward and one backward boundary buffer (T n C, plus mhc-sp's carried coefficient) per
+  stage held by the rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.mhc_cost import ResidualSpec, activation_elems, mhc_params_per_sublayer
+from costmodel.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
+                               residual_activation_elems)
 from costmodel.ops import block_params
 from configs import RunConfig, recompute_block_size
 
@@ -29,11 +35,9 @@ BYTES_PER_PARAM = 16
 
 
 def recompute_block(cfg: RunConfig, spec: ResidualSpec, stage_sublayers: int) -> int | None:
-    """The recompute block size for a stage with `stage_sublayers` sub-layers, or None (no recompute). A
-    configured block longer than the stage is one block of the whole stage, so it is counted as the stage's
-    length: nC/L_r with a longer L_r would undercount the block input the stage keeps."""
-    if spec.is_baseline:
-        return None
+    """The recompute block size for a stage with `stage_sublayers` sub-layers, or None (no recompute): the rule
+    the runtime applies (pipeline/train.py), the plain residual included (n = 1). A configured block longer than
+    the stage is one block of the whole stage, so it is counted as the stage's length."""
     size = recompute_block_size(cfg.recompute, stage_sublayers, spec.n)
     return None if size is None else max(1, min(size, stage_sublayers))
 
@@ -86,20 +90,19 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
     T, C = p.tokens_per_microbatch, m.hidden
     L = 2 * len(blocks)
     L_r = recompute_block(cfg, spec, L) if recompute else None
-    elems = 0.0
+    elems = residual_activation_elems(spec, C, d, L, L_r)
     params = 0.0
-    extra = activation_elems(spec, C, d, L_r)
     for b in blocks:
         a, f = sublayer_activation_elems(cfg, b, d)
-        elems += a + f + 2 * extra
+        elems += a + f
         params += block_params(cfg, b, p.expert_parallel) + 2 * mhc_params_per_sublayer(spec, C)
-    if first:
-        elems += C + (spec.width * C if not spec.is_baseline else 0)
+    if first:  # the embedding output; the expanded x_0 is the first sub-layer's x_l, counted on the residual side
+        elems += C
         params += m.vocab_size * C
     if last:
         elems += C + 4 / d * m.vocab_size
         params += m.vocab_size * C + C
-    transient = (spec.n + 2) * C * L_r * T * d if L_r else 0.0
+    transient = recompute_transient_elems(spec, C, L_r) * T * d if L_r else 0.0
     return StageMemory(stage, len(blocks), params, elems * T * d, L_r, transient)
 
 
@@ -115,5 +118,5 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
         model_state_bytes=BYTES_PER_PARAM * sum(s.params for s in mine),
         activation_bytes=peak_live * max(s.chunk_activation_bytes for s in mine),
         transient_bytes=max(s.transient_bytes for s in mine),
-        buffer_bytes=2 * len(mine) * T * spec.width * C * d,
+        buffer_bytes=2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes),
         peak_live_chunks=peak_live)

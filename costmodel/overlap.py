@@ -1,33 +1,51 @@
-"""Overlap inside one schedule action: per-rank streams (compute, high-priority compute, comm) and interference.
+"""Inside one schedule action: its kernels on a rank's three streams (compute, high-priority compute, comm), in
+program order, sharing the GPU's SMs and HBM bandwidth (costmodel.md §2.5-2.6).
 
-The schedule simulator (schedules.simulate) treats an action as one compute span. Its duration is decided here by
-a small discrete-event simulation of the action's kernels (costmodel.md §2.5-2.6):
+The schedule simulator (schedules.engine) treats an action as one compute span; how long it lasts, and when
+inside it the outputs are ready to send, is decided here.
 
-* Chains: an action is one chain of kernels (F, I, W, B) or two (an overlapped F&B step: the forward of one
-  chunk and the full backward of another, as DualPipe pairs them). Within a chain each kernel waits for its
-  `deps` (by default the previous kernel); the two chains of an F&B step are independent, which is what lets
-  one chunk's all-to-all hide under the other's compute.
-* Streams: "compute" and "hp" kernels share the SMs (one runs at a time); "comm" kernels (expert all-to-all)
-  run on their own stream, one at a time, in ready order. A free compute stream picks the ready kernel with the
-  longest remaining path to the end of its chain (HLFET list scheduling), so the two chains interleave the
-  way DualPipe's hand-written order does: work that leads to an all-to-all first, W-like leaves in the gaps.
-* High-priority stream: a ready "hp" kernel (mHC post+res of an MLP sub-layer, and its backward) preempts the
-  running normal kernel if that kernel is preemptible (it resumes afterwards); large cuBLAS GEMMs are not
-  (gpu.md §6: they did not yield SMs mid-kernel), so there the hp kernel waits only for the running GEMM, not for
-  the queue. With `hp=False` hp kernels are ordinary compute kernels.
-* Interference: while an all-to-all runs, compute progresses at rate 1 / (1 + sigma) (costmodel.md §2.5:
-  t' = t (1 + sigma * overlapped fraction)). sigma = 0 is the optimistic bound.
+* Chains: an action is one chain of kernels (F, I, W, B) or two (an overlapped F&B pair: the forward of one chunk
+  and the backward of another, as DualPipe pairs them). Within a chain a kernel waits for its `deps` (by default
+  the previous kernel). Chain c may not start before `lags[c]` (its receive arrives later than the action starts:
+  each half waits only for its own input).
+* Program order (the runtime's, pipeline/overlap.py): a chain is cut into segments after every all-to-all it posts
+  and at every block boundary (`TimedOp.switch`); an F&B pair issues F's first segment, then B's, then F's
+  second, ... (DualPipe's hand-written interleaving: forward attention / dispatch / MLP / combine of one
+  micro-batch against backward combine / MLP / dispatch / attention of the other). The backward half's W kernels
+  (`deferrable`) are not in that order: they fill the compute stream whenever its next kernel cannot start yet
+  and the W kernel ends before that kernel's inputs are expected (backfilling: a long W in a short wait would
+  delay the program and the all-to-alls it feeds), and run at the end otherwise (the runtime's `wfill`), so the
+  input gradient is ready before them.
+* Streams, CUDA semantics: each stream runs its kernels one at a time in issue order; a kernel starts when its
+  stream is free and its dependencies (explicit events across streams) are done. "hp" is the high-priority
+  compute stream (the MLP-side mHC post+res and its backward, mhc.md §6); with `hp=False` its kernels are issued
+  to the compute stream instead.
+* Two shared resources, SMs and HBM bandwidth (a fluid model): at full rate a kernel occupies a share `sm` of
+  the SMs and `hbm` of the peak bandwidth (Pricer derives both from its roofline: a compute-bound GEMM fills the
+  SMs, a memory-bound kernel needs `bandwidth_sm_share` of them for its bandwidth). Running kernels are served in
+  priority order: the all-to-all's fixed SM carve-out (`comm_share` = comm_sms / sms) first, then kernels that
+  never yield (`preemptible=False`: persistent kernels, and large cuBLAS GEMMs, which did not yield to a
+  high-priority stream on Hopper, gpu.md §6) in the order they started, then the hp stream, then the compute
+  stream; each runs at rate min(1, SMs left / sm, HBM left / hbm). So a memory-bound kernel next to a GEMM that
+  yields runs at full speed and slows the GEMM only by the SMs it takes; next to one that never yields it gets the
+  leftovers (none: it waits). Bounds, both labelled: co-running never takes longer than running the two back to
+  back, and never less than the longer of the two. `corun=False` gives the SMs to one compute kernel at a time
+  (hp first if the running kernel yields).
+* Interference: beyond the carve-out, compute under a running all-to-all slows by 1 / (1 + sigma) (sigma = 0 is
+  the optimistic bound).
 * Modes: "streams" (the above), "serial" (every kernel back to back, all-to-all exposed: F&B = F + B as the
   DeepSeek figures draw it), "max" (F&B = max(F, B), each half computed in "streams" mode).
 
-Exposed communication is an output (comm time with no compute running), never an input formula.
+Outputs: the makespan, busy and exposed communication (comm time with no compute running: an output, never an
+input), per chain the time its output is ready (`release`: the forward's last kernel, the backward's last
+input-gradient kernel), and every kernel's start and end (`timeline`).
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 MODES = ("streams", "serial", "max")
+_EPS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -35,9 +53,14 @@ class TimedOp:
     name: str
     group: str
     stream: str  # compute | hp | comm
-    duration: float
-    deps: tuple[int, ...] = (-1,)
-    preemptible: bool = True
+    duration: float  # alone, at full rate (us)
+    deps: tuple[int, ...] = (-1,)  # offsets (negative) of the kernels of the same chain it waits for
+    preemptible: bool = True  # False: holds its SMs until it ends (persistent kernels, large cuBLAS GEMMs)
+    sm: float = 1.0  # share of the SMs it occupies at full rate
+    hbm: float = 0.0  # share of the peak HBM bandwidth it draws at full rate
+    switch: bool = False  # the running half hands the turn to the other half after issuing this kernel
+    output: bool = False  # the chain's output (what the next stage receives) is ready when this kernel ends
+    deferrable: bool = False  # weight-gradient work an F&B pair may defer into gaps
 
 
 @dataclass
@@ -47,6 +70,8 @@ class OverlapResult:
     comm_busy: float
     exposed_comm: float
     group_time: dict[str, float] = field(default_factory=dict)  # summed kernel durations per group
+    release: tuple[float, ...] = ()  # per chain: when its output is ready (the chain's end when unmarked)
+    timeline: list[tuple[int, str, str, float, float]] = field(default_factory=list)  # (chain, name, stream, start, end)
 
 
 def _group_time(chains: list[list[TimedOp]]) -> dict[str, float]:
@@ -57,7 +82,22 @@ def _group_time(chains: list[list[TimedOp]]) -> dict[str, float]:
     return out
 
 
-def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True) -> OverlapResult:
+def _segments(chain: list[TimedOp], base: int, pair: bool) -> tuple[list[list[int]], list[int]]:
+    """(program segments of op indices, deferred W indices)."""
+    segs: list[list[int]] = [[]]
+    deferred: list[int] = []
+    for i, op in enumerate(chain):
+        if pair and op.deferrable:
+            deferred.append(base + i)
+            continue
+        segs[-1].append(base + i)
+        if op.switch or op.stream == "comm":
+            segs.append([])
+    return [s for s in segs if s], deferred
+
+
+def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
+                comm_share: float = 0.0, lags: tuple[float, ...] | None = None) -> OverlapResult:
     ops: list[TimedOp] = []
     chain_of: list[int] = []
     base: list[int] = []
@@ -66,101 +106,197 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
         ops.extend(chain)
         chain_of.extend([c] * len(chain))
     N = len(ops)
+    lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
     succ: list[list[int]] = [[] for _ in range(N)]
+    preds: list[list[int]] = [[] for _ in range(N)]
     missing = [0] * N
     for c, chain in enumerate(chains):
         for i, op in enumerate(chain):
             for off in op.deps:
                 j = i + off
-                if 0 <= j < len(chain) and off < 0:
+                if off < 0 and 0 <= j < len(chain):
                     succ[base[c] + j].append(base[c] + i)
+                    preds[base[c] + i].append(base[c] + j)
                     missing[base[c] + i] += 1
-    # priority: the longest remaining path through the kernel's successors ("bottom level", HLFET list
-    # scheduling), so kernels that lead to an all-to-all or to the end of a chain go first and W-like leaves
-    # fill the gaps; ties by chain, then program order
-    level = [0.0] * N
-    for i in range(N - 1, -1, -1):
-        level[i] = ops[i].duration + max((level[j] for j in succ[i]), default=0.0)
-    queues: dict[str, list] = {"compute": [], "hp": [], "comm": []}
+    pair = len(chains) > 1
+    parts = [_segments(chain, base[c], pair) for c, chain in enumerate(chains)]
+    order: list[int] = []  # issue order: the halves' segments alternate, F first
+    for k in range(max((len(p[0]) for p in parts), default=0)):
+        for segs, _ in parts:
+            if k < len(segs):
+                order.extend(segs[k])
+    fill = [i for _, d in parts for i in d]  # W kernels in the order their backward produced them
 
     def stream_of(i: int) -> str:
         s = ops[i].stream
         return "compute" if (s == "hp" and not hp) else s
 
-    def push(i: int, t: float) -> None:
-        st = stream_of(i)
-        heapq.heappush(queues[st], (t, chain_of[i], i) if st == "comm" else (-level[i], chain_of[i], i))
-
-    for i in range(N):
-        if missing[i] == 0:
-            push(i, 0.0)
+    queues: dict[str, list[int]] = {"compute": [], "hp": [], "comm": []}
+    for i in order:
+        queues[stream_of(i)].append(i)
+    head = {s: 0 for s in queues}
+    fill_head = 0
+    running: dict[str, list] = {}  # stream -> [op, remaining full-rate work, start, order of start]
+    start_at = [0.0] * N
+    end_at = [0.0] * N
     t = 0.0
-    cur: list | None = None  # [op index, remaining work]
-    suspended: list[list] = []
-    comm: tuple[int, float] | None = None  # (op index, end time)
     done = 0
+    started = 0
     busy_c = busy_m = exposed = 0.0
+    eta_of: dict[int, float] = {}
+
+    def ready(i: int) -> bool:
+        return missing[i] == 0 and t + _EPS >= lag[chain_of[i]]
+
+    def fits(w: int, blocked: int | None) -> bool:
+        """Backfilling: a deferred W kernel may fill the wait of the compute stream's next kernel only if it ends
+        before that kernel's inputs are expected (a long W in a short wait would delay the program, and with it
+        the all-to-alls it feeds). Unknown when an input comes from a kernel not yet started: fill."""
+        if blocked is None:
+            return True
+        expect = lag[chain_of[blocked]]
+        for j in preds[blocked]:
+            if end_at[j]:
+                continue
+            eta = eta_of.get(j)
+            if eta is None:
+                return True
+            expect = max(expect, eta)
+        return t + ops[w].duration <= expect + _EPS
+
     while done < N:
-        if comm is None and queues["comm"]:
-            _, _, i = heapq.heappop(queues["comm"])
-            comm = (i, t + ops[i].duration)
-        if queues["hp"] and (cur is None or (stream_of(cur[0]) == "compute" and ops[cur[0]].preemptible)):
-            if cur is not None:
-                suspended.append(cur)
-            _, _, i = heapq.heappop(queues["hp"])
-            cur = [i, ops[i].duration]
-        if cur is None:
-            if suspended:
-                cur = suspended.pop()
-            elif queues["compute"]:
-                _, _, i = heapq.heappop(queues["compute"])
-                cur = [i, ops[i].duration]
-        if cur is None and comm is None:
-            raise RuntimeError("overlap: kernels wait on each other (bad deps); this is a cost-model bug")
-        rate = 1.0 / (1.0 + sigma) if (comm is not None and cur is not None) else 1.0
-        t_c = t + cur[1] / rate if cur is not None else float("inf")
-        t_m = comm[1] if comm is not None else float("inf")
-        t_next = min(t_c, t_m)
+        # start what can start: each stream's next kernel in issue order; the compute stream otherwise takes a
+        # deferred W kernel whose input gradient exists
+        for s in ("comm", "hp", "compute"):
+            if s in running:
+                continue
+            q = queues[s]
+            if head[s] < len(q) and ready(q[head[s]]):
+                i = q[head[s]]
+                head[s] += 1
+            elif (s == "compute" and fill_head < len(fill) and ready(fill[fill_head])
+                  and fits(fill[fill_head], q[head[s]] if head[s] < len(q) else None)):
+                i = fill[fill_head]
+                fill_head += 1
+            else:
+                continue
+            running[s] = [i, ops[i].duration, t, started]
+            start_at[i] = t
+            started += 1
+        if not running:
+            pending = [lag[chain_of[i]] for i in range(N) if missing[i] == 0 and not end_at[i] and lag[chain_of[i]] > t]
+            if not pending:
+                raise RuntimeError("overlap: kernels wait on each other (bad deps); this is a cost-model bug")
+            t = min(pending)
+            continue
+        rates = _rates(ops, running, sigma, corun, comm_share)
+        finish = {s: t + e[1] / rates[s] for s, e in running.items() if rates[s] > 0}
+        eta_of = {running[s][0]: f for s, f in finish.items()}  # expected ends at today's rates (backfilling)
+        t_next = min(finish.values(), default=float("inf"))
+        waiting_lags = [x for x in lag if x > t + _EPS]
+        if waiting_lags:
+            t_next = min(t_next, min(waiting_lags))
+        if t_next == float("inf"):
+            raise RuntimeError("overlap: running kernels make no progress; this is a cost-model bug")
         dt = t_next - t
-        if cur is not None:
+        computing = any(rates[s] > 0 for s in running if s != "comm")
+        if computing:
             busy_c += dt
-            cur[1] -= dt * rate
-        if comm is not None:
+        if "comm" in running:
             busy_m += dt
-            if cur is None:
+            if not computing:
                 exposed += dt
         t = t_next
-        finished = []
-        if cur is not None and (t_c <= t_m or cur[1] <= 1e-12):
-            finished.append(cur[0])
-            cur = None
-        if comm is not None and t_m <= t_c:
-            finished.append(comm[0])
-            comm = None
-        for i in finished:
-            done += 1
-            for j in succ[i]:
-                missing[j] -= 1
-                if missing[j] == 0:
-                    push(j, t)
-    return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains))
+        for s in list(running):
+            entry = running[s]
+            entry[1] -= dt * rates[s]
+            # finished: its own end is this event (decided on the end times, not on the leftover work, which
+            # rounding leaves a hair above zero at large t)
+            if s in finish and finish[s] <= t_next * (1 + 1e-12) + _EPS:
+                i = entry[0]
+                del running[s]
+                end_at[i] = t if t > 0 else _EPS
+                done += 1
+                for j in succ[i]:
+                    missing[j] -= 1
+    release = []
+    for c, chain in enumerate(chains):
+        marked = [base[c] + i for i, op in enumerate(chain) if op.output]
+        idx = marked or range(base[c], base[c] + len(chain))
+        release.append(max((end_at[i] for i in idx), default=0.0))
+    timeline = [(chain_of[i], ops[i].name, stream_of(i), start_at[i], end_at[i]) for i in range(N)]
+    return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release), timeline)
+
+
+def _rates(ops: list[TimedOp], running: dict[str, list], sigma: float, corun: bool, comm_share: float) -> dict[str, float]:
+    """Rates of the running kernels (see the module docstring): carve-out, kernels that never yield (in start
+    order), hp, compute; each min(1, SMs left / sm, HBM left / hbm)."""
+    rates: dict[str, float] = {}
+    sm_left, hbm_left = 1.0, 1.0
+    comm = "comm" in running
+    if comm:
+        rates["comm"] = 1.0
+        sm_left -= comm_share
+    slow = 1.0 / (1.0 + sigma) if comm else 1.0
+    compute = [s for s in ("hp", "compute") if s in running]
+    if len(compute) == 2:  # a kernel that never yields keeps the SMs it took before the hp kernel came
+        i, _, _, order = running["compute"]
+        if not ops[i].preemptible and order < running["hp"][3]:
+            compute.reverse()
+    granted = False
+    for s in compute:
+        op = ops[running[s][0]]
+        if granted and not corun:
+            rates[s] = 0.0
+            continue
+        r = 1.0
+        if op.sm > 0:
+            r = min(r, max(0.0, sm_left) / op.sm)
+        if op.hbm > 0:
+            r = min(r, max(0.0, hbm_left) / op.hbm)
+        sm_left -= r * op.sm
+        hbm_left -= r * op.hbm
+        rates[s] = r * slow
+        granted = granted or r > 0
+    return rates
 
 
 def run_serial(chains: list[list[TimedOp]]) -> OverlapResult:
     comm = sum(op.duration for chain in chains for op in chain if op.stream == "comm")
     total = sum(op.duration for chain in chains for op in chain)
-    return OverlapResult(total, total - comm, comm, comm, _group_time(chains))
+    release, t, timeline = [], 0.0, []
+    for c, chain in enumerate(chains):
+        out = None
+        for op in chain:
+            timeline.append((c, op.name, op.stream, t, t + op.duration))
+            t += op.duration
+            if op.output:
+                out = t
+        release.append(t if out is None else out)
+    return OverlapResult(total, total - comm, comm, comm, _group_time(chains), tuple(release), timeline)
 
 
-def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0.0, hp: bool = True) -> OverlapResult:
-    """Duration of one action made of `chains` (1 chain, or 2 for an F&B step)."""
+def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0.0, hp: bool = True, *,
+            corun: bool = True, comm_share: float = 0.0, lags: tuple[float, ...] | None = None) -> OverlapResult:
+    """Duration of one action made of `chains` (1 chain, or 2 for an F&B step); see the module docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown overlap mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "serial":
-        return run_serial(chains)
+        res = run_serial(chains)
+        if lags and len(chains) > 1 and any(lags):  # F after its input, then B after its input
+            f_end = max(lags[0], 0.0) + sum(op.duration for op in chains[0])
+            start_b = max(f_end, lags[1])
+            f_rel = res.release[0] + max(lags[0], 0.0)
+            b_rel = start_b + res.release[1] - sum(op.duration for op in chains[0])
+            return OverlapResult(start_b + sum(op.duration for op in chains[1]), res.compute_busy, res.comm_busy,
+                                 res.exposed_comm, res.group_time, (f_rel, b_rel), res.timeline)
+        return res
+    kw = dict(corun=corun, comm_share=comm_share)
     if mode == "max" and len(chains) > 1:
-        parts = [run_streams([c], sigma, hp) for c in chains]
+        parts = [run_streams([c], sigma, hp, lags=None if lags is None else (lags[k],), **kw)
+                 for k, c in enumerate(chains)]
         best = max(parts, key=lambda r: r.makespan)
+        timeline = [(k, *row[1:]) for k, p in enumerate(parts) for row in p.timeline]
         return OverlapResult(best.makespan, sum(p.compute_busy for p in parts), sum(p.comm_busy for p in parts),
-                             best.exposed_comm, _group_time(chains))
-    return run_streams(chains, sigma, hp)
+                             best.exposed_comm, _group_time(chains), tuple(p.release[0] for p in parts), timeline)
+    return run_streams(chains, sigma, hp, lags=lags, **kw)

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.hardware import HardwareSpec, get_hardware
+from costmodel.hardware import HardwareSpec, curve_warnings, get_hardware
 from costmodel.memory import RankMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.pricing import Options, Pricer, ProfilePricing, resolve_layout
@@ -28,6 +28,7 @@ from configs import RunConfig
 from schedules.build import build
 from schedules.ir import Schedule
 from schedules.simulate import SimResult
+from traces.critical_path import critical_path
 from traces.project import union_length
 
 
@@ -51,8 +52,9 @@ class Prediction:
         return {"baseline": self.baseline.trace, "mhc": self.mhc.trace}
 
 
-def _exposed_comm(result: SimResult) -> float:
-    """Mean over ranks of comm time not covered by compute."""
+def _comm_outside_compute(result: SimResult) -> float:
+    """Mean over ranks of comm time not covered by compute on that rank (it includes transfers during a rank's
+    idle time, which need not delay the step: the critical path says which do)."""
     per: dict[int, dict[str, list]] = {}
     for s in result.trace.spans:
         per.setdefault(s.rank, {"compute": [], "comm": []})
@@ -81,7 +83,7 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
     options = options or Options()
     spec = spec or residual_spec_of(cfg)
     p = cfg.parallel
-    schedule = build(p.schedule, p.ranks, p.microbatches)
+    schedule = build(p.schedule, p.ranks, p.microbatches_per_replica)  # one data-parallel replica's pipeline
     layout = resolve_layout(cfg, schedule, options.allow_uneven)
     base_spec = ResidualSpec.baseline()
     pricers = {"baseline": Pricer(cfg, hw, base_spec, layout, options, profile_pricing=profile_pricing)}
@@ -126,6 +128,9 @@ def _kind_means(sim: SimResult) -> dict[str, float]:
 
 def summarize(pred: Prediction) -> dict[str, Any]:
     base, mhc = pred.baseline, pred.mhc
+    # exposed communication = transfer time on the step's critical path (across ranks), not transfer time
+    # outside a rank's compute, which counts transfers that run while the rank would idle anyway
+    paths = {"baseline": critical_path(base.trace), "mhc": critical_path(mhc.trace)}
     Tb, Tm = base.makespan, mhc.makespan
     st = pred.ladder
     pct = lambda x: 100.0 * x / Tb if Tb else 0.0  # noqa: E731
@@ -152,6 +157,8 @@ def summarize(pred: Prediction) -> dict[str, Any]:
     if rc.mode == "block" and rc.block_size and L_r and max(L_r) < rc.block_size:
         warnings.append(f"recompute.block_size {rc.block_size} exceeds the sub-layers of a stage: blocks of "
                         f"{', '.join(map(str, L_r))} (a whole stage) are used")
+    # efficiency curves extrapolated flat: one line per curve over all pricers (hardware.CurveLookups)
+    warnings += curve_warnings(pr.curve_lookups for pr in pred.pricers.values())
     return {
         "config": cfg.model.name, "hardware": hw.name, "residual": pred.spec.label(),
         "schedule": {"kind": pred.schedule.kind, "ranks": pred.schedule.num_ranks,
@@ -166,7 +173,9 @@ def summarize(pred: Prediction) -> dict[str, Any]:
                          "exposed_comm": pct(st["mhc"] - st["recompute"])},
         "bubble": {"baseline_pct": 100 * base.bubble_fraction, "mhc_pct": 100 * mhc.bubble_fraction,
                    "change_pp": pct(mean_idle(mhc) - mean_idle(base))},
-        "exposed_comm_us": {"baseline": _exposed_comm(base), "mhc": _exposed_comm(mhc)},
+        "exposed_comm_us": {"baseline": paths["baseline"].exposed_comm_us, "mhc": paths["mhc"].exposed_comm_us},
+        "comm_outside_compute_us": {"baseline": _comm_outside_compute(base), "mhc": _comm_outside_compute(mhc)},
+        "critical_path_us": {name: {k: v for k, v in sorted(cp.by_kind.items())} for name, cp in paths.items()},
         "boundary": {"link": pm.link.name, "bytes_baseline": pb.message_bytes, "bytes_mhc": pm.message_bytes,
                      "us_baseline": pb.transfer_time(None), "us_mhc": pm.transfer_time(None)},
         "op_us": {"baseline": _kind_means(base), "mhc": _kind_means(mhc)},

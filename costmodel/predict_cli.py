@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", help="gpipe, 1f1b, zb1p, dualpipe, dualpipev")
     p.add_argument("--ep", type=int, help="expert-parallel degree")
     p.add_argument("--microbatches", type=int, help="micro-batches M per step")
-    p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "xhc"], help="residual variant to price")
+    p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"], help="residual variant to price")
     p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
     p.add_argument("--k", type=int, help="xhc: active streams k")
     p.add_argument("--unfused", action="store_true", help="price the unfused mHC kernels (mHC Table 2 I/O)")
@@ -39,12 +39,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fb-mode", default="streams", choices=["streams", "serial", "max"],
                    help="F&B step: kernels on streams (default), serial F+B, or max(F, B)")
     p.add_argument("--no-hp", action="store_true", help="MLP post+res on the normal stream (no high-priority stream)")
-    p.add_argument("--sigma", type=float, help="compute slowdown under all-to-all (default: the hardware's)")
+    p.add_argument("--sigma", type=float, help="extra compute slowdown under all-to-all beyond the SM carve-out "
+                   "(default: the hardware's, 0)")
+    p.add_argument("--comm-sms", type=int, help="SMs the all-to-all kernels occupy while they run (default: the "
+                   "hardware's, 20 = DeepEP's default)")
+    p.add_argument("--no-corun", action="store_true", help="one compute kernel at a time: no co-running of "
+                   "memory-bound kernels on the hp stream with GEMMs")
+    p.add_argument("--p2p", default="rendezvous", choices=["rendezvous", "commit", "dataflow"],
+                   help="stage-boundary P2P: sends posted when produced (this runtime, default), at their program "
+                   "point after the action (DualPipe's commit), or dataflow (receives always posted: lower bound)")
+    p.add_argument("--ep-per-node", type=int, help="EP ranks per node (default: as many as fit); fewer sends part "
+                   "of every all-to-all over the inter-node network")
     p.add_argument("--uneven", action="store_true", help="allow stages with different block counts")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
     p.add_argument("--sweep", help="n=1..8 | n=1,2,4 | bw=12.5,25,50 (PP link GB/s): plot overhead curves")
-    p.add_argument("-o", "--output", metavar="FILE.png", help="sweep picture (default predict_sweep.png)")
+    p.add_argument("--explain", action="store_true",
+                   help="mHC's overhead from naive eager kernels to this prediction, one mechanism at a time, and "
+                        "which stated assumptions reproduce the paper's 6.7%% (-o waterfall.png, --json)")
+    p.add_argument("--sensitivity", nargs="?", const=20.0, type=float, metavar="PCT",
+                   help="overhead range when each input moves -+PCT%% (default 20), sorted by swing "
+                        "(-o tornado.png, --json)")
+    p.add_argument("-o", "--output", metavar="FILE.png",
+                   help="sweep picture (default predict_sweep.png), --explain waterfall or --sensitivity tornado")
     p.set_defaults(func=run)
 
 
@@ -141,15 +158,32 @@ def run(args: argparse.Namespace) -> int:
     if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma >= 0):
         raise ValueError(f"--sigma {args.sigma}: the compute slowdown under all-to-all must be a finite number >= 0 "
                          "(0 = no interference; the hardware's own value when omitted)")
+    reports = [f for f, on in (("--sweep", args.sweep), ("--explain", args.explain),
+                               ("--sensitivity", args.sensitivity is not None)) if on]
+    if len(reports) > 1:
+        raise ValueError(f"{reports[0]} and {reports[1]} are separate reports; give one of them per command")
+    if reports and args.trace_out:
+        raise ValueError(f"--trace-out writes a plain prediction's traces; drop it or drop {reports[0]}")
+    if args.sensitivity is not None:
+        from costmodel.sensitivity import check_pct
+
+        check_pct(args.sensitivity)
     _check_output("--json", args.json, ".json")
     _check_output("--trace-out", args.trace_out, ".json")
     _check_output("-o/--output", args.output, ".png")
     cfg = load(args)
     hw = get_hardware(args.hardware)
-    opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven)
+    if args.comm_sms is not None and not 0 <= args.comm_sms < hw.sms:
+        raise ValueError(f"--comm-sms {args.comm_sms}: must be >= 0 and below the {hw.name}'s {hw.sms} SMs")
+    if args.ep_per_node is not None and args.ep_per_node < 1:
+        raise ValueError(f"--ep-per-node {args.ep_per_node}: EP ranks per node must be >= 1")
+    opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
+                   comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node)
     spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)
     if args.sweep:
         return _sweep(cfg, hw, spec, opts, args)
+    if args.explain or args.sensitivity is not None:
+        return _report(cfg, hw, spec, opts, args)
     pred = predict(cfg, hw, spec, opts, profile_pricing=HostPricing())
     print(format_table(pred))
     if args.json:
@@ -160,6 +194,33 @@ def run(args: argparse.Namespace) -> int:
         base = out.with_name(out.stem + ".baseline" + out.suffix)
         pred.baseline.trace.save(base)
         print(f"wrote {out} (mHC) and {base} (baseline)")
+    return 0
+
+
+def _report(cfg, hw, spec, opts, args) -> int:
+    """--explain (ladder + honest answer, waterfall) or --sensitivity (tornado): table, then -o and --json."""
+    import json
+
+    from costmodel import charts
+
+    if args.explain:
+        from costmodel.explain import explain, format_explain, to_json
+
+        result = explain(cfg, hw, spec, opts, profile_pricing=HostPricing())
+        print(format_explain(result))
+        draw = charts.waterfall
+    else:
+        from costmodel.sensitivity import format_sensitivity, sensitivity, to_json
+
+        result = sensitivity(cfg, hw, spec, opts, args.sensitivity, profile_pricing=HostPricing())
+        print(format_sensitivity(result))
+        draw = charts.tornado
+    if args.output:
+        print(f"wrote {draw(result, args.output)}")
+    if args.json:
+        out = Path(args.json)
+        out.write_text(json.dumps(to_json(result), indent=1, default=str))
+        print(f"wrote {out}")
     return 0
 
 

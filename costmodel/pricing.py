@@ -16,34 +16,61 @@ stage-boundary messages, for one residual variant.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from costmodel import comm
-from costmodel.hardware import HardwareSpec
+from costmodel.hardware import CurveLookups, HardwareSpec
 from costmodel.memory import StageMemory, stage_memory
-from costmodel.mhc_cost import ResidualSpec, recompute_kernel, residual_kernels, stack_ends
+from costmodel.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
 from costmodel.ops import Kernel, Shape, block_work, embedding, head
-from costmodel.overlap import OverlapResult, TimedOp, overlap
+from costmodel.overlap import MODES, OverlapResult, TimedOp, overlap
 from costmodel.runtime_profile import profile_for
 from configs import RunConfig, stage_blocks
 from schedules.ir import Action, Kind, Schedule
+from schedules.engine import P2P_MODES
 from schedules.simulate import SimResult, simulate
 
 
 @dataclass(frozen=True)
 class Options:
-    """Modelling switches. fb_mode: how an F&B step is priced (overlap.MODES). hp_stream: MLP-side post+res on the
-    high-priority stream. sigma: interference (None = the hardware's). pp_bandwidth: override of the PP link
-    bandwidth in bytes/s (sweeps). allow_uneven: accept stages with different block counts (as the config's
-    parallel.uneven_stages does)."""
+    """Modelling switches (what `mhcpipe predict` flags, `--explain` rungs and `--sensitivity` move)."""
 
     fb_mode: str = "streams"
+    """how an F&B step is priced (overlap.MODES): its sub-operations on three streams in DualPipe's program order
+    ("streams"), F + B back to back ("serial", as the DeepSeek figures draw it), or max(F, B)"""
     hp_stream: bool = True
+    """MLP-side post+res (and its backward) on the high-priority stream, co-running with the other half's GEMMs"""
     sigma: float | None = None
+    """extra compute slowdown under an all-to-all beyond the SM carve-out (None = the hardware's)"""
+    comm_sms: int | None = None
+    """SMs the all-to-all kernels occupy while they run (None = the hardware's)"""
+    corun: bool = True
+    """kernels on different streams share SMs and HBM bandwidth (False: one compute kernel at a time)"""
+    p2p: str = "rendezvous"
+    """stage-boundary P2P semantics (costmodel.md §2.6): "rendezvous" (a transfer starts when the sender has
+    produced the tensor and the receiver has posted its receive: this runtime), "commit" (sends posted after the
+    action that produced them, as DualPipe's reference commits them), "dataflow" (a transfer starts when its
+    tensor is produced: the lower bound)"""
+    recompute: bool = True
+    """price the stage-aligned recompute of mHC intermediates (False: keep them, no recompute kernels)"""
+    ep_per_node: int | None = None
+    """EP ranks that share a node (None = as many as fit: min(EP, gpus_per_node)); fewer sends part of every
+    all-to-all over the inter-node network"""
     pp_bandwidth: float | None = None
+    """override of the PP link bandwidth in bytes/s (sweeps)"""
     allow_uneven: bool = False
-    unit_costs: bool = False  # self-check (costmodel.md §2.6): F = I = W = 1, B = 2, F&B = 3, free P2P
+    """accept stages with different block counts (as the config's parallel.uneven_stages does)"""
+    unit_costs: bool = False
+    """self-check (costmodel.md §2.6): F = I = W = 1, B = 2, F&B = 3, free P2P"""
+
+    def __post_init__(self) -> None:
+        if self.p2p not in P2P_MODES:
+            raise ValueError(f"p2p {self.p2p!r}: choose one of {', '.join(P2P_MODES)}")
+        if self.fb_mode not in MODES:
+            raise ValueError(f"fb_mode {self.fb_mode!r}: choose one of {', '.join(MODES)}")
+        if self.ep_per_node is not None and self.ep_per_node < 1:
+            raise ValueError(f"ep_per_node {self.ep_per_node}: EP ranks per node must be >= 1")
 
 
 def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> dict[int, tuple[range, bool, bool]]:
@@ -64,6 +91,9 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> di
         for pos, (st, blocks) in enumerate(zip(chain, stage_blocks(nb, S))):
             out[st] = (blocks, pos == 0, pos == S - 1)
     return out
+
+
+MHC_GROUPS = ("mhc", "recompute")  # kernels priced at the hardware's mhc_memory_eff when it has one
 
 
 class ProfilePricing(Protocol):
@@ -91,40 +121,76 @@ class Pricer:
                  profile_pricing: ProfilePricing | None = None):
         self.cfg, self.hw, self.spec, self.layout, self.opt = cfg, hw, spec, layout, options
         self.shape = Shape.of(cfg)
-        self.recompute = recompute
+        self.recompute = recompute and options.recompute
         self.width = spec.width if boundary_width is None else boundary_width
         self.sigma = hw.interference if options.sigma is None else options.sigma
-        link = comm.pp_link(hw, cfg.parallel.ranks, cfg.parallel.expert_parallel)
+        link = comm.pp_link(hw, cfg.parallel.ranks, cfg.parallel.expert_parallel, options.ep_per_node)
         if options.pp_bandwidth is not None:
             link = link.with_bandwidth(options.pp_bandwidth)
         self.link = link
         self.slowdown = 1.0
-        self.results: dict[tuple, OverlapResult] = {}
+        self.results: dict[tuple, OverlapResult] = {}  # per (kind, stage[, backward stage]), inputs on time
+        self._lagged: dict[tuple, OverlapResult] = {}  # F&B pairs whose halves' inputs arrived late
+        self._chain_cache: dict[tuple, list[list[TimedOp]]] = {}
+        comm_sms = hw.comm_sms if options.comm_sms is None else options.comm_sms
+        if not 0 <= comm_sms < hw.sms:
+            raise ValueError(f"comm_sms {comm_sms}: the SMs the all-to-all occupies must be >= 0 and fewer than the "
+                             f"{hw.name}'s {hw.sms} SMs")
+        self.comm_share = comm_sms / hw.sms
         self.stage_mem: dict[int, StageMemory] = {
-            st: stage_memory(cfg, spec, st, blocks, first, last, recompute) for st, (blocks, first, last) in layout.items()}
+            st: stage_memory(cfg, spec, st, blocks, first, last, self.recompute) for st, (blocks, first, last) in layout.items()}
         self.runtime = profile_for(hw, cfg)
         if self.runtime is not None and profile_pricing is None:
             raise ValueError(f"hardware {hw.name!r} carries a runtime profile for this config: price it with "
                              "that profile (predict(..., profile_pricing=costmodel.local.host_pricing.HostPricing()))")
         self.profile_pricing = profile_pricing if self.runtime is not None else None
+        self.curve_lookups = CurveLookups(hw)  # efficiency lookups outside a curve's points (summary warnings)
 
     # ---- kernels -> timed ops ---------------------------------------------------------------------------
     def kernel_us(self, k: Kernel, backward: bool) -> float:
         hw = self.hw
+        self.curve_lookups.add(k.name, k.cls, k.flops, k.nbytes)
         launch = (hw.backward_launch_us if backward else hw.launch_us) * k.launches
         if k.cls == "a2a":
-            return comm.all_to_all_us(hw, self.shape.ep, k.nbytes)
+            return comm.all_to_all_us(hw, self.shape.ep, k.nbytes, self.opt.ep_per_node)
+        mhc = self._on_mhc_curve(k)
         if k.cls == "matrix":
-            return hw.matmul_us(k.flops, k.nbytes, k.dtype) + launch
+            return hw.matmul_us(k.flops, k.nbytes, k.dtype, mhc) + launch
         if k.cls == "vector":
-            return hw.vector_us(k.flops, k.nbytes) + launch
+            return hw.vector_us(k.flops, k.nbytes, mhc) + launch
         if k.cls == "memory":
-            return hw.memory_us(k.nbytes) + launch
+            return hw.memory_us(k.nbytes, mhc) + launch
         return launch
 
+    def demand(self, k: Kernel, duration: float) -> tuple[float, float]:
+        """(share of the SMs, share of the peak HBM bandwidth) the kernel occupies at full rate over its
+        `duration` (overlap.py's fluid model): its compute time fills the SMs; its memory time needs
+        `bandwidth_sm_share` of them and draws bytes / peak bandwidth; the launch gap uses neither."""
+        hw = self.hw
+        if k.cls in ("a2a", "sync") or duration <= 0:
+            return 0.0, 0.0
+        t_mem = hw.memory_us(k.nbytes, self._on_mhc_curve(k))
+        t_cmp = 0.0
+        if k.flops > 0 and k.cls == "matrix":
+            t_cmp = k.flops / (hw.peak(k.dtype) * hw.matrix_eff(k.flops / 1e9)) * 1e6
+        elif k.flops > 0 and k.cls == "vector":
+            t_cmp = k.flops / (hw.vector_flops * hw.vector_eff(k.flops / 1e9)) * 1e6
+        sm = min(1.0, max(t_cmp, hw.bandwidth_sm_share * t_mem) / duration)
+        hbm = min(1.0, k.nbytes / hw.hbm_bandwidth * 1e6 / duration)
+        return sm, hbm
+
+    def _on_mhc_curve(self, k: Kernel) -> bool:
+        """mHC's own kernels (and their recompute) run at the spec's mhc_memory_eff; the plain residual's add and
+        norm rebuild are ordinary elementwise kernels."""
+        return k.group in MHC_GROUPS and not self.spec.is_baseline
+
     def _ops(self, kernels: list[Kernel], backward: bool) -> list[TimedOp]:
-        return [TimedOp(k.name, k.group, k.stream, self.kernel_us(k, backward), k.deps, k.preemptible)
-                for k in kernels]
+        out = []
+        for k in kernels:
+            t = self.kernel_us(k, backward)
+            sm, hbm = self.demand(k, t)
+            out.append(TimedOp(k.name, k.group, k.stream, t, k.deps, k.preemptible, sm, hbm))
+        return out
 
     def _sublayers(self, stage: int):
         blocks, first, last = self.layout[stage]
@@ -135,20 +201,43 @@ class Pricer:
                 yield work, before, after, bwd
 
     def forward_kernels(self, stage: int) -> list[Kernel]:
+        return [k for seg in self._forward_segments(stage) for k in seg]
+
+    def _forward_segments(self, stage: int) -> list[list[Kernel]]:
+        """The forward's kernels cut at block boundaries (the embedding and the head are segments of their own)."""
         blocks, first, last = self.layout[stage]
         s = self.shape
         expand, contract = stack_ends(self.spec, s.T, s.C, s.d)
-        out: list[Kernel] = []
+        segs: list[list[Kernel]] = []
         if first:
-            out += embedding(s).F + expand
-        for work, before, after, _ in self._sublayers(stage):
-            out += before + work.F + after
+            segs.append(embedding(s).F + expand)
+        subs = list(self._sublayers(stage))
+        entry = stage_entry(self.spec, s.T, s.C, s.d)[0]  # mhc-sp: mix the received state for the first sub-layer
+        for j in range(0, len(subs), 2):
+            seg: list[Kernel] = [] if j else list(entry)
+            for work, before, after, _ in subs[j:j + 2]:
+                seg += before + work.F + after
+            segs.append(seg)
         if last:
-            out += contract + head(s).F
-        return out
+            segs.append(contract + head(s).F)
+        return segs
+
+    def forward_ops(self, stage: int) -> list[TimedOp]:
+        """The forward chain: a switch point after every segment, the output at its last kernel."""
+        ops: list[TimedOp] = []
+        for seg in self._forward_segments(stage):
+            timed = self._ops(seg, backward=False)
+            if timed:
+                timed[-1] = replace(timed[-1], switch=True)
+            ops += timed
+        if ops:
+            ops[-1] = replace(ops[-1], output=True)
+        return ops
 
     def backward_ops(self, stage: int, with_w: bool, with_i: bool = True) -> list[TimedOp]:
-        """The I chain (with_w=False), the W chain (with_i=False) or the full backward B (both)."""
+        """The I chain (with_w=False), the W chain (with_i=False) or the full backward B (both). W kernels are
+        `deferrable` (an F&B pair runs them in gaps), a switch point follows every block, and the input
+        gradient (the output sent upstream) is ready at the last I kernel."""
         blocks, first, last = self.layout[stage]
         s, spec = self.shape, self.spec
         L = 2 * len(blocks)
@@ -161,15 +250,18 @@ class Pricer:
         def add(kernels: list[Kernel], anchor: int | None = None) -> None:
             timed = self._ops(kernels, backward=True)
             if anchor is not None:  # W kernels wait only for the sub-layer's first I kernel
-                timed = [TimedOp(o.name, o.group, o.stream, o.duration, (anchor - len(ops) - j,) if anchor >= 0 else (),
-                                 o.preemptible) for j, o in enumerate(timed)]
+                timed = [replace(o, deps=(anchor - len(ops) - j,) if anchor >= 0 else (), deferrable=True)
+                         for j, o in enumerate(timed)]
             elif timed:  # an I kernel waits for the previous I kernel, not for W kernels queued in between
                 o = timed[0]
                 assert o.deps == (-1,), f"{o.name}: a chain's first kernel depends on the previous one"
-                timed[0] = TimedOp(o.name, o.group, o.stream, o.duration,
-                                   (last_i[-1] - len(ops),) if last_i else (), o.preemptible)
+                timed[0] = replace(o, deps=(last_i[-1] - len(ops),) if last_i else ())
                 last_i.append(len(ops) + len(timed) - 1)
             ops.extend(timed)
+
+        def switch() -> None:
+            if ops:
+                ops[-1] = replace(ops[-1], switch=True)
 
         if last:
             h = head(s)
@@ -177,32 +269,63 @@ class Pricer:
                 add(h.I + [kk.scaled(1.0) for kk in contract])
             if with_w:
                 add(h.W, len(ops) - len(h.I) - len(contract) if with_i else -1)
+            switch()
         for idx in range(len(subs) - 1, -1, -1):
             work, before, after, bwd = subs[idx]
             if with_i and L_r and (idx == L - 1 or (idx + 1) % L_r == 0):
-                rc = recompute_kernel(spec, s.T, s.C, s.d, idx - (idx // L_r) * L_r + 1)
-                if rc is not None:  # entering a recompute block from its end: rebuild its mHC intermediates
-                    add([rc])
+                rcs = recompute_kernels(spec, s.T, s.C, s.d, idx - (idx // L_r) * L_r + 1)
+                if rcs:  # entering a recompute block from its end: rebuild its mHC intermediates and F's norms
+                    add(rcs)
             start = len(ops)
             if with_i:
                 split = 0 if spec.is_baseline else len(after)
                 add(bwd[:split] + work.I + bwd[split:])
             if with_w:
                 add(work.W, start if with_i else -1)
+            if idx % 2 == 0:
+                switch()
+        if with_i and stage_entry(spec, s.T, s.C, s.d)[1]:
+            add(stage_entry(spec, s.T, s.C, s.d)[1])
         if first:
             e = embedding(s)
             if with_i:
                 add(expand)
             if with_w:
                 add(e.W, len(ops) - 1 if with_i and ops else -1)
+        if with_i and last_i:
+            ops[last_i[-1]] = replace(ops[last_i[-1]], output=True)
         return ops
 
     # ---- schedule callbacks -----------------------------------------------------------------------------
-    def _run(self, key: tuple, chains: list[list[TimedOp]], fb: bool) -> float:
+    def _run(self, chains: list[list[TimedOp]], fb: bool, lags: tuple[float, float] | None = None) -> OverlapResult:
         mode = self.opt.fb_mode if fb else ("serial" if self.opt.fb_mode == "serial" else "streams")
-        res = overlap(chains, mode, self.sigma, self.opt.hp_stream)
-        self.results[key] = res
-        return res.makespan * self.slowdown
+        return overlap(chains, mode, self.sigma, self.opt.hp_stream, corun=self.opt.corun,
+                       comm_share=self.comm_share, lags=lags)
+
+    def _chains(self, a: Action) -> list[list[TimedOp]]:
+        """The action's kernel chains (built once per kind and stage)."""
+        key = self._key(a)
+        chains = self._chain_cache.get(key)
+        if chains is None:
+            k = a.kind
+            if k is Kind.F:
+                chains = [self.forward_ops(a.stage)]
+            elif k is Kind.I:
+                chains = [self.backward_ops(a.stage, with_w=False)]
+            elif k is Kind.W:
+                chains = [self.backward_ops(a.stage, with_w=True, with_i=False)]
+            elif k is Kind.B:
+                chains = [self.backward_ops(a.stage, with_w=True)]
+            elif k is Kind.FB:
+                chains = [self.forward_ops(a.stage), self.backward_ops(a.b_stage, with_w=True)]
+            else:
+                raise ValueError(f"cannot price action kind {k}")
+            self._chain_cache[key] = chains
+        return chains
+
+    @staticmethod
+    def _key(a: Action) -> tuple:
+        return (a.kind.value, a.stage) + ((a.b_stage,) if a.kind is Kind.FB else ())
 
     def compute_time(self, a: Action) -> float:
         k = a.kind
@@ -210,24 +333,34 @@ class Pricer:
             return {Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0, Kind.B: 2.0, Kind.FB: 3.0}[k]
         if self.profile_pricing is not None:
             t = self.profile_pricing.compute_us(self, a)
-            self.results[(k.value, a.stage) + ((a.b_stage,) if k is Kind.FB else ())] = OverlapResult(t, t, 0.0, 0.0)
+            self.results[self._key(a)] = OverlapResult(t, t, 0.0, 0.0, release=(t, t))
             return t
-        if k is Kind.F:
-            return self._run(("F", a.stage), [self._ops(self.forward_kernels(a.stage), False)], False)
-        if k is Kind.I:
-            return self._run(("I", a.stage), [self.backward_ops(a.stage, with_w=False)], False)
-        if k is Kind.W:
-            return self._run(("W", a.stage), [self.backward_ops(a.stage, with_w=True, with_i=False)], False)
-        if k is Kind.B:
-            return self._run(("B", a.stage), [self.backward_ops(a.stage, with_w=True)], False)
-        if k is Kind.FB:
-            chains = [self._ops(self.forward_kernels(a.stage), False), self.backward_ops(a.b_stage, with_w=True)]
-            return self._run(("FB", a.stage, a.b_stage), chains, True)
-        raise ValueError(f"cannot price action kind {k}")
+        res = self._run(self._chains(a), k is Kind.FB)
+        self.results[self._key(a)] = res
+        return res.makespan * self.slowdown
+
+    def fb_timing(self, a: Action, lag_f: float, lag_b: float) -> tuple[float, float, float]:
+        """An F&B pair started while its halves' inputs arrive `lag_f` / `lag_b` later: (duration, when the
+        forward's output is ready, when the input gradient is ready), all from the pair's start."""
+        key = self._key(a)
+        if self.opt.unit_costs or self.profile_pricing is not None:  # one span: both inputs first, outputs at its end
+            d = self.compute_time(a) + max(lag_f, lag_b)
+            return d, d, d
+        if key not in self.results:
+            self.compute_time(a)
+        res = self.results[key]
+        if lag_f > 0 or lag_b > 0:
+            lkey = key + (round(lag_f, 3), round(lag_b, 3))
+            res = self._lagged.get(lkey)
+            if res is None:
+                res = self._lagged[lkey] = self._run(self._chains(a), True, (lag_f, lag_b))
+        f = self.slowdown
+        return res.makespan * f, res.release[0] * f, res.release[1] * f
 
     @property
     def message_bytes(self) -> float:
-        return comm.boundary_bytes(self.shape.T, self.width, self.shape.C, self.shape.d)
+        carry = self.spec.carry_bytes if self.width == self.spec.width else 0  # mhc-sp's coefficient
+        return comm.boundary_bytes(self.shape.T, self.width, self.shape.C, self.shape.d) + self.shape.T * carry
 
     def transfer_time(self, a: Action) -> float:
         if self.opt.unit_costs:
@@ -239,12 +372,14 @@ class Pricer:
     def simulate(self, schedule: Schedule) -> SimResult:
         if self.profile_pricing is not None and not self.opt.unit_costs:
             return self.profile_pricing.simulate(self, schedule)
-        result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+        kw = dict(compute_time=self.compute_time, transfer_time=self.transfer_time, fb_timing=self.fb_timing,
+                  p2p=self.opt.p2p)
+        result = simulate(schedule, **kw)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
             concurrency = sum(result.busy.values()) / result.makespan if result.makespan else 1.0
             self.slowdown = max(1.0, concurrency / cores)
             if self.slowdown > 1.0:
-                self.results = {}
-                result = simulate(schedule, compute_time=self.compute_time, transfer_time=self.transfer_time)
+                self.results, self._lagged = {}, {}
+                result = simulate(schedule, **kw)
         return result

@@ -85,7 +85,7 @@ def _action_of(key: str) -> Action:
 def priced_action_us(cfg, hw: HardwareSpec, keys, spec=None) -> dict[str, float]:
     """The cost model's time of every action key for `cfg` on `hw` (roofline pricing, no runtime profile)."""
     p = cfg.parallel
-    layout = resolve_layout(cfg, build(p.schedule, p.ranks, p.microbatches), allow_uneven=True)
+    layout = resolve_layout(cfg, build(p.schedule, p.ranks, p.microbatches_per_replica), allow_uneven=True)
     pricer = Pricer(cfg, hw.model_copy(update={"runtime": None}), spec or residual_spec_of(cfg), layout, Options())
     out = {}
     for key in keys:

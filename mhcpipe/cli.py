@@ -15,7 +15,9 @@ SUBCOMMANDS = (
     "mhcpipe.demo",
     "pipeline.run_cli",
     "traces.trace_cli",
+    "traces.analysis_cli",
     "costmodel.predict_cli",
+    "costmodel.tune_cli",
 )
 
 

@@ -1,11 +1,21 @@
 """The event engine under `schedules.simulate` and `schedules.validate`: execute a lowered schedule with given
 action costs and report its spans, or the actions where ranks got stuck (a deadlock).
 
-Semantics (the same as the runtime's, and as `graph.py` states them as edges): each rank runs its compute
-actions in program order on one compute stream; SEND/RECV are non-blocking posts made when the rank reaches
-them (after the preceding compute finished); a transfer starts when both sides have posted, its producer has
-finished and the previous message on its channel (src rank -> dst rank, FIFO) is through; a compute action
-waits only for the tensors it consumes.
+Semantics (as `graph.py` states them as edges): each rank runs its compute actions in program order on one
+compute stream; SEND/RECV are non-blocking posts made when the rank reaches them (after the preceding compute
+finished); a transfer starts when both sides have posted, its producer has finished and the previous message on
+its channel (src rank -> dst rank, FIFO) is through; a compute action waits only for the tensors it consumes.
+
+P2P semantics (`p2p`, costmodel.md §2.6): "commit" is the above (sends posted at their program point, as
+DualPipe's reference commits them; validation uses it, it is the conservative rule for deadlocks); "rendezvous"
+posts a send when its tensor is produced (this runtime: pipeline/executor.py), so an F&B pair's forward output
+leaves while its backward half still computes; "dataflow" also treats every receive as posted from the start (a
+transfer starts when its tensor exists: the lower bound).
+
+F&B pairs: with `fb_timing(action, lag_f, lag_b) -> (duration, forward output ready, input gradient ready)` a
+pair starts when the rank is free and either half's input is there, its halves' inputs arriving lag_f / lag_b
+later, and publishes each output when it is ready rather than at the pair's end (costmodel.overlap prices that).
+Without it a pair waits for both inputs and publishes both outputs at its end.
 
 The engine walks every rank's program with a pointer and parks a rank on the first missing input, so each
 action is handled once: 10^5-10^6 actions simulate in about a second.
@@ -19,6 +29,8 @@ from typing import Callable
 from schedules.ir import Action, Kind, Schedule
 from traces.trace import Span
 
+P2P_MODES = ("rendezvous", "commit", "dataflow")
+
 
 @dataclass
 class EngineResult:
@@ -30,7 +42,9 @@ class EngineResult:
 
 
 def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
-               transfer_time: Callable[[Action], float], record: bool = True) -> EngineResult:
+               transfer_time: Callable[[Action], float], record: bool = True, *,
+               fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
+               p2p: str = "commit") -> EngineResult:
     """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at.
 
     `compute_time` is called once per distinct (kind, stage[, backward stage]) and `transfer_time` once per
@@ -38,6 +52,10 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per stage
     below; tests check this engine against the explicit graph built from deps.py.
     """
+    if p2p not in P2P_MODES:
+        raise ValueError(f"p2p {p2p!r}: choose one of {', '.join(P2P_MODES)}")
+    post_when_produced = p2p != "commit"
+    always_posted = p2p == "dataflow"
     P, S = schedule.num_ranks, schedule.num_stages
     C = max(1, schedule.microbatches_per_pipeline)
     SC = S * C
@@ -138,7 +156,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     ptr[r], free[r] = i, t_free
                     return EngineResult(False, spans, {r: a})
                 ch, index = slot
-                recv_post[ch][index] = t_free
+                recv_post[ch][index] = 0.0 if always_posted else t_free
                 if index == chan_next[ch]:  # only the channel's head message can start a transfer
                     resolve(ch)
                 i += 1
@@ -151,7 +169,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     break
                 ch = channel_of[(r, a[5])]
                 index = send_count[ch]
-                send_ready[ch][index] = v if v > t_free else t_free
+                send_ready[ch][index] = v if (post_when_produced or v > t_free) else t_free
                 send_count[ch] = index + 1
                 if index == chan_next[ch]:
                     resolve(ch)
@@ -187,13 +205,14 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 else:
                     table = dur_b
             t = t_free
+            v1 = v3 = 0.0
             if n1 >= 0:
-                v = done[n1]
-                if v is None:
+                v1 = done[n1]
+                if v1 is None:
                     waiters.setdefault(n1, []).append(r)
                     break
-                if v > t:
-                    t = v
+                if v1 > t:
+                    t = v1
             if n2 >= 0:
                 v = done[n2]
                 if v is None:
@@ -201,6 +220,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     break
                 if v > t:
                     t = v
+                if v > v3:
+                    v3 = v
             if n3 >= 0:
                 v = done[n3]
                 if v is None:
@@ -208,10 +229,17 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     break
                 if v > t:
                     t = v
+                if v > v3:
+                    v3 = v
+            r1 = r2 = None  # when the outputs are ready, from the action's start (None: at its end)
             if table is None:
-                d = dur_fb.get(st * S + a[3])
-                if d is None:
-                    d = dur_fb[st * S + a[3]] = compute_time(a)
+                if fb_timing is not None:  # start with the first input there; each half waits for its own
+                    t = max(t_free, min(v1, v3))
+                    d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
+                else:
+                    d = dur_fb.get(st * S + a[3])
+                    if d is None:
+                        d = dur_fb[st * S + a[3]] = compute_time(a)
             else:
                 d = table[st]
                 if d is None:
@@ -221,11 +249,11 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             if record:
                 spans.append(span(r, "compute", kind._value_, st, mb, t, d, (a[3], a[4]) if table is None else None))
             if m1 >= 0:
-                done[m1] = t_free
+                done[m1] = t_free if r1 is None else t + r1
                 if m1 in waiters:
                     wake(m1)
             if m2 >= 0:
-                done[m2] = t_free
+                done[m2] = t_free if r2 is None else t + r2
                 if m2 in waiters:
                     wake(m2)
             i += 1

@@ -64,20 +64,25 @@ def peak_live_activations(schedule: Schedule) -> dict[int, int]:
 def simulate(schedule: Schedule, durations: Durations | None = None, *,
              compute_time: Callable[[Action], float] | None = None,
              transfer_time: Callable[[Action], float] | None = None,
-             validate: bool = True, time_unit: str = "us") -> SimResult:
+             fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
+             p2p: str = "commit", validate: bool = True, time_unit: str = "us") -> SimResult:
     """Simulate `schedule` (lowered here if it is compute-only) and return its predicted trace and numbers.
 
     `durations` prices actions by kind (default: unit costs, B = I + W, FB = F + B, free P2P);
-    `compute_time`/`transfer_time` override it per action (the cost model passes its own).
+    `compute_time`/`transfer_time` override it per action (the cost model passes its own); `fb_timing` and
+    `p2p` are the engine's (an F&B pair that releases its outputs as they are ready; P2P semantics).
     """
     durations = durations or Durations()
     lowered = check_structure(schedule) if validate else (schedule if schedule.lowered else lower_comms(schedule))
-    result = run_engine(lowered, compute_time or durations.compute, transfer_time or durations.transfer)
+    result = run_engine(lowered, compute_time or durations.compute, transfer_time or durations.transfer,
+                        fb_timing=fb_timing, p2p=p2p)
     if not result.completed:
         raise_deadlock(lowered, result.blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
             "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
-                         "microbatches": schedule.num_microbatches}}
+                         "microbatches": schedule.num_microbatches},
+            # how the trace was made, for readers that rebuild its dependencies (traces.span_graph)
+            "p2p": p2p, "fb_release_inside_pair": fb_timing is not None}
     trace = Trace(spans=result.spans, meta=meta)
     makespan = max(result.end, default=0.0)
     busy = dict(enumerate(result.busy))

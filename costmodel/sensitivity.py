@@ -1,0 +1,228 @@
+"""`mhcpipe predict --sensitivity [X]`: how far mHC's predicted overhead moves when one input moves, the others
+held: a one-at-a-time range per input (a tornado), sorted by swing.
+
+Shape letters: C hidden, M micro-batches, EP expert-parallel degree, E routed experts.
+
+Inputs and how each moves (X = the percentage, default 20):
+* HBM bandwidth, inter-node and intra-node link bandwidth: the hardware spec's value times (1 -+ X/100).
+  They are datasheet peaks times efficiencies nobody has measured on the target yet (hardware.py).
+* GEMM efficiency: the matrix efficiency curve scaled by (1 -+ X/100), capped at 1 (a curve cannot exceed peak).
+* mHC kernel bandwidth: the efficiency curve of the mHC kernels' HBM traffic (HardwareSpec.mhc_memory_eff, the
+  memory curve where the spec has none; pricing applies it to the kernel groups "mhc" and "recompute") scaled
+  the same way, capped at 1; everything else keeps the memory curve. TileLang, Triton and cuTile kernels of the
+  same math differ by up to ~2x (mhc.md §8: kainzhong/mhc_bench, Megatron-LM PR #3828), so this is measured, not
+  a choice. The plain residual's adds and norm rebuild are in those groups too (mhc_cost.py), so the baseline
+  moves with it, by its far smaller residual traffic.
+* EP: integer, moves to the next lower and higher power of two that divides E (DeepEP-style groups are powers of
+  two; the config requires EP | E); a side with no such value is left out.
+* M: integer, moves to the nearest lower and higher micro-batch count the schedule accepts (the generator owns
+  the M/P rules, e.g. DualPipe's even M).
+* C: the hidden size times (1 -+ X/100), rounded to an integer; everything else in the model is held.
+Hardware inputs are uncertainties to measure; EP, M and C are layout choices, reported apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+
+from costmodel.hardware import Curve, HardwareSpec
+from costmodel.mhc_cost import ResidualSpec
+from costmodel.predict import predict
+from costmodel.pricing import Options, ProfilePricing
+from configs import RunConfig
+
+DEFAULT_PCT = 20.0
+MEASURED = ("HBM bandwidth TB/s", "inter-node bandwidth GB/s", "intra-node bandwidth GB/s", "GEMM efficiency",
+            "mHC kernel bandwidth")
+CHOICES = ("EP", "M (micro-batches)", "C (hidden)")
+
+
+@dataclass
+class Point:
+    label: str
+    step_pct: float
+    fb_pct: float | None
+
+
+@dataclass
+class Row:
+    name: str
+    note: str
+    low: Point | None = None
+    high: Point | None = None
+
+    def values(self, metric: str, base: Point) -> list[float]:
+        pts = [base] + [p for p in (self.low, self.high) if p is not None]
+        vals = [getattr(p, metric) for p in pts]
+        return [v for v in vals if v is not None]
+
+    def swing(self, metric: str, base: Point) -> float:
+        v = self.values(metric, base)
+        return max(v) - min(v) if v else 0.0
+
+
+@dataclass
+class Sensitivity:
+    config: str
+    hardware: str
+    pct: float
+    base: Point
+    metric: str  # what the rows are sorted by: "fb_pct" (the like-for-like number) or "step_pct"
+    rows: list[Row] = field(default_factory=list)
+
+    def measure_first(self) -> Row | None:
+        return next((r for r in self.rows if r.name in MEASURED), None)
+
+    def top_choice(self) -> Row | None:
+        return next((r for r in self.rows if r.name in CHOICES), None)
+
+
+def check_pct(pct: float) -> float:
+    if not (pct == pct and 0 < pct < 100):  # pct == pct: NaN is neither
+        raise ValueError(f"--sensitivity {pct:g}: give the move in percent, greater than 0 and below 100 (e.g. 20)")
+    return float(pct)
+
+
+def _cfg_with(cfg: RunConfig, section: str, **fields) -> RunConfig | None:
+    """The config with `fields` of `section` replaced, or None when the config rules reject it."""
+    data = cfg.model_dump()
+    data[section].update(fields)
+    try:
+        return RunConfig.model_validate(data)
+    except (pydantic.ValidationError, ValueError):
+        return None
+
+
+def _ep_moves(cfg: RunConfig) -> tuple[int | None, int | None]:
+    moe = cfg.model.moe
+    if moe is None:
+        return None, None
+    ep, E = cfg.parallel.expert_parallel, moe.num_experts
+    pows = [1 << i for i in range(E.bit_length()) if E % (1 << i) == 0 and _cfg_with(cfg, "parallel",
+                                                                                    expert_parallel=1 << i)]
+    lower = [p for p in pows if p < ep]
+    higher = [p for p in pows if p > ep]
+    return (lower[-1] if lower else None), (higher[0] if higher else None)
+
+
+def _m_moves(cfg: RunConfig) -> tuple[int | None, int | None]:
+    M = cfg.parallel.microbatches
+    lower = next((m for m in range(M - 1, 0, -1) if _cfg_with(cfg, "parallel", microbatches=m)), None)
+    higher = next((m for m in range(M + 1, 4 * M + 2) if _cfg_with(cfg, "parallel", microbatches=m)), None)
+    return lower, higher
+
+
+def moves(cfg: RunConfig, hw: HardwareSpec, pct: float) -> list[tuple[str, str, list[tuple[str, RunConfig, HardwareSpec]]]]:
+    """Per input: (name, note, [low side, high side]), a side (value label, config, hardware) or None where the
+    input has no valid value on that side."""
+    f = pct / 100.0
+    out = []
+
+    def scaled(name: str, unit: str, value: float, make) -> None:
+        sides = [(f"{value * k / unit:.4g}", cfg, make(value * k)) for k in (1 - f, 1 + f)]
+        out.append((name, f"{value / unit:.4g} -+{pct:g}%", sides))
+
+    GB = 1e9
+    scaled("HBM bandwidth TB/s", 1e12, hw.hbm_bandwidth, lambda v: hw.model_copy(update={"hbm_bandwidth": v}))
+    scaled("inter-node bandwidth GB/s", GB, hw.inter.bandwidth,
+           lambda v: hw.model_copy(update={"inter": hw.inter.with_bandwidth(v)}))
+    scaled("intra-node bandwidth GB/s", GB, hw.intra.bandwidth,
+           lambda v: hw.model_copy(update={"intra": hw.intra.with_bandwidth(v)}))
+
+    def curve(name: str, field: str, c: Curve, note: str) -> None:
+        """The curve `c` scaled so its top moves by -+pct, capped at 1, set as the spec's `field`."""
+        top = max(e for _, e in c.points)
+        sides = []
+        for k in (1 - f, 1 + f):
+            t = min(1.0, top * k)
+            sides.append((f"{t:.3g}", cfg, hw.model_copy(update={field: c.scaled(t)})))
+        out.append((name, f"curve top {top:.3g} -+{pct:g}%" + (", capped at 1" if top * (1 + f) > 1 else "") + note,
+                    sides))
+
+    curve("GEMM efficiency", "matrix_eff", hw.matrix_eff, "")
+    mhc = hw.memory_eff if hw.mhc_memory_eff is None else hw.mhc_memory_eff
+    curve("mHC kernel bandwidth", "mhc_memory_eff", mhc,
+          f" ({'memory curve' if hw.mhc_memory_eff is None else 'mhc_memory_eff'} of the groups mhc+recompute; "
+          "TileLang/Triton/cuTile kernels differ by up to ~2x)")
+    lo, hi = _ep_moves(cfg)
+    if lo or hi:
+        sides = [(f"EP {v}", _cfg_with(cfg, "parallel", expert_parallel=v), hw) if v else None for v in (lo, hi)]
+        out.append(("EP", f"{cfg.parallel.expert_parallel}: next powers of two dividing "
+                           f"{cfg.model.moe.num_experts} experts (integer)", sides))
+    lo, hi = _m_moves(cfg)
+    if lo or hi:
+        sides = [(f"M {v}", _cfg_with(cfg, "parallel", microbatches=v), hw) if v else None for v in (lo, hi)]
+        out.append(("M (micro-batches)", f"{cfg.parallel.microbatches}: neighbouring counts the "
+                    f"{cfg.parallel.schedule} schedule accepts (integer)", sides))
+    C = cfg.model.hidden
+    sides = []
+    for k in (1 - f, 1 + f):
+        c = max(1, round(C * k))
+        sides.append((f"C {c}", _cfg_with(cfg, "model", hidden=c), hw))
+    out.append(("C (hidden)", f"{C} -+{pct:g}%, rounded", [s if s[1] is not None else None for s in sides]))
+    return out
+
+
+def sensitivity(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: Options, pct: float = DEFAULT_PCT,
+                profile_pricing: ProfilePricing | None = None) -> Sensitivity:
+    pct = check_pct(pct)
+    if spec.is_baseline:
+        raise ValueError("--sensitivity: the residual is the plain baseline (n=1): there is no mHC overhead to vary; "
+                         "use --variant mhc (or --n 4)")
+
+    def point(label: str, c: RunConfig, h: HardwareSpec) -> Point:
+        s = predict(c, h, spec, options, ladder=False, profile_pricing=profile_pricing).summary
+        return Point(label, s["overhead_pct"], s["fb_step_overhead_pct"])
+
+    base = point("base", cfg, hw)
+    metric = "fb_pct" if base.fb_pct is not None else "step_pct"
+    rows = []
+    for name, note, sides in moves(cfg, hw, pct):
+        low, high = sides
+        rows.append(Row(name, note, point(*low) if low else None, point(*high) if high else None))
+    rows.sort(key=lambda r: -r.swing(metric, base))
+    return Sensitivity(cfg.model.name, hw.name, pct, base, metric, rows)
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}%"
+
+
+def format_sensitivity(se: Sensitivity) -> str:
+    b = se.base
+    what = "F&B stage" if se.metric == "fb_pct" else "step"
+    lines = [f"mhcpipe predict --sensitivity {se.pct:g}: {se.config} on {se.hardware}",
+             f"  mHC overhead at the base: {_pct(b.fb_pct)} of the overlapped F&B stage, {_pct(b.step_pct)} of the "
+             f"step; one input moved at a time, rows sorted by the swing of the {what} overhead", "",
+             f"  {'input':<27}{'low':>10}{'high':>10}{'F&B stage low..high':>24}{'swing':>9}"
+             f"{'step low..high':>22}{'swing':>9}  moved"]
+    for r in se.rows:
+        lo = r.low.label if r.low else "-"
+        hi = r.high.label if r.high else "-"
+        fb = f"{_pct(r.low.fb_pct) if r.low else '-'} .. {_pct(r.high.fb_pct) if r.high else '-'}"
+        st = f"{_pct(r.low.step_pct) if r.low else '-'} .. {_pct(r.high.step_pct) if r.high else '-'}"
+        lines.append(f"  {r.name:<27}{lo:>10}{hi:>10}{fb:>24}{r.swing('fb_pct', b):>8.2f}p"
+                     f"{st:>22}{r.swing('step_pct', b):>8.2f}p  {r.note}")
+    lines.append("")
+    first, choice = se.measure_first(), se.top_choice()
+    if first:
+        lines.append(f"  measure this first: {first.name} (moves the {what} overhead by {first.swing(se.metric, b):.2f} "
+                     f"pp over -+{se.pct:g}%)")
+    if choice:
+        lines.append(f"  of the layout choices, {choice.name} moves it most ({choice.swing(se.metric, b):.2f} pp)")
+    return "\n".join(lines)
+
+
+def to_json(se: Sensitivity) -> dict[str, Any]:
+    return {"config": se.config, "hardware": se.hardware, "pct": se.pct, "sorted_by": se.metric,
+            "base": dataclasses.asdict(se.base),
+            "rows": [{"input": r.name, "note": r.note,
+                      "low": dataclasses.asdict(r.low) if r.low else None,
+                      "high": dataclasses.asdict(r.high) if r.high else None,
+                      "swing_fb_pp": r.swing("fb_pct", se.base), "swing_step_pp": r.swing("step_pct", se.base)}
+                     for r in se.rows],
+            "measure_first": se.measure_first().name if se.measure_first() else None}

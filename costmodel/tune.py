@@ -1,0 +1,360 @@
+"""`tune`: search the parallel layout of a run under a per-GPU memory budget and a fixed global batch, and keep the
+Pareto front of step time against peak memory per GPU.
+
+Shape letters: G global batch (sequences per step), b micro-batch size (sequences), M = G / b micro-batches of the
+step, P pipeline ranks, D data-parallel replicas (P x D = the GPUs), EP expert-parallel degree, M / D the
+micro-batches one pipeline runs, L_r the recompute block (sub-layers).
+
+Search space (one `Candidate` each): P dividing the GPUs (D = GPUs / P), schedule kind, EP dividing D and the
+expert count (the runtime's rules, pipeline/layout.py), b from a list (M follows), recompute off / auto (Eq. 20
+per stage) / a few block sizes, the MLP-side post+res on the high-priority stream or not, and stages that do not
+divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more). EP placement
+follows the runtime's mesh (data_parallel.ep_ranks_per_node -> Options.ep_per_node). Invalid layouts (a
+schedule's M/P rules, too few blocks, D not dividing M) are dropped before anything is priced.
+
+Objective: step = the simulated pipeline of one replica (the same Pricer + simulation as `predict`'s mHC run)
+plus the exposed part of the gradient all-reduce over the replicas (data_parallel.grad_sync). Memory: the peak
+per rank of predict's model (memory.rank_memory).
+
+Pruning, exact for the front: (1) recompute choices that give every stage the same L_r as an earlier choice
+are one layout; (2) memory first, from the stage memory and the schedule's peak live chunks in program order, no
+simulation; (3) a lower bound on the step: per rank, its summed action durations (F&B pairs priced with their
+inputs on time; a rank runs its actions one after another) plus the all-reduce its last action posts, the
+largest over the ranks. Candidates are visited in increasing bound; one is simulated only if no simulated
+layout with at most its memory is at least as fast as its bound (first the bound priced without recompute,
+which adds kernels only and is shared by the recompute choices, then the exact one). hp-off layouts never
+bound out hp layouts, so the best runnable layout is exact too. Action prices are shared between candidates
+whose stages hold the same blocks (SharedPricer).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from costmodel.data_parallel import GradSync, ep_ranks_per_node, grad_sync, reductions, sync_floor
+from costmodel.hardware import HardwareSpec
+from costmodel.memory import rank_memory
+from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.predict import residual_spec_of
+from configs import RecomputeConfig, RunConfig, parse_config
+from schedules.build import build
+from schedules.ir import Action, Kind, Schedule
+from schedules.simulate import peak_live_activations
+
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: what the written YAML sets (parallel.*, recompute.*) plus the hp placement (a pricing
+    switch: the runtime always runs post+res on the high-priority stream on CUDA)."""
+
+    schedule: str
+    pp: int
+    dp: int
+    ep: int
+    microbatch_size: int
+    microbatches: int  # M of the whole step (the config's parallel.microbatches)
+    recompute: str  # "off", "auto" or a block size in sub-layers
+    hp: bool = True
+    uneven: bool = False
+
+    @property
+    def per_replica(self) -> int:
+        return self.microbatches // self.dp
+
+    def label(self) -> str:
+        return (f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} mbs={self.microbatch_size} "
+                f"M={self.microbatches} recompute={self.recompute}{'' if self.hp else ' no-hp'}")
+
+    def overrides(self) -> dict:
+        rc = ({"mode": self.recompute, "block_size": None} if self.recompute in ("off", "auto")
+              else {"mode": "block", "block_size": int(self.recompute)})
+        return {"parallel": {"schedule": self.schedule, "ranks": self.pp, "data_parallel": self.dp,
+                             "expert_parallel": self.ep, "microbatches": self.microbatches,
+                             "microbatch_size": self.microbatch_size, "uneven_stages": self.uneven},
+                "recompute": rc}
+
+
+@dataclass
+class Evaluated:
+    cand: Candidate
+    memory_bytes: float
+    bound_us: float = 0.0
+    pipeline_us: float | None = None  # simulated makespan of one replica
+    sync: GradSync | None = None
+
+    @property
+    def step_us(self) -> float:
+        return self.sync.end_us if self.sync is not None else math.inf
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+
+@dataclass
+class TuneResult:
+    front: list[Evaluated]  # Pareto front, fastest first
+    best: Evaluated | None  # fastest that fits and the runtime can run (hp on); None: nothing fits
+    reference: Evaluated | None  # the config's own layout on these GPUs (None: not in the space; not
+    # simulated when over the budget)
+    counts: Counter = field(default_factory=Counter)  # what happened to the candidates
+    smallest: Evaluated | None = None  # the least memory of any layout (for the error message)
+    tuner: "Tuner | None" = None  # its configs and caches
+
+
+def merged(data: dict, over: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for section, values in over.items():
+        out[section] = {**(out.get(section) or {}), **values}
+    return out
+
+
+def replica_config(cfg: RunConfig) -> RunConfig:
+    """The one pipeline `predict` prices: one data-parallel replica running M / D micro-batches (predict builds
+    its schedule from parallel.microbatches, as if data_parallel were 1)."""
+    p = cfg.parallel
+    par = p.model_copy(update={"data_parallel": 1, "microbatches": p.microbatches_per_replica})
+    return cfg.model_copy(update={"parallel": par})
+
+
+def options_of(cand: Candidate, hw: HardwareSpec, base: Options | None = None) -> Options:
+    return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven,
+                   ep_per_node=ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=SCHEDULES, microbatch_sizes=(1, 2, 4),
+               recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
+               counts: Counter | None = None) -> list[Candidate]:
+    """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
+    counts = counts if counts is not None else Counter()
+    nb, moe = cfg.model.num_blocks, cfg.model.moe
+    out = []
+    for pp in divisors(gpus):
+        dp = gpus // pp
+        for kind in schedules:
+            stages = 2 * pp if kind == "dualpipev" else pp
+            if stages > nb:
+                counts["more stages than blocks"] += 1
+                continue
+            uneven = nb % stages != 0
+            if uneven and not allow_uneven:
+                counts["uneven stages (--even-only)"] += 1
+                continue
+            for b in microbatch_sizes:
+                if global_batch % b or (global_batch // b) % dp:
+                    counts["global batch not divisible into micro-batches x dp"] += 1
+                    continue
+                M = global_batch // b
+                try:
+                    build(kind, pp, M // dp)
+                except ValueError:
+                    counts["schedule rules (M/P)"] += 1
+                    continue
+                eps = [e for e in divisors(dp) if moe is not None and moe.num_experts % e == 0] or [1]
+                for ep in eps:
+                    for rc in recompute:
+                        for h in hp:
+                            out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven))
+    return out
+
+
+class SharedPricer(Pricer):
+    """A Pricer whose action prices are shared by every candidate's pricer: an action's duration depends on the
+    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (how many blocks, which of them
+    dense, first or last of its pipeline, L_r), not on which stage index or schedule it has (pricing.Pricer's
+    kernels come from ops.block_work(shape, block), which reads the block index only to tell dense from MoE)."""
+
+    def __init__(self, *args, shared: dict, **kw):
+        super().__init__(*args, **kw)
+        self.shared = shared
+        p = self.cfg.parallel
+        self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream)
+        fd = 0 if self.cfg.model.moe is None else self.cfg.model.moe.first_dense_blocks
+        self.stage_key = {st: (tuple(b < fd for b in blocks), first, last, self.stage_mem[st].recompute_block)
+                          for st, (blocks, first, last) in self.layout.items()}
+
+    def compute_time(self, a: Action) -> float:
+        key = self.common + (a.kind.value, self.stage_key[a.stage],
+                             self.stage_key[a.b_stage] if a.kind is Kind.FB else None)
+        hit = self.shared.get(key)
+        if hit is None:
+            t = super().compute_time(a)
+            hit = self.shared[key] = (t, self.results.get(self._key(a)))
+        elif hit[1] is not None:  # what fb_timing reads back for the pair's release times
+            self.results[self._key(a)] = hit[1]
+        return hit[0]
+
+
+class Tuner:
+    """Prices candidates of one base config on one hardware spec (caches shared across candidates)."""
+
+    def __init__(self, cfg: RunConfig, data: dict, hw: HardwareSpec, options: Options | None = None):
+        if hw.runtime is not None or hw.host_cores:  # per-shape profiles, core sharing that depends on the layout
+            raise ValueError(f"--hardware {hw.name}: a CPU spec of ranks sharing this host's cores (priced per "
+                             "calibrated shape); the tuner compares layouts of GPUs: use a GPU spec such as h800")
+        self.cfg, self.data, self.hw, self.base_opts = cfg, data, hw, options or Options()
+        self.spec = residual_spec_of(cfg)
+        self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
+        self._prices: dict[tuple, tuple] = {}  # SharedPricer's
+        self._prepared: dict[Candidate, tuple] = {}
+
+    def config(self, cand: Candidate) -> RunConfig:
+        """The full run config of a candidate, validated (what the YAML holds)."""
+        return parse_config(merged(self.data, cand.overrides()), f"layout {cand.label()}")
+
+    def _fast_config(self, cand: Candidate) -> RunConfig:
+        """The same config without validation (candidates() applied the rules; validating builds the schedule
+        again, which thousands of candidates cannot afford)."""
+        over = cand.overrides()
+        return self.cfg.model_copy(update={"parallel": self.cfg.parallel.model_copy(update=over["parallel"]),
+                                           "recompute": RecomputeConfig(**over["recompute"])})
+
+    def _schedule(self, cand: Candidate):
+        key = (cand.schedule, cand.pp, cand.per_replica)
+        if key not in self._schedules:
+            s = build(*key)
+            per_rank = [Counter((a.kind, a.stage, a.b_stage) for a in acts) for acts in s.actions]
+            self._schedules[key] = (s, peak_live_activations(s), per_rank)
+        return self._schedules[key]
+
+    def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
+        cfg = replica_config(cfg)
+        opts = options_of(cand, self.hw, self.base_opts)
+        layout = resolve_layout(cfg, schedule, opts.allow_uneven)
+        return cfg, layout, SharedPricer(cfg, self.hw, self.spec, layout, opts, shared=self._prices)
+
+    def _prep(self, cand: Candidate):
+        if cand not in self._prepared:
+            schedule, _, _ = self._schedule(cand)
+            self._prepared[cand] = self._pricer(cand, schedule, self._fast_config(cand))
+        return self._prepared[cand]
+
+    def memory(self, cand: Candidate) -> Evaluated:
+        """Peak memory per rank, predict's model, without a simulation (peaks in program order)."""
+        schedule, peaks, _ = self._schedule(cand)
+        cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
+        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r]).total_bytes
+                  for r in range(schedule.num_ranks))
+        return Evaluated(cand, mem)
+
+    def recompute_key(self, cand: Candidate) -> tuple:
+        """What a recompute choice does to the stages: their L_r (choices with the same L_r are one layout)."""
+        _, _, pr = self._prep(replace(cand, hp=True))
+        return tuple(pr.stage_mem[s].recompute_block for s in sorted(pr.stage_mem))
+
+    def bound(self, ev: Evaluated, exact: bool = True) -> float:
+        """A lower bound on the step: per rank, its summed action durations (F&B pairs with their inputs on
+        time; the rank runs them one after another) plus the all-reduce its last action posts
+        (data_parallel.sync_floor); the largest over the ranks. `exact=False`: the actions priced without
+        recompute (it only adds kernels to the backward chains), which candidates differing only in their
+        recompute choice share: a weaker bound, priced once for all of them."""
+        schedule, _, per_rank = self._schedule(ev.cand)
+        cfg, layout, pr = self._prep(ev.cand if exact else replace(ev.cand, recompute="off"))
+        full = cfg.model_copy(update={"parallel": self._fast_config(ev.cand).parallel})
+        floor = sync_floor(schedule, reductions(full, self.hw, schedule, layout,
+                                                {s: m.params for s, m in pr.stage_mem.items()}))
+        ev.bound_us = max(sum(n * pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
+                              for (k, st, b), n in counts.items()) + floor[r]
+                          for r, counts in enumerate(per_rank))
+        return ev.bound_us
+
+    def evaluate(self, ev: Evaluated) -> Evaluated:
+        """Simulate one replica's pipeline (predict's mHC run) and add the gradient all-reduce."""
+        cand = ev.cand
+        schedule, _, _ = self._schedule(cand)
+        full = self.config(cand)
+        cfg, layout, pr = self._pricer(cand, schedule, full)
+        sim = pr.simulate(schedule)
+        ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
+                                          sim.peak_activations[r]).total_bytes for r in range(schedule.num_ranks))
+        ev.pipeline_us = sim.makespan
+        ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
+        return ev
+
+
+def pareto(evals: list[Evaluated]) -> list[Evaluated]:
+    """Non-dominated (step time, memory) points, fastest first; ties keep the first seen."""
+    front: list[Evaluated] = []
+    for e in sorted(evals, key=lambda e: (e.step_us, e.memory_bytes)):
+        if not front or e.memory_bytes < front[-1].memory_bytes:
+            front.append(e)
+    return front
+
+
+def reference_candidate(cfg: RunConfig, gpus: int, global_batch: int) -> Candidate | None:
+    """The config's own layout (schedule, P, EP, b, recompute) on `gpus` GPUs: D = gpus / P."""
+    p, rc = cfg.parallel, cfg.recompute
+    if gpus % p.ranks or global_batch % p.microbatch_size:
+        return None
+    dp = gpus // p.ranks
+    M = global_batch // p.microbatch_size
+    if M % dp or dp % p.expert_parallel:
+        return None
+    recompute = rc.mode if rc.mode != "block" else str(rc.block_size)
+    uneven = cfg.model.num_blocks % p.num_stages != 0
+    return Candidate(p.schedule, p.ranks, dp, p.expert_parallel, p.microbatch_size, M, recompute, True, uneven)
+
+
+def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: float, global_batch: int,
+         **space) -> TuneResult:
+    """Search the layouts of `cfg` (its raw mapping `data`, for the written configs) on `gpus` GPUs of `hw`
+    under `memory_gib` per GPU for a step of `global_batch` sequences. `space`: candidates()'s choices.
+    Nothing fitting the budget gives a result with an empty front and `smallest` set."""
+    counts: Counter = Counter()
+    tuner = Tuner(cfg, data, hw)
+    cands = candidates(cfg, gpus, global_batch, counts=counts, **space)
+    counts["layouts"] = len(cands)
+    ref = reference_candidate(cfg, gpus, global_batch)
+    seen: dict[tuple, Evaluated] = {}
+    fits: list[Evaluated] = []
+    smallest: Evaluated | None = None
+    reference: Evaluated | None = None
+    budget = memory_gib * GIB
+    for c in cands:
+        key = (c.schedule, c.pp, c.dp, c.ep, c.microbatch_size, c.hp, tuner.recompute_key(c))
+        if key in seen:  # e.g. a block size longer than every stage = auto on a one-block stage
+            counts["same per-stage L_r as another recompute choice"] += 1
+            reference = seen[key] if c == ref else reference
+            continue
+        ev = seen[key] = tuner.memory(c)
+        reference = ev if c == ref else reference
+        if smallest is None or ev.memory_bytes < smallest.memory_bytes:
+            smallest = ev
+        if ev.memory_bytes > budget:
+            counts["over the memory budget"] += 1
+            continue
+        fits.append(ev)
+    for ev in fits:
+        tuner.bound(ev, exact=False)
+    done: list[Evaluated] = []
+
+    def dominated(ev: Evaluated) -> bool:
+        # the runnable (hp) front must be complete on its own: only hp layouts bound hp layouts out
+        return ev is not reference and any(d.memory_bytes <= ev.memory_bytes and d.step_us <= ev.bound_us
+                                           for d in done if d.cand.hp or not ev.cand.hp)
+
+    for ev in sorted(fits, key=lambda e: (e.bound_us, e.memory_bytes)):
+        pruned = dominated(ev)  # by the cheap bound
+        if not pruned:
+            tuner.bound(ev)  # the exact one, only now
+            pruned = dominated(ev)
+        if pruned:
+            counts["bounded out"] += 1
+            continue
+        tuner.evaluate(ev)
+        counts["simulated"] += 1
+        if ev.memory_bytes > budget:  # the simulation's peaks are the program-order ones: should not happen
+            counts["over the memory budget after simulation"] += 1
+            continue
+        done.append(ev)
+    runnable = [d for d in done if d.cand.hp]
+    best = min(runnable, key=lambda d: (d.step_us, d.memory_bytes)) if runnable else None
+    return TuneResult(pareto(done), best, reference, counts, smallest, tuner)

@@ -1,0 +1,179 @@
+"""`mhcpipe tune` (costmodel/tune.py, costmodel/tune_cli.py) and the data-parallel step terms it adds
+(costmodel/data_parallel.py). Properties, never predicted numbers: the pruned search finds the front that
+simulating everything finds, its bounds are lower bounds, its shared pricing equals predict's, the best layout
+fits and is no slower than the preset's own, the written YAML loads, passes the runtime's layout rules and
+predicts the reported time, and bad input is one line naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from configs import load_config, load_config_data
+from costmodel.data_parallel import ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
+from costmodel.hardware import Link, get_hardware
+from costmodel.predict import predict
+from costmodel.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, replica_config, tune
+from mhcpipe.cli import main
+
+HW = get_hardware("h800")
+SPACE = dict(microbatch_sizes=(1,), recompute=("off", "auto"))
+REL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def p3b():
+    return load_config("paper-3b"), load_config_data("paper-3b")[0]
+
+
+@pytest.fixture(scope="module")
+def tuned(p3b):
+    """paper-3b on 32 GPUs, 64 sequences: the preset's layout (dualpipe pp=4, EP 8) has dp=8 and fits 40 GiB."""
+    cfg, data = p3b
+    return tune(cfg, data, HW, 32, 40.0, 64, **SPACE)
+
+
+def step_by_predict(cfg, cand: Candidate):
+    """A layout's step priced the plain way: predict() on one replica, plus data_parallel.grad_sync."""
+    pred = predict(replica_config(cfg), HW, options=options_of(cand, HW), ladder=False)
+    pr = pred.pricers["mhc"]
+    sync = grad_sync(cfg, HW, pred.schedule, pred.mhc, pr.layout, {s: m.params for s, m in pr.stage_mem.items()})
+    return pred, sync
+
+
+def test_pruned_search_finds_the_exhaustive_front_and_its_bounds_hold(p3b):
+    cfg, data = p3b
+    budget = 20.0
+    result = tune(cfg, data, HW, 8, budget, 32, **SPACE)
+    assert result.counts["bounded out"] > 0 and result.counts["over the memory budget"] > 0  # both prunings ran
+    tuner = Tuner(cfg, data, HW)
+    every = [tuner.memory(c) for c in candidates(cfg, 8, 32, **SPACE)]
+    fits = [tuner.evaluate(e) for e in every if e.memory_bytes <= budget * GIB]
+    for e in fits:
+        cheap, exact = tuner.bound(e, exact=False), tuner.bound(e)
+        assert cheap <= e.step_us * (1 + REL) and exact <= e.step_us * (1 + REL), e.cand.label()
+    want = [(e.step_us, e.memory_bytes) for e in pareto(fits)]
+    got = [(e.step_us, e.memory_bytes) for e in result.front]
+    assert len(got) == len(want) > 1
+    for (ts, ms), (tw, mw) in zip(got, want):
+        assert ts == pytest.approx(tw, rel=REL) and ms == pytest.approx(mw, rel=REL)
+    assert all(e.memory_bytes <= budget * GIB for e in result.front)
+    assert all(a.step_us < b.step_us and a.memory_bytes > b.memory_bytes
+               for a, b in zip(result.front, result.front[1:]))
+
+
+def test_shared_pricing_and_cheap_memory_equal_predict(p3b):
+    """Candidates of every schedule, hp off and an uneven split: the tuner's pipeline time and its
+    simulation-free memory are predict's."""
+    cfg, data = p3b
+    tuner = Tuner(cfg, data, HW)
+    pool = candidates(cfg, 8, 32, **SPACE)
+    picks = {(c.schedule, c.hp, c.uneven): c for c in pool if c.ep > 1 and c.recompute == "auto"}
+    assert {k[0] for k in picks} == {"gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"}
+    assert any(not k[1] for k in picks) and any(k[2] for k in picks)
+    for cand in picks.values():
+        cheap = tuner.memory(cand).memory_bytes
+        ev = tuner.evaluate(tuner.memory(cand))
+        pred, sync = step_by_predict(tuner.config(cand), cand)
+        assert ev.pipeline_us == pytest.approx(pred.mhc.makespan, rel=REL), cand.label()
+        assert ev.step_us == pytest.approx(sync.end_us, rel=REL)
+        assert cheap == pytest.approx(pred.summary["memory_gib"]["mhc"] * GIB, rel=REL)
+
+
+def test_best_fits_and_is_no_slower_than_the_presets_layout(p3b, tuned):
+    cfg, _ = p3b
+    ref_cfg = load_config("paper-3b", {"parallel": {"data_parallel": 8, "microbatches": 64}})
+    ref_cand = Candidate("dualpipe", 4, 8, 8, 1, 64, "auto")
+    pred, sync = step_by_predict(ref_cfg, ref_cand)
+    ref_mem = pred.summary["memory_gib"]["mhc"]
+    assert ref_mem <= 40.0  # the preset's layout is in the space and fits: the property applies
+    assert tuned.reference is not None and tuned.reference.cand == ref_cand
+    assert tuned.reference.step_us == pytest.approx(sync.end_us, rel=REL)
+    best = tuned.best
+    assert best.cand.hp and best.memory_gib <= 40.0 and all(e.memory_gib <= 40.0 for e in tuned.front)
+    assert best.step_us <= sync.end_us * (1 + REL)
+
+
+def test_written_yaml_loads_runs_and_predicts_the_reported_time(p3b, tuned, tmp_path, capsys):
+    from configs import load_config as load
+    from pipeline.run_args import add_run_arguments, config_from_args
+
+    out = tmp_path / "best.yaml"
+    argv = ["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
+            "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto", "-o", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    best = tuned.best
+    assert f"step {best.step_us / 1e3:,.1f} ms" in printed
+    cfg = load(str(out))
+    par = cfg.parallel
+    k = best.cand
+    assert (par.schedule, par.ranks, par.data_parallel, par.expert_parallel, par.microbatches,
+            par.microbatch_size) == (k.schedule, k.pp, k.dp, k.ep, k.microbatches, k.microbatch_size)
+    assert par.microbatch_size * par.microbatches == 64  # the global batch is kept
+    pred, sync = step_by_predict(cfg, k)
+    assert pred.mhc.makespan == pytest.approx(best.pipeline_us, rel=REL)
+    assert sync.end_us == pytest.approx(best.step_us, rel=REL)
+    assert pred.summary["memory_gib"]["mhc"] == pytest.approx(best.memory_gib, rel=REL)
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    runnable = config_from_args(parser.parse_args(["--config", str(out)]), par.ranks * par.data_parallel)
+    assert runnable.parallel == par  # the runtime's layout rules (EP inside dp, world = pp x dp) accept it
+
+
+def test_ring_allreduce_and_ep_placement():
+    link = Link(name="x", bandwidth=100e9, latency_us=2.0, efficiency=0.5)
+    assert ring_allreduce_us(link, 1, 1e9) == 0.0
+    assert ring_allreduce_us(link, 2, 1e9) == pytest.approx(2 * 2.0 + 1e9 / 50e9 * 1e6, rel=REL)
+    assert ring_allreduce_us(link, 8, 1e9) == pytest.approx(14 * 2.0 + 2 * 7 / 8 * 1e9 / 50e9 * 1e6, rel=REL)
+    assert ep_ranks_per_node(2, 8, 8, 8) == 8  # every EP group fills one node
+    assert ep_ranks_per_node(2, 6, 6, 8) == 2  # pipeline rank 1's group is ranks 6-11: 6,7 | 8..11
+    assert ep_ranks_per_node(1, 16, 16, 8) == 8
+
+
+@pytest.mark.parametrize("schedule, pp, dp, holders", [("1f1b", 4, 1, 1), ("1f1b", 4, 4, 1), ("dualpipe", 4, 1, 2),
+                                                       ("dualpipe", 4, 2, 2), ("dualpipev", 2, 4, 1)])
+def test_grad_sync_follows_the_runtimes_groups(p3b, schedule, pp, dp, holders):
+    M = 8 * dp
+    cfg = load_config("paper-3b", {"parallel": {"schedule": schedule, "ranks": pp, "data_parallel": dp,
+                                                "microbatches": M, "expert_parallel": 1}})
+    cand = Candidate(schedule, pp, dp, 1, 1, M, "auto")
+    pred, sync = step_by_predict(cfg, cand)
+    pr = pred.pricers["mhc"]
+    reds = reductions(cfg, HW, pred.schedule, pr.layout, {s: m.params for s, m in pr.stage_mem.items()})
+    chunks = len(pred.schedule.pipelines[0])
+    if dp * holders == 1:
+        assert not reds and not sync.buckets and sync.exposed_us == 0.0
+        return
+    # EP 1: the experts' group (their own bucket, as the runtime makes it) spans the same dp x holders ranks
+    assert {r.chunk for r in reds} == set(range(chunks))
+    assert all(r.k == dp * holders and len(r.ranks) == holders for r in reds)
+    total = sum(pr.stage_mem[s].params for s in range(pred.schedule.num_stages)) * 4 / holders
+    assert sum(r.nbytes for r in reds) == pytest.approx(total, rel=REL)  # every parameter reduced once
+    for b in sync.buckets:
+        assert b.start >= b.posted and b.end > b.start
+    assert sync.exposed_us > 0.0  # the last chunk's reduction starts at its rank's last action
+    assert sync.end_us == pytest.approx(max(b.end for b in sync.buckets), rel=REL)
+
+
+@pytest.mark.parametrize("argv, starts", [
+    (["--preset", "paper-27b", "--gpus", "48", "--memory-gib", "10", "--global-batch", "1280"],
+     "--memory-gib 10: no layout fits; the smallest needs "),
+    (["--preset", "paper-27b", "--gpus", "48", "--global-batch", "7"], "--global-batch 7: "),
+    (["--preset", "paper-27b", "--gpus", "97", "--global-batch", "1280"], "--gpus 97: "),
+    (["--preset", "paper-27b", "--gpus", "0"], "--gpus 0: must be >= 1"),
+    (["--preset", "nope", "--gpus", "8"], "--preset nope: unknown preset"),
+    (["--preset", "tiny", "--gpus", "4", "--recompute", "some"], "--recompute 'some': "),
+    (["--preset", "tiny", "--gpus", "4", "-o", "best.txt"], "-o/--output 'best.txt': "),
+])
+def test_bad_input_is_one_line_naming_the_flag(argv, starts, capsys):
+    assert main(["tune", "--hardware", "h800", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"mhcpipe tune: error: {starts}"), err
+    if "smallest needs" in err:
+        gib = float(err.split("smallest needs ")[1].split(" GiB")[0])
+        assert 10 < gib < math.inf
+    if "--gpus 97" in starts:
+        assert "96" in err  # what would fit
