@@ -20,7 +20,8 @@ UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"
 LOW, HIGH = "#1f77b4", "#ff7f0e"
 
 
-def _save(fig, out: str | Path) -> Path:
+def save_png(fig, out: str | Path) -> Path:
+    """Write `fig` (tight layout, 120 dpi) and close it; the path with the .png matplotlib adds when none is given."""
     out = Path(out)
     if not out.suffix:  # matplotlib would add it; say where the file really is
         out = out.with_suffix(".png")
@@ -62,7 +63,7 @@ def waterfall(ex: Explanation, out: str | Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{ex.config} on {ex.hardware}: mHC overhead, one mechanism at a time", fontsize=11)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def tornado(se: Sensitivity, out: str | Path) -> Path:
@@ -91,4 +92,4 @@ def tornado(se: Sensitivity, out: str | Path) -> Path:
         ax.legend(handles=[Patch(color=LOW, label="input lower"), Patch(color=HIGH, label="input higher")],
                   fontsize=8, loc="lower right")
     fig.suptitle(f"{se.config} on {se.hardware}: overhead when one input moves -+{se.pct:g}%", fontsize=11)
-    return _save(fig, out)
+    return save_png(fig, out)

@@ -232,6 +232,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from costmodel.charts import save_png
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
 
@@ -269,12 +270,5 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     ax.set_title(f"{cfg.model.name} on {hw.name}: predicted mHC overhead")
     ax.grid(alpha=0.3)
     ax.legend()
-    out = Path(args.output or "predict_sweep.png")
-    if not out.suffix:  # matplotlib would add it; say where the file really is
-        out = out.with_suffix(".png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {out}")
+    print(f"wrote {save_png(fig, args.output or 'predict_sweep.png')}")
     return 0

@@ -65,7 +65,7 @@ class Transport:
         try:
             works, tokens = self.comms.launch(lambda: dist.batch_isend_irecv(p2p), spans)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
-            names = ", ".join(h.name for h in handles)
+            names = ", ".join(f"{h.name} {'to' if h.is_send else 'from'} rank {self._peer(h.peer)}" for h in handles)
             raise PipelineError(f"rank {self.comms.rank}: posting {names} failed: {describe(err)}") from None
         if len(works) == 1 and len(handles) > 1:  # NCCL coalesces a batch into one work: every op completes with it
             works = works * len(handles)

@@ -68,7 +68,7 @@ def draw_marks(ax, marks: list[Mark], lanes: list[int], row_h: float) -> None:
     if not marks:
         return
     boxes, links = [], []
-    prev = None
+    prev, prev_y = None, 0.0
     for m in marks:
         h = row_h / lanes[m.row]
         y0 = m.row - row_h / 2 + m.lane * h

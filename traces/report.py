@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from traces import path_report
 from traces.compare import Comparison
 
 MAX_LISTED = 10
@@ -89,17 +90,7 @@ def _listing(items: list[str]) -> str:
 
 
 def to_text(c: Comparison) -> str:
-    lines = []
-    for title, header, rows in sections(c):
-        lines.append(title)
-        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
-        if any(header):
-            lines.append(("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))).rstrip())
-        for row in rows:
-            lines.append(("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths))).rstrip())
-        lines.append("")
-    lines.extend(f"note: {n}" for n in c.notes)
-    return "\n".join(lines).rstrip() + "\n"
+    return path_report.to_text(sections(c), c.notes)
 
 
 def to_markdown(c: Comparison) -> str:

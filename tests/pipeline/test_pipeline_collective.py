@@ -155,7 +155,8 @@ def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, mon
 def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, monkeypatch):
     """With data parallelism the pipeline rank differs from the global rank (pp=2 x dp=2: global rank 3 is
     pipeline rank 1). A failed post must name the rank the user sees in torchrun's output (CI once printed
-    "rank 1: posting SEND_F..." from rank 3)."""
+    "rank 1: posting SEND_F..." from rank 3), and the peer it lost. (One rank, no groups: the peer's pipeline rank
+    is its global rank here.)"""
     from pipeline.p2p import Transport
 
     def closed(ops):
@@ -166,7 +167,7 @@ def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, mo
     tr = Transport(1, torch.device("cpu"), comms)
     with pytest.raises(PipelineError) as err:
         tr.post([(True, "SEND_F/s2/mb0", 0, torch.zeros(4))], labels=[("SEND_F", 2, 0)])
-    assert str(err.value) == ("rank 3: posting SEND_F/s2/mb0 failed: the peer closed its connection "
+    assert str(err.value) == ("rank 3: posting SEND_F/s2/mb0 to rank 0 failed: the peer closed its connection "
                               "(it probably died)")
 
 
