@@ -110,14 +110,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "predict_local"))
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "predict_local.json"))
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--residual", default="mhc:4", help="the residual predicted and measured against residual:1, "
+                    "e.g. xhc:16:4 or mhc-sp:4 (default mhc:4; --json then defaults to predict_local_<variant>.json)")
     args = ap.parse_args()
 
     from costmodel.calibrate import calibrate_local
     from costmodel.hardware import HardwareSpec, local_profile_path
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.host_pricing import HostPricing
-    from costmodel.mhc_cost import ResidualSpec
-    from costmodel.predict import predict
+    from costmodel.predict import predict, residual_spec_of
+    from pipeline.run_args import with_residual_flag
     from pipeline.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config
     from traces.compare import compare
@@ -127,8 +129,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config("tiny", {"train": {"steps": args.steps}, "parallel": {"overlap": not args.no_overlap}})
+    cfg = with_residual_flag(cfg, "--residual", args.residual)
     base_cfg = cfg.with_residual("residual", 1)
-    n = cfg.model.residual.n
+    n, variant = cfg.model.residual.n, cfg.model.residual.variant
+    if args.residual != "mhc:4" and args.json == str(ROOT / "bench" / "results" / "predict_local.json"):
+        args.json = str(ROOT / "bench" / "results" / f"predict_local_{variant}.json")
 
     profile = local_profile_path()
     print("[1/2] host micro-benchmarks" + (" (reused)" if args.reuse and profile.exists() else ""))
@@ -154,7 +159,7 @@ def main() -> int:
             tr_b, st_b = run_runtime(base_cfg, dirs[0], args.steps, args.timeout)
         else:
             (tr_b, st_b), (tr_m, st_m) = run_runtime_interleaved([base_cfg, cfg], dirs, args.steps, args.timeout)
-        stage_us = time_stage_pieces(cfg, [("mhc", n)])
+        stage_us = time_stage_pieces(cfg, [(variant, n)])
         hw = calibrate_local_for(cfg, hardware=hw0, baseline_trace=tr_b, stage_us=stage_us, workload=block_round)
         hw.save(profile)
         hw.save(out / f"local_{rep}.json")  # this repeat's calibration, to re-price offline
@@ -167,8 +172,10 @@ def main() -> int:
                    "insitu_over_bench": rt.meta["insitu_over_bench"],
                    "mhc_extra_us_per_sublayer": rt.residual_us, "gloo_alpha_us": hw0.intra.latency_us,
                    "gloo_bw_gbs": hw0.intra.bandwidth / 1e9}
-        w = rt.residual_us[f"mhc:{n}"]
-        pred = predict(cfg, hw, ResidualSpec("mhc", n, fused=False), profile_pricing=HostPricing())
+        w = rt.residual_us[f"{variant}:{n}"]
+        # CPU runs the reference ops: unfused, except what has no unfused form (mhc-sp; xHC-Flash)
+        spec = residual_spec_of(cfg, fused=variant == "mhc-sp" or (variant == "xhc" and cfg.model.residual.flash))
+        pred = predict(cfg, hw, spec, profile_pricing=HostPricing())
         s = pred.summary
         pred.baseline.trace.save(out / f"predicted_baseline_{rep}.json")
         pred.mhc.trace.save(out / f"predicted_mhc_{rep}.json")
@@ -286,6 +293,7 @@ def main() -> int:
               if "mhc_out_of_run_oracle_median_abs_pct" in summary else "")
           + f"\ntargets met: {summary['targets_met']}")
     result = {"command": " ".join(["bench/predict_local.py"] + sys.argv[1:]), "config": "tiny",
+              "residual": args.residual,
               "protocol": "sequential" if args.sequential else "interleaved",
               "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
               "calibration_first_repeat": cal,

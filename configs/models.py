@@ -131,6 +131,10 @@ class TrainConfig(BaseModel):
                              "training and a collection runs between steps every gc_interval steps, outside the "
                              "step's timing (torchtitan's gc_freq, Megatron's --manual-gc); 0 = leave Python's "
                              "automatic collection on, which stalls a rank for ~0.2 s at unpredictable actions")
+    diagnostics_every: int = Field(0, ge=0, description="stream-collapse diagnostics (per-stream norms, read/write "
+                                   "shares, H_res distance from identity, composite gains per layer) on step 0, "
+                                   "every k-th step and the last, written as diagnostics_rank<r>.json next to the "
+                                   "trace (needs --trace-dir); 0 = off. --diagnostics-every")
 
 
 class RunConfig(BaseModel):
@@ -170,10 +174,14 @@ class RunConfig(BaseModel):
                              f"model.moe.num_experts={moe.num_experts}")
         return self
 
-    def with_residual(self, variant: str, n: int) -> "RunConfig":
-        """The same run with another residual variant (e.g. the n=1 baseline of an mHC run)."""
-        residual = self.model.residual.model_copy(update={"variant": variant, "n": n})
-        MHCConfig.model_validate(residual.model_dump())
+    def with_residual(self, variant: str, n: int, active: int | None = None) -> "RunConfig":
+        """The same run with another residual variant (e.g. the n=1 baseline of an mHC run); `active`: xHC's k
+        (None: its default). The xHC-only fields are reset when the new variant is not xhc."""
+        update: dict = {"variant": variant, "n": n, "active": active if variant == "xhc" else None}
+        if variant != "xhc":
+            update["flash"] = False
+        residual = self.model.residual.model_copy(update=update)
+        residual = MHCConfig.model_validate(residual.model_dump())
         return self.model_copy(update={"model": self.model.model_copy(update={"residual": residual})})
 
 

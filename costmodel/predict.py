@@ -68,6 +68,9 @@ def residual_spec_of(cfg: RunConfig, variant: str | None = None, n: int | None =
     r = cfg.model.residual
     v = variant or r.variant
     n = n if n is not None else (1 if v == "residual" else r.n)
+    if v == "xhc" and r.variant == "xhc":  # the config's own xHC: its k, and Flash (xHC's fused form) as it says
+        k = r.k if k is None else k
+        fused = fused and r.flash
     if n == 1:  # one stream: nothing to mix or select, the plain residual (xHC's k <= N = 1 too)
         v, k = "residual", None
     return ResidualSpec(v, n, k, fused, r.sinkhorn_iters)

@@ -9,12 +9,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Variant = Literal["residual", "hc", "mhc", "mhc-lite"]
+Variant = Literal["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"]
 SinkhornForm = Literal["exp", "softmax"]
 ExpandMode = Literal["copy", "lss"]
 Backend = Literal["auto", "reference", "fused"]
 
-VARIANTS: tuple[str, ...] = ("residual", "hc", "mhc", "mhc-lite")
+VARIANTS: tuple[str, ...] = ("residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc")
+FUSED_VARIANTS = ("mhc", "mhc-sp", "hc", "mhc-lite")  # variants built from the ops kernels.fused implements
 MHC_LITE_MAX_N = 4  # n! permutation matrices: 4! = 24 logits, 5! = 120 is already past the point of the trick
 
 
@@ -26,7 +27,10 @@ class MHCConfig(BaseModel):
     variant: Variant = Field(
         "mhc",
         description="'residual' (n=1, exactly x + F(x)), 'hc' (unconstrained tanh form, mHC Eq. 5), "
-        "'mhc' (Sinkhorn-projected H_res), 'mhc-lite' (convex mix of the n! permutation matrices, n <= 4).",
+        "'mhc' (Sinkhorn-projected H_res), 'mhc-lite' (convex mix of the n! permutation matrices, n <= 4), "
+        "'mhc-sp' (single-pass mHC, DeepSeek-V4.1: a sub-layer reads its input with the coefficient the previous "
+        "sub-layer predicted; kernels.single_pass), 'xhc' (n = N streams of which `active` are mixed per token: "
+        "kernels.xhc).",
     )
     n: int = Field(4, ge=1, description="Number of residual streams (expansion rate). Must be 1 for 'residual'.")
     sinkhorn_iters: int = Field(20, ge=1, description="t_max: Sinkhorn rounds, each one T_c then T_r (mHC, V4: 20).")
@@ -46,6 +50,23 @@ class MHCConfig(BaseModel):
     expand: ExpandMode = Field(
         "copy", description="Stack entry: 'copy' (x_0[i] = h) or 'lss' (x_0[i] = h * s_i, learned s, arXiv 2606.03483)."
     )
+    active: int | None = Field(
+        None, ge=1,
+        description="xhc only: k, the streams active per token and sub-layer (fixed + routed); default min(4, n). "
+        "H_res (k x k, Sinkhorn) and the write-back cover the active streams only; the read H_pre covers all n.",
+    )
+    fixed: int = Field(2, ge=0, description="xhc only: how many active streams are fixed (streams 0..fixed-1); the "
+                       "other active - fixed are chosen per token by the router's TopK.")
+    augment: str = Field(
+        "mlp",
+        description="xhc only: temporal augmentation of the write-back, 'mlp' (MLP sub-layers: the output plus its "
+        "causal depthwise convolutions, orthogonalised by modified Gram-Schmidt) or 'none'.",
+    )
+    aug_kernels: tuple[int, ...] = Field(
+        (4, 8, 12), description="xhc only: kernel sizes of the causal depthwise convolutions (r of them: K_r = r + 1 "
+        "write-back components); () is the same as augment='none'.")
+    flash: bool = Field(False, description="xhc only: xHC-Flash, the MLP sub-layer reuses its block's attention "
+                        "routing (active streams and gates) instead of routing the full state again.")
     backend: Backend = Field(
         "auto",
         description="'auto': fused Triton on CUDA (or on CPU under TRITON_INTERPRET=1 when imported that way), "
@@ -61,7 +82,42 @@ class MHCConfig(BaseModel):
                 f"n={self.n} with variant='mhc-lite': it enumerates n! permutations and supports n <= "
                 f"{MHC_LITE_MAX_N}; use variant='mhc' for larger n"
             )
+        if self.variant == "xhc":
+            k = self.k
+            if k > self.n:
+                raise ValueError(f"active={k} > n={self.n} with variant='xhc': at most n streams can be active; "
+                                 f"e.g. n=16, active=4")
+            if self.fixed > k:
+                raise ValueError(f"fixed={self.fixed} > active={k} with variant='xhc': the fixed streams are part of "
+                                 "the active ones; lower fixed")
+            if self.augment not in ("mlp", "none"):
+                raise ValueError(f"augment={self.augment!r} with variant='xhc': temporal augmentation applies to the "
+                                 "MLP write-back only (causal convolutions + Gram-Schmidt of the MLP output); use "
+                                 "'mlp' or 'none'")
+            if any(w < 1 for w in self.aug_kernels):
+                raise ValueError(f"aug_kernels={self.aug_kernels}: every kernel size must be >= 1, e.g. (4, 8, 12)")
+        else:
+            for name, value, default in (("active", self.active, None), ("flash", self.flash, False)):
+                if value != default:
+                    raise ValueError(f"{name}={value!r} applies to variant='xhc' only; drop it for "
+                                     f"variant={self.variant!r}")
+        if self.backend == "fused" and self.variant == "xhc":
+            raise ValueError(f"backend='fused' with variant='xhc' (n={self.n}): no fused kernel implements xHC's "
+                             f"n-stream dense read and k-stream write-back (the Triton kernels serve "
+                             f"{', '.join(FUSED_VARIANTS)}); use backend='auto' or 'reference'")
         return self
+
+    @property
+    def k(self) -> int:
+        """Active streams per token: `active` for xhc (default min(4, n)), n for every other variant."""
+        if self.variant != "xhc":
+            return self.n
+        return self.active if self.active is not None else min(4, self.n)
+
+    @property
+    def augmented(self) -> bool:
+        """xhc with temporal augmentation on its MLP sub-layers."""
+        return self.variant == "xhc" and self.augment == "mlp" and len(self.aug_kernels) > 0
 
     @property
     def num_res_logits(self) -> int:

@@ -182,7 +182,7 @@ class _Coefficients(torch.autograd.Function):
 def coefficients(mix, sumsq, alpha, bias, cfg: MHCConfig, width: int):
     """Fused kernels 2+3 for 'mhc'. 'hc' and 'mhc-lite' have no iteration to fuse: their O(n^2)-per-token
     coefficient math runs as the reference (plain autograd), on top of the fused projection."""
-    if cfg.variant != "mhc":
+    if cfg.variant not in ("mhc", "mhc-sp"):  # mhc-sp: exactly mHC's coefficients
         return reference.coefficients(mix, sumsq, alpha, bias, cfg, width)
     if mix.dim() != 2 or mix.shape[1] != cfg.num_mix:
         raise ValueError(f"mix must be [T, {cfg.num_mix}] for variant='mhc', got {tuple(mix.shape)}")

@@ -16,6 +16,7 @@ SUBCOMMANDS = (
     "pipeline.run_cli",
     "traces.trace_cli",
     "traces.analysis_cli",
+    "traces.diagnose_cli",
     "costmodel.predict_cli",
     "costmodel.tune_cli",
 )

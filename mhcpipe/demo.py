@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
+    p.add_argument("--residual", default=None,
+                   help="residual to measure against the plain residual (default: the config's, mhc:4 for tiny), "
+                        "e.g. mhc-sp:4 or xhc:16:4")
     p.add_argument("--steps", type=int, default=8, help="training steps per run; the first is warm-up (a shared "
                    "VM changes speed within seconds: more steps average it out)")
     p.add_argument("--timeout", type=int, default=300, help="seconds allowed per torchrun launch")
@@ -198,8 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.calibrate import calibrate_local
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.host_pricing import HostPricing
-    from costmodel.mhc_cost import ResidualSpec
-    from costmodel.predict import predict
+    from costmodel.predict import predict, residual_spec_of
     from pipeline.host_measurements import block_round, time_stage_pieces
     from traces.chrome import to_chrome
     from traces.path_marks import chrome_path_events, paths_for
@@ -209,13 +211,18 @@ def run(args: argparse.Namespace) -> int:
     from traces.view import plot_overhead, write_picture
     from traces.whatif import whatif
 
-    from pipeline.run_args import variant_dir
+    from pipeline.run_args import variant_dir, with_residual_flag
     from configs import load_config
     from pipeline.train import residual_label
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config, {"train": {"steps": args.steps, "device": "cpu"}})
+    if args.residual:
+        cfg = with_residual_flag(cfg, "--residual", args.residual)
+    if cfg.model.residual.variant == "residual" or cfg.model.residual.n == 1:
+        raise ValueError(f"the demo measures a residual against the plain one; {residual_label(cfg)} is the plain "
+                         "residual: name another with --residual, e.g. mhc:4")
     n = cfg.model.residual.n
     ranks = cfg.parallel.ranks
     timings: dict[str, float] = {}
@@ -242,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
                 f"mHC (n={n})")
     stage_us = time_stage_pieces(cfg, [(cfg.model.residual.variant, n)])
     hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round)
-    pred = predict(cfg, hw, ResidualSpec(cfg.model.residual.variant, n, fused=False), profile_pricing=HostPricing())
+    res = cfg.model.residual
+    # CPU runs the reference ops: unfused, except what has no unfused form (mhc-sp; xHC-Flash is xHC's fused form)
+    spec = residual_spec_of(cfg, fused=res.variant == "mhc-sp" or (res.variant == "xhc" and res.flash))
+    pred = predict(cfg, hw, spec, profile_pricing=HostPricing())
     s = pred.summary
     print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
           f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.1f}%", flush=True)

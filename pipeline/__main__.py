@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-from .run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs, variant_dir
+from .run_args import (add_run_arguments, check_resume, config_from_args, diagnostics_dir, interleaved_configs,
+                       variant_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         log = lambda line: print(line, flush=True)  # noqa: E731
         if len(cfgs) > 1:
             dirs = None if args.trace_dir is None else [variant_dir(args.trace_dir, c) for c in cfgs]
-            train_interleaved(cfgs, rank, world, device, trace_dirs=dirs, staged=staged, log=log)
+            diag = diagnostics_dir(args)
+            train_interleaved(cfgs, rank, world, device, trace_dirs=dirs, staged=staged, log=log,
+                              diagnostics_dirs=None if diag is None else [variant_dir(diag, c) for c in cfgs])
         else:
-            train(cfg, rank, world, device, trace_dir=args.trace_dir, checkpoint_dir=args.checkpoint_dir,
+            train(cfg, rank, world, device, trace_dir=args.trace_dir, diagnostics_dir=diagnostics_dir(args),
+                  checkpoint_dir=args.checkpoint_dir,
                   resume=args.resume, staged=staged, log=log)
     except PipelineError as err:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)

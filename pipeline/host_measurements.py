@@ -11,7 +11,8 @@ time_stage_pieces(cfg, variants) times, in this process with one thread (like a 
   wrapper does to the code around it: an mHC block's weight-grad GEMMs run slower than the baseline's after
   the wrapper's backward has pushed their operands out of cache, although the GEMMs are the same.
 * the pieces a middle stage does not have: the recompute rebuild (pre and post+res from stored coefficients)
-  and the stack ends expand/contract, on kernels.MHCSublayer with F = identity.
+  and the stack ends expand/contract, on the variant's MLP-side wrapper (pipeline.model.wrap_sublayer) with
+  F = identity.
 Every timed piece starts from an evicted cache: in the pipeline the ranks time-share the cores, so an action
 rarely finds its operands where the previous action of its own rank left them. All pieces interleave round by
 round, so every one of them sees the same background load; the result is the median over rounds.
@@ -32,11 +33,11 @@ from typing import Callable
 import torch
 
 from configs import parse_config
-from kernels import MHCSublayer, contract, expand
+from kernels import contract, expand, single_pass
 from traces.trace import Trace
 
 from .local import interleaved_worker, launch
-from .model import activation_dtype, build_block
+from .model import activation_dtype, build_block, wrap_sublayer
 from .partition import StageSpec
 from .recorder import Recorder
 from .saved_tensors import SavedTensors
@@ -76,6 +77,9 @@ def _stage_round(cfg, R: _Rounds, tag: str, evict):
     stage = Stage(spec, cfg, store=store, dtype=dt, rc_block=None).to(dtype=dt)
     env = StageEnv(SavedTensors(stage.parameters()), Recorder(0, torch.device("cpu"), enabled=True), T)
     x, g = torch.randn(T, n, C, dtype=dt), torch.randn(T, n, C, dtype=dt)
+    if cfg.model.residual.variant == "mhc-sp":  # a middle stage receives the state packed with its coefficient
+        a = torch.sigmoid(torch.randn(T, n))
+        x, g = single_pass.pack_state(x, a), single_pass.pack_state(g, torch.randn(T, n))
     clock = R.clock
 
     def forward() -> ChunkRun:
@@ -117,24 +121,32 @@ def _ends_round(cfg, R: _Rounds, tag: str, evict):
     """One round of the recompute rebuild and the stack ends of `cfg`'s residual on its CPU backend."""
     dt = activation_dtype(cfg.train.dtype)
     T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
-    plain = cfg.model.residual.variant == "residual"
-    mod = MHCSublayer(cfg.model.residual, torch.nn.Identity(), C)
+    res = cfg.model.residual
+    plain = res.variant == "residual"
+    # the MLP sub-layer's residual (xHC augments its write-back) around F = identity
+    mod = wrap_sublayer(res, torch.nn.Identity(), C, 1, cfg.parallel.seq_len, mlp=True)
     x, g = torch.randn(T, n, C, dtype=dt), torch.randn(T, n, C, dtype=dt)
     h, gh = torch.randn(T, C, dtype=dt), torch.randn(T, C, dtype=dt)
+    a = torch.sigmoid(torch.randn(T, n)) if res.variant == "mhc-sp" else None  # mhc-sp's carried coefficient
+    routing = None  # xHC-Flash: the MLP reuses its block's attention routing
+    if res.variant == "xhc" and res.flash:
+        with torch.no_grad():
+            routing = wrap_sublayer(res, torch.nn.Identity(), C, 0, cfg.parallel.seq_len, mlp=False).coefficients(x)
     clock = R.clock
+    end = contract if a is None else (lambda t: single_pass.contract(t, a))
 
     def one_round():
         with torch.no_grad():  # what pipeline.stage's recompute step runs from stored coefficients and F output
-            c = None if plain else mod.coefficients(x)
-            y = x[:, 0] if plain else mod.apply_pre(x, c)
+            c = None if plain else mod.coefficients(x, routing) if routing is not None else mod.coefficients(x)
+            y = x[:, 0] if plain else mod.apply_pre(x, c if a is None else a)
             evict()
             t0 = clock()
             if plain:
                 x[:, 0], x + y[:, None]
             else:
-                mod.apply_pre(x, c), mod.apply_post_res(x, y, c)
+                mod.apply_pre(x, c if a is None else a), mod.apply_post_res(x, y, c)
             R.add(f"{tag}.rc", clock() - t0)
-        for name, fn, inp, grad in (("expand", lambda t: expand(t, n), h, g), ("contract", contract, x, gh)):
+        for name, fn, inp, grad in (("expand", lambda t: expand(t, n), h, g), ("contract", end, x, gh)):
             leaf = inp.detach().requires_grad_(True)
             evict()
             t0 = clock()
@@ -166,8 +178,10 @@ def time_stage_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40, wa
     wanted = [(v, n) for v, n in variants if not (v == "residual" or n == 1)]
     R = _Rounds()
     pieces = []
+    own = (cfg.model.residual.variant, cfg.model.residual.n)
     for v, n in [("residual", 1)] + wanted:
-        c = base_cfg if v == "residual" else cfg.with_residual(v, n)
+        # the config's own residual keeps its settings (xHC's k, flash, augmentation)
+        c = base_cfg if v == "residual" else cfg if (v, n) == own else cfg.with_residual(v, n)
         pieces += [_stage_round(c, R, residual_key(v, n), evict), _ends_round(c, R, residual_key(v, n), evict)]
     for _ in range(warmup + rounds):
         for fn in pieces:

@@ -28,6 +28,8 @@ import torch.nn.functional as F_
 from torch import nn
 
 from kernels import MHCSublayer, StreamExpand, contract
+from kernels import single_pass
+from kernels.xhc import XHCSublayer
 
 from .weight_grad import DeferLinear, WeightGradStore
 
@@ -203,11 +205,33 @@ class Block(nn.Module):
                                   seed=seed, tag=f"block{index}/moe", comm=comm, layer=2 * index + 1)
         else:
             core = SwiGLU(c, model_cfg.mlp_hidden, store)
-        self.attn = MHCSublayer(res, attn, c, layer_index=2 * index)
-        self.mlp = MHCSublayer(res, Sublayer(c, core), c, layer_index=2 * index + 1)
+        self.variant = res.variant
+        self.attn = wrap_sublayer(res, attn, c, 2 * index, seq_len, mlp=False)
+        self.mlp = wrap_sublayer(res, Sublayer(c, core), c, 2 * index + 1, seq_len, mlp=True)
 
-    def sublayers(self) -> tuple[tuple[int, MHCSublayer], tuple[int, MHCSublayer]]:
+    def sublayers(self) -> tuple[tuple[int, nn.Module], tuple[int, nn.Module]]:
         return ((2 * self.index, self.attn), (2 * self.index + 1, self.mlp))
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor | None = None):
+        """Both sub-layers as one module call (the single-process path). mhc-sp carries the input-mixing
+        coefficient a and returns (x, a); xHC-Flash hands the attention's routing to the MLP."""
+        if self.variant == "mhc-sp":
+            x, a = self.attn(x, a)
+            return self.mlp(x, a)
+        if self.variant == "xhc" and self.attn.config.flash:
+            routing = self.attn.coefficients(x)
+            x = self.attn.apply_post_res(x, self.attn.sublayer(self.attn.apply_pre(x, routing)), routing)
+            return self.mlp(x, routing=routing)
+        return self.mlp(self.attn(x))
+
+
+def wrap_sublayer(res, f: nn.Module, hidden: int, layer: int, seq_len: int, *, mlp: bool) -> nn.Module:
+    """F in the configured residual: MHCSublayer (residual, hc, mhc, mhc-lite), single-pass mHC or xHC."""
+    if res.variant == "mhc-sp":
+        return single_pass.SinglePassSublayer(res, f, hidden, layer_index=layer)
+    if res.variant == "xhc":
+        return XHCSublayer(res, f, hidden, layer_index=layer, seq_len=seq_len, mlp=mlp)
+    return MHCSublayer(res, f, hidden, layer_index=layer)
 
 
 class Embedding(nn.Module):
@@ -219,9 +243,16 @@ class Embedding(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.02)
         self.expand = StreamExpand(model_cfg.residual, model_cfg.hidden)
         self.dtype = dtype
+        # mhc-sp: the static input-mixing coefficient A_{-1} of the model's first sub-layer (logits, 0 = 0.5 each)
+        self.entry = nn.Parameter(torch.zeros(model_cfg.residual.n)) \
+            if model_cfg.residual.variant == "mhc-sp" else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.expand(self.tok(ids).to(self.dtype))
+
+    def entry_coefficient(self, tokens: int, like: torch.Tensor) -> torch.Tensor:
+        """mhc-sp: A_{-1} for `tokens` tokens [T, n] (fp32, fp64 for fp64 activations)."""
+        return single_pass.entry_coefficient(self.entry, tokens, like.dtype)
 
 
 class Head(nn.Module):
@@ -232,12 +263,14 @@ class Head(nn.Module):
         self.norm = RMSNorm(model_cfg.hidden)
         self.out = DeferLinear(model_cfg.hidden, model_cfg.vocab_size, store)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(contract(x)))
+    def logits(self, x: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
+        """a: mhc-sp's last carried coefficient, which folds the streams (V4.1) instead of the mean."""
+        return self.out(self.norm(contract(x) if a is None else single_pass.contract(x, a)))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, total_tokens: int,
+                a: torch.Tensor | None = None) -> torch.Tensor:
         """Loss contribution of this micro-batch: sum of token losses / tokens of the whole step."""
-        logits = self.logits(x)
+        logits = self.logits(x, a)
         return F_.cross_entropy(logits.to(acc_dtype(logits)), labels, reduction="sum") / total_tokens
 
 

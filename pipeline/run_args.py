@@ -24,12 +24,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="run F&B pairs as forward then backward (parallel.overlap false), for A/B measurements")
     p.add_argument("--steps", type=int, help="train.steps")
-    p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4' or 'residual:1'")
+    p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4', 'mhc-sp:4', 'residual:1', or xHC's N:k "
+                                                "'xhc:16:4'")
+    p.add_argument("--expand", choices=["copy", "lss"],
+                   help="model.residual.expand: stack entry, copies or LSS per-stream learned scaling")
     p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
     p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
     p.add_argument("--transport", choices=["auto", "host"], default="auto",
                    help="'host' = stage P2P through host memory (several ranks on one GPU)")
+    p.add_argument("--diagnostics-every", type=int, metavar="K",
+                   help="train.diagnostics_every: log stream-collapse diagnostics on step 0, every K-th step and the "
+                        "last, into --diagnostics-dir or --trace-dir (draw them with `mhcpipe diagnose`)")
+    p.add_argument("--diagnostics-dir", type=Path,
+                   help="where diagnostics_rank<r>.json go (default --trace-dir); without --trace-dir no spans are "
+                        "recorded, so a run of hundreds of steps stays light")
     p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
     p.add_argument("--checkpoint-dir", type=Path,
                    help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
@@ -58,6 +67,7 @@ _FLAG_FIELDS = {
     "steps": ("train", "steps", None),
     "device": ("train", "device", None),
     "timeout": ("train", "timeout_s", None),
+    "diagnostics_every": ("train", "diagnostics_every", None),
 }
 
 
@@ -67,7 +77,7 @@ def config_from_args(args: argparse.Namespace, world: int | None):
     from configs import load_config, load_config_data
     from .layout import Layout
 
-    for flag in ("pp", "dp", "ep", "microbatches", "steps"):
+    for flag in ("pp", "dp", "ep", "microbatches", "steps", "diagnostics_every"):
         _positive(flag, getattr(args, flag))
     over: dict = {"parallel": {}, "train": {}, "model": {}}
     for flag, (section, field, value) in _FLAG_FIELDS.items():
@@ -95,22 +105,46 @@ def config_from_args(args: argparse.Namespace, world: int | None):
     cfg = load_config(args.config, {k: v for k, v in over.items() if v})
     if args.residual:
         cfg = with_residual_flag(cfg, "--residual", args.residual)
+    if getattr(args, "expand", None):
+        from configs import parse_config
+
+        data = cfg.model_dump()
+        data["model"]["residual"]["expand"] = args.expand
+        cfg = parse_config(data)
     Layout.of(cfg).check(cfg, world)
+    if cfg.train.diagnostics_every and diagnostics_dir(args) is None:
+        raise ValueError("--diagnostics-every (train.diagnostics_every) writes diagnostics_rank<r>.json into a "
+                         "folder: add --diagnostics-dir DIR (or --trace-dir DIR)")
     return cfg
 
 
 def with_residual_flag(cfg, flag: str, value: str):
-    """cfg with the residual a VARIANT:N flag names, validated like a config file."""
+    """cfg with the residual a VARIANT:N (xHC: xhc:N:K) flag names, validated like a config file."""
     from configs import parse_config
 
-    variant, _, n = value.partition(":")
-    if not n.isdigit():
-        raise ValueError(f"{flag} {value!r}: use VARIANT:N, e.g. mhc:4 or residual:1")
+    variant, *nums = value.split(":")
+    if not nums or len(nums) > 2 or not all(v.isdigit() for v in nums):
+        raise ValueError(f"{flag} {value!r}: use VARIANT:N, e.g. mhc:4, mhc-sp:4 or residual:1 (xHC: xhc:N:K, "
+                         "e.g. xhc:16:4 = 16 streams, 4 active)")
+    if len(nums) == 2 and variant != "xhc":
+        raise ValueError(f"{flag} {value!r}: only xhc takes N:K (K active streams); use {variant}:{nums[0]}")
     try:
-        return parse_config(cfg.with_residual(variant, int(n)).model_dump())
+        return parse_config(cfg.with_residual(variant, int(nums[0]), int(nums[1]) if len(nums) == 2 else None)
+                            .model_dump())
     except Exception as err:  # pydantic error -> one line naming the field
         first = err.errors()[0]["msg"] if hasattr(err, "errors") else str(err)
         raise ValueError(f"{flag}: model.residual: {first}") from None
+
+
+def diagnostics_dir(args: argparse.Namespace) -> Path | None:
+    """Where the run's diagnostics go: --diagnostics-dir, else --trace-dir, else nowhere."""
+    return getattr(args, "diagnostics_dir", None) or getattr(args, "trace_dir", None)
+
+
+def residual_flag(cfg) -> str:
+    """The --residual value that names cfg's residual: 'mhc:4', 'xhc:16:4'."""
+    res = cfg.model.residual
+    return f"{res.variant}:{res.n}" + (f":{res.k}" if res.variant == "xhc" else "")
 
 
 def interleaved_configs(cfg, args: argparse.Namespace) -> list:
@@ -139,5 +173,5 @@ def check_resume(cfg, args: argparse.Namespace) -> None:
 
 
 def variant_dir(trace_dir: Path, cfg) -> Path:
-    """TRACE_DIR/<variant>_<n>: where an interleaved variant's trace goes."""
-    return Path(trace_dir) / f"{cfg.model.residual.variant}_{cfg.model.residual.n}"
+    """TRACE_DIR/<variant>_<n> (xHC: xhc_<N>_<k>): where an interleaved variant's trace goes."""
+    return Path(trace_dir) / residual_flag(cfg).replace(":", "_")

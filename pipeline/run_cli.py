@@ -29,15 +29,15 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
     for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
-                 "interleave"):
+                 "interleave", "diagnostics_every", "expand"):
         value = getattr(args, flag)
         if value is not None:
-            cmd += [f"--{flag}", str(value)]
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
     if args.no_overlap:
         cmd.append("--no-overlap")
     if args.cpu_bind:
         cmd.append("--cpu-bind")
-    for flag in ("trace_dir", "checkpoint_dir"):
+    for flag in ("trace_dir", "checkpoint_dir", "diagnostics_dir"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

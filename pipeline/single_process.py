@@ -3,7 +3,7 @@
 Shape letters: M micro-batches, B sequences per micro-batch, S sequence length, n streams, C hidden.
 
 It is deliberately a different code path from the runtime: the whole batch (M x B x S tokens) goes through
-one forward, sub-layers run `kernels.MHCSublayer.forward`, and there is no stage split, no P2P, no B/W split
+one forward, sub-layers run their module's `forward` (`Block.forward`), and there is no stage split, no P2P, no B/W split
 and no recompute. Parameter names (`embed.*`, `blocks.<b>.*`, `head.*`) are the names the runtime uses for
 its stage parameters, so gradients can be compared name by name.
 """
@@ -28,10 +28,14 @@ class SingleProcessModel(nn.Module):
     def loss(self, batch: Batch) -> torch.Tensor:
         """Mean token cross-entropy over every micro-batch of the step."""
         x = self.embed(batch.inputs.reshape(-1))  # [M*B*S, n, C]
+        if self.embed.entry is None:
+            for b in range(len(self.blocks)):
+                x = self.blocks[str(b)](x)
+            return self.head(x, batch.labels.reshape(-1), batch.num_tokens)
+        a = self.embed.entry_coefficient(x.shape[0], x)  # mhc-sp: the carried input-mixing coefficient
         for b in range(len(self.blocks)):
-            block = self.blocks[str(b)]
-            x = block.mlp(block.attn(x))
-        return self.head(x, batch.labels.reshape(-1), batch.num_tokens)
+            x, a = self.blocks[str(b)](x, a)
+        return self.head(x, batch.labels.reshape(-1), batch.num_tokens, a)
 
 
 def train_single_process(cfg, steps: int = 1, device: str | torch.device = "cpu"):

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels import single_pass
+
 from .saved_tensors import SavedTensors
 from .model import build_block, build_embedding, build_head
 from .partition import StageSpec
@@ -55,6 +57,7 @@ class Stage(nn.Module):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed
         self.spec = spec
+        self.hidden = mc.hidden
         self.embed = build_embedding(mc, seed, dtype) if spec.has_embed else None
         self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store, comm=expert)
                                      for b in spec.blocks})
@@ -69,6 +72,12 @@ class Stage(nn.Module):
             [f"L{g[0][0]}.block" for g in self.groups] + ([f"L{end}.head"] if self.head is not None else [])
         self.recompute = rc_block is not None
         self.residual = mc.residual.variant == "residual"
+        self.single_pass = mc.residual.variant == "mhc-sp"  # carries (x, a) between sub-layers, packed at boundaries
+        self.flash = mc.residual.variant == "xhc" and mc.residual.flash  # the MLP reuses its attention's routing
+        if self.flash and rc_block is not None and rc_block % 2:
+            raise ValueError(f"recompute block of {rc_block} sub-layers with xHC-Flash: the MLP sub-layer reuses its "
+                             "attention's routing, so a block must hold whole Transformer blocks; use an even "
+                             "recompute.block_size")
 
     # -- one sub-layer ---------------------------------------------------------------------------------
     def _post_fn(self, m, coeffs):
@@ -76,14 +85,21 @@ class Stage(nn.Module):
             return lambda x, y: x + y[:, None]
         return lambda x, y: m.apply_post_res(x, y, coeffs)
 
-    def _sublayer(self, i, l, m, is_mlp, x, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
+    def _sublayer(self, i, l, m, is_mlp, x, a, routing, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
+        """One sub-layer: returns (x_next, a_next, coeffs). `a`: mhc-sp's carried input-mixing coefficient;
+        `routing`: xHC-Flash's attention coefficients for the MLP of the same block."""
         env.sync_hp()  # x may still be in the making on the hp stream
         f = m.sublayer
         if self.residual:
             coeffs, u = None, x[:, 0]
-        else:
+        elif self.single_pass:
             coeffs = m.coefficients(x)
+            u = m.apply_pre(x, a)
+        else:
+            coeffs = m.coefficients(x, routing) if routing is not None else m.coefficients(x)
             u = m.apply_pre(x, coeffs)
+        if env.diagnostics is not None and coeffs is not None:
+            env.diagnostics.sublayer(self.spec.stage, mb, l, m, x, coeffs, a)
         if rec is not None:
             rec.register(u, "u", i)
         h = f.norm(u)
@@ -101,13 +117,26 @@ class Stage(nn.Module):
             kept_c = None if coeffs is None else type(coeffs)(*(c.detach() for c in coeffs))
             post_kept = self._post_fn(m, kept_c)
             norm = f.norm
+            kept_a = None if a is None else a.detach()
 
-            def step(xi, m=m, kept_c=kept_c, kept_y=kept_y, post_kept=post_kept, norm=norm):
-                ui = xi[:, 0] if kept_c is None else m.apply_pre(xi, kept_c)
+            def step(xi, m=m, kept_c=kept_c, kept_y=kept_y, kept_a=kept_a, post_kept=post_kept, norm=norm):
+                if kept_c is None:
+                    ui = xi[:, 0]
+                else:
+                    ui = m.apply_pre(xi, kept_a if kept_a is not None else kept_c)
                 return ui, norm(ui), post_kept(xi, kept_y)
 
             rec.record(step, env.saved.hold(kept_y))
-        return x_next
+        return x_next, (coeffs.h_pre if self.single_pass else None), coeffs
+
+    def _pack(self, x, a):
+        return x if a is None else single_pass.pack_state(x, a)
+
+    def _unpack(self, state):
+        """A segment's input: (x, a), a = None except for mhc-sp, whose state travels packed with its a."""
+        if not self.single_pass:
+            return state, None
+        return single_pass.unpack_state(state, self.hidden)
 
     # -- forward / backward generators -----------------------------------------------------------------
     def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env: "StageEnv"):
@@ -115,27 +144,36 @@ class Stage(nn.Module):
         if self.embed is not None:
             with env.saved.hooks():
                 x = self.embed(x)
+                if self.single_pass:
+                    x = self._pack(x, self.embed.entry_coefficient(x.shape[0], x))
             run.segs.append((None, x, None))
             yield
         for group in self.groups:
             leaf = x.detach().requires_grad_(True)
-            rec = RecomputeBlock(leaf, group[0][0]) if self.recompute else None
+            with env.saved.hooks():
+                y, a = self._unpack(leaf)
+            rec = RecomputeBlock(y, group[0][0]) if self.recompute else None
+            routing = None
             with env.saved.hooks(rec):
-                y = leaf
                 for i, (l, m, is_mlp) in enumerate(group):
                     if rec is not None and i > 0:
                         rec.register(y, "x", i)
-                    y = self._sublayer(i, l, m, is_mlp, y, rec, env, mb)
+                    y, a, coeffs = self._sublayer(i, l, m, is_mlp, y, a, routing if is_mlp else None, rec, env, mb)
+                    routing = coeffs if self.flash and not is_mlp else None
+                out = self._pack(y, a)
             if rec is not None:
                 rec.end_forward()
-            run.segs.append((leaf, y, rec))
-            x = y
+            run.segs.append((leaf, out, rec))
+            x = out
             yield
         env.sync_hp()  # the stage output, for the head or the send
+        if env.diagnostics is not None and self.groups:
+            env.diagnostics.stage_end(self.spec.stage, mb, self.groups[-1][-1][0] + 1, self._unpack(x)[0])
         if self.head is not None:
             leaf = x.detach().requires_grad_(True)
             with env.saved.hooks():
-                loss = self.head(leaf, labels, env.total_tokens)
+                xs, a = self._unpack(leaf)
+                loss = self.head(xs, labels, env.total_tokens, a)
             run.segs.append((leaf, loss, None))
             run.loss = loss.detach()
             yield
@@ -171,6 +209,7 @@ class StageEnv:
         self.recorder = recorder
         self.total_tokens = total_tokens
         self.hp = hp_stream
+        self.diagnostics = None  # pipeline.diagnostics_log.StepProbe while a logged step runs
         self._tls = threading.local()  # per half of an F&B pair: its post+res still running on the hp stream
 
     def hp_post(self, post, x, y, coeffs, *, name: str, stage: int, mb: int) -> torch.Tensor:

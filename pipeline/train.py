@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from configs import recompute_block_size
+from kernels import single_pass
 
 from .comm import Comms
 from .data import load_tokens, make_batch
@@ -36,6 +37,8 @@ from .saved_tensors import SavedTensors
 from .model import activation_dtype, make_optimizer, param_dtype
 from .overlap import PairRunner
 from .collective import collective, group_device, synchronize
+from .diagnostics_log import DiagnosticsLog
+from .diagnostics_probe import StepProbe, first_microbatches
 from .p2p import PipelineError, Transport
 from .partition import plan_rank
 from .recorder import Recorder, merge_rank_traces, rank_trace_path
@@ -126,7 +129,7 @@ class RankRuntime:
         self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged, group=groups.pp_group)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
-                                 boundary_shape=(self.tokens_per_mb, n, cfg.model.hidden),
+                                 boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
                                  on_action=on_action, who=f"rank {groups.rank}")
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
@@ -136,9 +139,13 @@ class RankRuntime:
         self.start_step = 0
 
     # -- per step ------------------------------------------------------------------------------------------
-    def step(self, step: int) -> StepStats:
+    def step(self, step: int, diagnostics=None) -> StepStats:
+        """One optimizer step; `diagnostics` (pipeline.diagnostics_log.DiagnosticsLog) logs it if it wants."""
         cfg = self.cfg
         batch = make_batch(cfg, step, self.tokens)
+        self.env.diagnostics = None
+        if diagnostics is not None and diagnostics.wants_step(step):
+            self.env.diagnostics = StepProbe(diagnostics, step, first_microbatches(self.executor.actions))
         self.optimizer.zero_grad(set_to_none=True)
         self.saved.reset_peak()
         if self.device.type == "cuda":
@@ -157,6 +164,7 @@ class RankRuntime:
             synchronize(self.device, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
                         self.rank)
         elapsed = time.perf_counter() - started
+        self.env.diagnostics = None
         self.recorder.flush_step(self.timeout_s)
         if self.device.type == "cuda":
             mem = torch.cuda.max_memory_allocated(self.device)
@@ -259,7 +267,7 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
 
 
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
-          checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
+          diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
           on_action=None) -> list[StepStats]:
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
     from . import checkpoint
@@ -273,10 +281,12 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
         rt.start_step = checkpoint.load(Path(checkpoint_dir), rt)
     history = []
     steps = cfg.train.steps
+    diagnostics_dir = diagnostics_dir or trace_dir
+    diag = diagnostics_log(cfg, rank) if diagnostics_dir is not None else None
     with manual_gc(cfg.train.gc_interval) as collect:
         rt.align_clocks()
         for k in range(rt.start_step, steps):
-            stats = rt.step(k)
+            stats = rt.step(k, diag)
             history.append(stats)
             if rank == 0:
                 log(stats.line(steps))
@@ -287,16 +297,40 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
         path = rt.save_trace(trace_dir, world)
         if path is not None:
             log(f"trace: {path}")
+    if diag is not None:
+        diag.save(Path(diagnostics_dir))
+        if rank == 0:
+            log(f"diagnostics: {diagnostics_dir}/diagnostics_rank*.json (mhcpipe diagnose {diagnostics_dir})")
     return history
 
 
+def diagnostics_log(cfg, rank: int) -> DiagnosticsLog | None:
+    """The run's stream-collapse diagnostics collector (train.diagnostics_every), or None when off."""
+    every = cfg.train.diagnostics_every
+    if not every:
+        return None
+    log = DiagnosticsLog(every, rank)
+    log.final_step(cfg.train.steps - 1)
+    return log
+
+
+def boundary_width(cfg) -> int:
+    """Last dim of what crosses a stage boundary: C, or C + the packed coefficient for mhc-sp (kernels.single_pass)."""
+    if cfg.model.residual.variant == "mhc-sp":
+        return single_pass.boundary_width(cfg.model.hidden, activation_dtype(cfg.train.dtype))
+    return cfg.model.hidden
+
+
 def residual_label(cfg) -> str:
-    """'mhc:4', 'residual:1': how --residual names a config's residual."""
-    return f"{cfg.model.residual.variant}:{cfg.model.residual.n}"
+    """'mhc:4', 'residual:1', 'xhc:16:4': how --residual names a config's residual."""
+    from .run_args import residual_flag
+
+    return residual_flag(cfg)
 
 
 def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *, trace_dirs: list[Path] | None = None,
-                      staged: bool = False, log=print) -> list[list[StepStats]]:
+                      staged: bool = False, log=print,
+                      diagnostics_dirs: list[Path] | None = None) -> list[list[StepStats]]:
     """A/B measurement: train every config in this process group, step k of each before step k+1 of any, in an
     order that reverses every step (A B B A A B ...). On a host whose speed drifts (a shared VM, a busy node) all
     variants see the same drift, so their step times compare; no variant always runs after another. The configs
@@ -310,13 +344,15 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
                 for c in cfgs]
     history: list[list[StepStats]] = [[] for _ in runtimes]
     steps = cfgs[0].train.steps
+    diagnostics_dirs = diagnostics_dirs or trace_dirs
+    diags = [diagnostics_log(c, rank) if diagnostics_dirs is not None else None for c in cfgs]
     with manual_gc(cfgs[0].train.gc_interval) as collect:
         zero = runtimes[0].align_clocks()
         for rt in runtimes[1:]:
             rt.recorder.align(zero)  # one time axis for every variant's trace
         for k in range(steps):
             for i in (range(len(runtimes)) if k % 2 == 0 else reversed(range(len(runtimes)))):
-                stats = runtimes[i].step(k)
+                stats = runtimes[i].step(k, diags[i])
                 history[i].append(stats)
                 if rank == 0:
                     log(f"[{residual_label(cfgs[i])}] {stats.line(steps)}")
@@ -326,6 +362,9 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
             path = rt.save_trace(trace_dir, world)
             if path is not None:
                 log(f"trace: {path}")
+    for diag, diag_dir in zip(diags, diagnostics_dirs or []):
+        if diag is not None:
+            diag.save(Path(diag_dir))
     return history
 
 
