@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import dispatch, reference
+from . import reference
 from .config import MHCConfig
-from .module import Coefficients
+from .module import Coefficients, MHCSublayer
 
 __all__ = ["SinglePassSublayer", "SPView", "single_pass", "entry_coefficient", "contract", "boundary_width",
            "pack_state", "unpack_state", "carry_bytes", "carry_dtype"]
@@ -168,53 +168,25 @@ class SPView(NamedTuple):
     res: torch.Tensor
 
 
-class SinglePassSublayer(nn.Module):
-    """X_{l+1} = B_l X_l + C_l^T F_l(A_{l-1} X_l); forward(x, a_prev) -> (X_{l+1}, A_l)."""
+class SinglePassSublayer(MHCSublayer):
+    """X_{l+1} = B_l X_l + C_l^T F_l(A_{l-1} X_l); forward(x, a_prev) -> (X_{l+1}, A_l).
+
+    mHC's parameters, init, `coefficients` (h_pre = A_l for the NEXT sub-layer, h_post = C_l, h_res = B_l) and
+    `apply_post_res` (MHCSublayer's); only the read differs: it takes the carried coefficient A_{l-1}."""
 
     def __init__(self, config: MHCConfig, sublayer: nn.Module, hidden: int, layer_index: int = 0):
-        super().__init__()
         if config.variant != "mhc-sp":
             raise ValueError(f"config.variant={config.variant!r}: SinglePassSublayer implements 'mhc-sp'; use "
                              "kernels.module.MHCSublayer for the other variants")
-        if hidden < 1:
-            raise ValueError(f"hidden={hidden} must be >= 1 (the stream width C)")
-        self.config = config
-        self.sublayer = sublayer
-        self.hidden = hidden
-        self.layer_index = layer_index  # kept for symmetry with MHCSublayer; mHC's init does not depend on it
-        k = config.n * hidden
-        # mHC's parameters and init (MHCSublayer): fp32 whatever the stream dtype, b = 0, alpha = alpha_init.
-        self.phi = nn.Parameter(torch.randn(k, config.num_mix) / k**0.5)
-        self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init)))
-        self.bias = nn.Parameter(torch.zeros(config.num_mix))
+        super().__init__(config, sublayer, hidden, layer_index)
 
-    def _check(self, x: torch.Tensor) -> None:
-        n, c = self.config.n, self.hidden
-        if x.dim() != 3 or x.shape[1] != n or x.shape[2] != c:
-            raise ValueError(f"x must be [T, n, C] = [T, {n}, {c}] (config.n, hidden), got {tuple(x.shape)}")
-
-    def _ops(self, x: torch.Tensor):
-        return dispatch.resolve(self.config.backend, x)
-
-    def coefficients(self, x: torch.Tensor) -> Coefficients:
-        """(h_pre = A_l for the NEXT sub-layer, h_post = C_l, h_res = B_l) from X_l, exactly mHC's."""
-        self._check(x)
-        ops = self._ops(x)
-        mix, ss = ops.project(x, self.phi)
-        return Coefficients(*ops.coefficients(mix, ss, self.alpha, self.bias, self.config, x.shape[1] * x.shape[2]))
-
-    def apply_pre(self, x: torch.Tensor, a_prev: torch.Tensor) -> torch.Tensor:
-        """Sub-layer input u_l = A_{l-1} X_l -> [T, C]."""
+    def apply_pre(self, x: torch.Tensor, a_prev: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Sub-layer input u_l = A_{l-1} X_l -> [T, C] (the carried coefficient, not this layer's h_pre)."""
         self._check(x)
         _check_a(a_prev, x, "a_prev")
         return self._ops(x).pre(x, a_prev)
 
-    def apply_post_res(self, x: torch.Tensor, y: torch.Tensor, coeffs: Coefficients) -> torch.Tensor:
-        """X_{l+1} = B_l X_l + C_l^T y -> [T, n, C], y = F_l's output [T, C]."""
-        self._check(x)
-        return self._ops(x).post_res(x, y, coeffs.h_post, coeffs.h_res)
-
-    def forward(self, x: torch.Tensor, a_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, a_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         coeffs = self.coefficients(x)
         y = self.sublayer(self.apply_pre(x, a_prev))
         return self.apply_post_res(x, y, coeffs), coeffs.h_pre
@@ -225,7 +197,3 @@ class SinglePassSublayer(nn.Module):
         if a_prev.shape != coeffs.h_post.shape:
             raise ValueError(f"a_prev must be [T, n] = {tuple(coeffs.h_post.shape)}, got {tuple(a_prev.shape)}")
         return SPView(read=a_prev, write=coeffs.h_post, res=coeffs.h_res)
-
-    def extra_repr(self) -> str:
-        cfg = self.config
-        return f"variant={cfg.variant}, n={cfg.n}, hidden={self.hidden}, backend={cfg.backend}"

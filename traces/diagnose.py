@@ -192,9 +192,11 @@ def summary(run: Run) -> dict:
 
 def draw(runs: list[Run], path: str | Path) -> Path:
     """One PNG, four panels; each run one colour (see the module docstring). Returns the path written."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    import matplotlib  # only when a picture is asked for; traces imports nothing of ours (tests/test_imports.py)
 
-    from costmodel.charts import plt, save_png  # matplotlib (Agg) only when a picture is asked for
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (a_imb, a_gain), (a_share, a_step) = axes
@@ -242,4 +244,11 @@ def draw(runs: list[Run], path: str | Path) -> Path:
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    return save_png(fig, path)
+    out = Path(path)
+    if not out.suffix:  # matplotlib would add it; say where the file really is
+        out = out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
