@@ -15,21 +15,10 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from costmodel.explain import PAPER_PCT, TOLERANCE_PP, Explanation  # noqa: E402
 from costmodel.sensitivity import Sensitivity  # noqa: E402
+from traces.png import save_png  # noqa: E402  (re-exported: predict_cli's sweep picture uses it from here)
 
 UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"
 LOW, HIGH = "#1f77b4", "#ff7f0e"
-
-
-def save_png(fig, out: str | Path) -> Path:
-    """Write `fig` (tight layout, 120 dpi) and close it; the path with the .png matplotlib adds when none is given."""
-    out = Path(out)
-    if not out.suffix:  # matplotlib would add it; say where the file really is
-        out = out.with_suffix(".png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
 
 
 def waterfall(ex: Explanation, out: str | Path) -> Path:

@@ -192,11 +192,9 @@ def summary(run: Run) -> dict:
 
 def draw(runs: list[Run], path: str | Path) -> Path:
     """One PNG, four panels; each run one colour (see the module docstring). Returns the path written."""
-    import matplotlib  # only when a picture is asked for; traces imports nothing of ours (tests/test_imports.py)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    from traces.png import plt, save_png  # matplotlib (Agg) only when a picture is asked for
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (a_imb, a_gain), (a_share, a_step) = axes
@@ -244,11 +242,4 @@ def draw(runs: list[Run], path: str | Path) -> Path:
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    out = Path(path)
-    if not out.suffix:  # matplotlib would add it; say where the file really is
-        out = out.with_suffix(".png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(fig, path)
