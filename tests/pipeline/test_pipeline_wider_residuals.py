@@ -1,6 +1,7 @@
 """xHC (N=16 streams, k=4 active) and single-pass mHC (mhc-sp, n=4) through the pipeline runtime on 4 gloo ranks
 equal the single-process model: the loss and every parameter gradient after one step, then three AdamW steps'
-losses, for DualPipeV (overlapped F&B pairs and serial) and 1F1B, recompute off and on.
+losses, for DualPipeV (overlapped F&B pairs and serial) and 1F1B, recompute off and on; GPipe, ZB1P and DualPipe
+once each.
 
 What this guards beyond the per-module tests in tests/kernels: the stage boundary carries xHC's N*C state and
 single-pass mHC's state packed with its carried coefficient (both directions: the coefficient's gradient goes
@@ -34,6 +35,7 @@ def _config(kind: str, residual: dict, recompute: dict, overlap: bool) -> dict:
 
 
 GRID = [(kind, name) for kind in ("dualpipev", "1f1b") for name in RESIDUALS]
+OTHER_KINDS = ("gpipe", "zb1p", "dualpipe")  # every schedule: one variant each (recompute on, the default overlap)
 
 
 @pytest.mark.timeout(300)
@@ -100,3 +102,20 @@ def test_predict_prices_the_configs_own_residual():
     assert spec({"variant": "xhc", "n": 16, "active": 3, "flash": True}).fused
     sp = spec({"variant": "mhc-sp", "n": 4})
     assert (sp.variant, sp.fused, sp.carry_bytes) == ("mhc-sp", True, 16)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", OTHER_KINDS)
+def test_every_other_schedule_carries_the_wider_state(kind):
+    """GPipe, ZB1P and DualPipe (two directions: the embedding with mhc-sp's entry coefficient and the head sit on
+    two ranks each, their copies reduced as mirrored parameters) with xHC and mhc-sp, recompute in blocks of 2."""
+    rc = {"mode": "block", "block_size": 2}
+    for name in ("xhc16-4", "mhc-sp4"):
+        variants = [_config(kind, RESIDUALS[name], rc, True)]
+        results = launch(variants_worker, 4, (variants, True), timeout_s=280)
+        check_ok(results)
+        cfg = parse_config(variants[0])
+        want_losses, want_grads, params = train_single_process(cfg, steps=cfg.train.steps)
+        assert_grads_match(merged_grads(results, 0), want_grads, params, TOL, f"{kind} {name}")
+        losses = [s["loss"] for s in results[0].value[0]["stats"]]
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses, want_losses)), (kind, name, losses, want_losses)
