@@ -1,7 +1,7 @@
 """Benchmark: do the stream-collapse diagnostics show LSS against copy-expand and HC against mHC on a short run?
 
-    .venv/bin/python bench/collapse_diagnostics.py [--steps 200] [--every 25] [--lr 3e-3]
-                                                   [--out runs/collapse] [--json bench/results/collapse_diagnostics.json]
+    .venv/bin/python bench/collapse_diagnostics.py [--steps 200] [--every 25] [--lr 3e-3] [--out runs/collapse]
+                                                   [--json bench/results/collapse_diagnostics.json]
     (the picture goes next to the JSON: bench/results/collapse_diagnostics.png)
 
 The `tiny` model (8 blocks, C=64, n=4) on one CPU rank (1F1B, pp=1, M=8 micro-batches of 2 x 32 tokens) learns a

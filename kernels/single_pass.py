@@ -186,7 +186,8 @@ class SinglePassSublayer(MHCSublayer):
         _check_a(a_prev, x, "a_prev")
         return self._ops(x).pre(x, a_prev)
 
-    def forward(self, x: torch.Tensor, a_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+            self, x: torch.Tensor, a_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         coeffs = self.coefficients(x)
         y = self.sublayer(self.apply_pre(x, a_prev))
         return self.apply_post_res(x, y, coeffs), coeffs.h_pre

@@ -3,9 +3,9 @@
 Shape letters: M micro-batches, B sequences per micro-batch, S sequence length, n streams, C hidden.
 
 It is deliberately a different code path from the runtime: the whole batch (M x B x S tokens) goes through
-one forward, sub-layers run their module's `forward` (`Block.forward`), and there is no stage split, no P2P, no B/W split
-and no recompute. Parameter names (`embed.*`, `blocks.<b>.*`, `head.*`) are the names the runtime uses for
-its stage parameters, so gradients can be compared name by name.
+one forward, sub-layers run their module's `forward` (`Block.forward`), and there is no stage split, no P2P,
+no B/W split and no recompute. Parameter names (`embed.*`, `blocks.<b>.*`, `head.*`) are the names the runtime
+uses for its stage parameters, so gradients can be compared name by name.
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from .diagnostics_probe import StepProbe, first_microbatches
 from .p2p import PipelineError, Transport
 from .partition import plan_rank
 from .recorder import Recorder, merge_rank_traces, rank_trace_path
+from .run_args import residual_flag as residual_label  # 'mhc:4', 'xhc:16:4': how --residual names a residual
 from .stage import Stage, StageEnv
 from .weight_grad import WeightGradStore
 
@@ -267,8 +268,8 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
 
 
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
-          diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False, staged: bool = False, log=print,
-          on_action=None) -> list[StepStats]:
+          diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
+          staged: bool = False, log=print, on_action=None) -> list[StepStats]:
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
     from . import checkpoint
 
@@ -321,11 +322,6 @@ def boundary_width(cfg) -> int:
     return cfg.model.hidden
 
 
-def residual_label(cfg) -> str:
-    """'mhc:4', 'residual:1', 'xhc:16:4': how --residual names a config's residual."""
-    from .run_args import residual_flag
-
-    return residual_flag(cfg)
 
 
 def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *, trace_dirs: list[Path] | None = None,
