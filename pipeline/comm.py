@@ -41,7 +41,7 @@ class Handle:
 
     is_send: bool
     name: str  # trace name without the stream suffix, e.g. SEND_F/s3/mb7, A2A_DISPATCH/s3/mb7/L13
-    peer: int | str  # the other rank, or the group ("EP group", "dp group") of a collective
+    peer: int | str  # the other rank (global), or the group ("EP group", "dp group") of a collective
     stage: int | None = None  # the (stage, micro-batch) the op belongs to, for its spans
     mb: int | None = None
     tensor: torch.Tensor | None = None  # the device tensor sent, or the buffer the op delivers into

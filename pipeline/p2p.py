@@ -55,7 +55,7 @@ class Transport:
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
                 op = dist.P2POp(dist.irecv, wire, self._peer(peer), self.group)
-            h = Handle(is_send, name, peer, stage, mb, tensor, wire)
+            h = Handle(is_send, name, self._peer(peer), stage, mb, tensor, wire)  # messages name the global rank
             handles.append(h)
             p2p.append(op)
         if not p2p:
@@ -65,7 +65,7 @@ class Transport:
         try:
             works, tokens = self.comms.launch(lambda: dist.batch_isend_irecv(p2p), spans)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
-            names = ", ".join(f"{h.name} {'to' if h.is_send else 'from'} rank {self._peer(h.peer)}" for h in handles)
+            names = ", ".join(f"{h.name} {'to' if h.is_send else 'from'} rank {h.peer}" for h in handles)
             raise PipelineError(f"rank {self.comms.rank}: posting {names} failed: {describe(err)}") from None
         if len(works) == 1 and len(handles) > 1:  # NCCL coalesces a batch into one work: every op completes with it
             works = works * len(handles)
