@@ -171,6 +171,33 @@ def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, mo
                               "(it probably died)")
 
 
+def test_p2p_wait_errors_name_the_peers_global_rank(monkeypatch):
+    """The peer of a P2P op is a pipeline rank; with data parallelism its global rank differs (pp=2 x dp=2:
+    pipelines (0, 2) and (1, 3), so global rank 2 is pipeline rank 1 of rank 0's pipeline). A receive that fails
+    while waited must name the global rank (CI once printed "rank 0: RECV_F/s2/mb0 from rank 1" for rank 2)."""
+    from pipeline.p2p import Transport
+
+    class DeadPeerWork:
+        def is_completed(self):
+            return True  # ended, with the error
+
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer [10.0.0.3]:1234")
+
+    pipeline_group = object()  # stands for the mesh's pp group of ranks (0, 2)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: {0: 0, 1: 2}[r] if group is pipeline_group
+                        else r)
+    monkeypatch.setattr(dist, "P2POp", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [DeadPeerWork() for _ in ops])
+    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, watch_p2p=False)
+    tr = Transport(0, torch.device("cpu"), comms, group=pipeline_group)
+    (h,) = tr.post([(False, "RECV_F/s2/mb0", 1, torch.zeros(4))], labels=[("RECV_F", 2, 0)])
+    with pytest.raises(PipelineError) as err:
+        tr.wait(h)
+    assert str(err.value).startswith("rank 0: RECV_F/s2/mb0 from rank 2 failed after "), str(err.value)
+    assert str(err.value).endswith("the peer closed its connection (it probably died)"), str(err.value)
+
+
 # ---------------------------------------------------------------------------------------- a runtime under NCCL's
 class _HostMarkingTorch(types.ModuleType):
     """`torch` as the runtime modules see it in the NCCL mimic: a tensor created from nothing without a device
