@@ -1,6 +1,6 @@
 """Speed peer and oracle: the project's model under PyTorch's own `torch.distributed.pipelining.ScheduleDualPipeV`.
 
-    .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 30] [--warmup 3] [--launches 3]
+    .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 30] [--warmup 3] [--launches 3] [--ranks R]
                                               [--out bench/results/torch_dualpipev.json]
 
 `torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.local.launch`) builds this
@@ -201,11 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="steps of each per launch (the first --warmup not timed)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--launches", type=int, default=3, help="launches per n (each alternates the two step by step)")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="pipeline ranks (default: the config's); e.g. 2 to give each rank a core of a 2-core host")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "torch_dualpipev.json")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
     base = load_config(args.config).model_dump()
+    if args.ranks is not None:
+        if args.ranks < 1 or base["model"]["num_blocks"] % (2 * args.ranks):
+            ap.error(f"--ranks {args.ranks}: DualPipeV needs 2 x ranks stages that split the config's "
+                     f"{base['model']['num_blocks']} blocks evenly")
+        base["parallel"]["ranks"] = args.ranks
     rows = []
     for n in (1, 4):
         cfg = _variant(base, n, args.steps)
