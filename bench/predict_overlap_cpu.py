@@ -8,7 +8,8 @@
 One job trains the same model twice, overlapped and serial, one step of each in turn (as bench/overlap_cpu.py:
 `pipeline.train.train_interleaved`, so both see the same machine state), and keeps both traces under
 `--traces` (`overlap/trace.json`, `serial/trace.json`); `--reuse` reads them from there instead of running.
-From the steps after the warm-up (costmodel.measured_pair):
+From the steps after the warm-up (costmodel.measured_pair; `cores_taken_pct` says how much of the serial pairs'
+all-to-all waiting had every core of this host busy with other ranks):
 * calibration (serial trace): per pair kind (forward stage, backward stage) the two chains, op medians;
 * prediction: the F&B duration serial and overlapped, the all-to-all hidden %, overlapped two ways: "streams"
   (costmodel.overlap: CUDA semantics, the halves' segments in a fixed alternating issue order on one compute
@@ -34,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
-from costmodel.measured_pair import chains, hidden_pct, measure_pairs, predict, serial_samples, steady  # noqa: E402
+from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,  # noqa: E402
+                                     serial_samples, steady)
 from traces.trace import Trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +83,7 @@ def fb_per_step_us(trace: Trace, per_kind: dict | None = None) -> float:
 MODES = ("streams", "turns")  # costmodel.overlap's CUDA issue order; the CPU runtime's hand-over policy
 
 
-def compare(serial: Trace, overlapped: Trace) -> dict:
+def compare(serial: Trace, overlapped: Trace, cores: int | None = None) -> dict:
     cal = chains(serial_samples(serial))
     m_ser, m_ov = measure_pairs(serial), measure_pairs(overlapped)
     if set(cal) != set(m_ov):
@@ -123,6 +125,8 @@ def compare(serial: Trace, overlapped: Trace) -> dict:
              "fb_gain": {"measured": fb_ser / fb_ov},
              "step_us": {"serial_measured": st_ser, "overlap_measured": st_ov},
              "step_gain": {"measured": st_ser / st_ov}}
+    if cores is not None:  # how much of the serial pairs' all-to-all waiting had no spare core to hide it on
+        every["serial_a2a_wait_cores_taken_pct"] = cores_taken_pct(serial, cores)
     for mode in MODES:
         # predicted hidden % over all pairs: each kind's all-to-all time weighted by its overlapped pair count
         w = {k: sum(op.duration for h in cal[k][0] for op in h if op.stream == "comm") * len(m_ov[k].durations)
@@ -177,6 +181,10 @@ def print_table(res: dict) -> None:
           f"{f(st['overlap_predicted_first_order_streams'] / 1e3)} streams | "
           f"{f(st['overlap_predicted_first_order_turns'] / 1e3)} turns (first order); gain "
           f"{f(sg['measured'], 3)} | {f(sg['first_order_streams'], 3)} | {f(sg['first_order_turns'], 3)}")
+    taken = a.get("serial_a2a_wait_cores_taken_pct")
+    if taken is not None:
+        print(f"serial run: {taken:.1f}% of the pairs' all-to-all waiting had every core busy with other ranks "
+              "(hiding it needs a core the model assumes free)")
     for m, t in res["targets_met"].items():
         print(f"targets ({m}): F&B duration within 15% per kind: {t['fb_duration_15pct']}; "
               f"a2a hidden % within 10 pp per kind: {t['a2a_hidden_10pp']}")
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         run_both(args, dirs)
     try:
         overlapped, serial = (steady(Trace.load(d / "trace.json"), args.warmup) for d in dirs)
-        res = compare(serial, overlapped)
+        res = compare(serial, overlapped, os.cpu_count() or 1)
     except ValueError as err:
         print(f"predict_overlap_cpu: error: {err}", file=sys.stderr)
         return 2

@@ -32,10 +32,15 @@ Measured (`measure_pairs`, the overlapped or the serial trace): per kind the F&B
 hidden % of the ops posted inside the pairs (traces.comm_overlap's definition, per kind), and the time the pair
 waited for its own inputs inside its span (overlapped pairs wait for their receives inside, serial ones before).
 
+Host check (`cores_taken_pct`): the model gives each rank a core. On a host with more busy ranks than cores, the
+serial pairs' all-to-all waiting that had every core busy with other ranks cannot be hidden without taking a core
+from another rank; the share of such waiting says how far the prediction can be trusted there.
+
 Shape letters: none (scalars and spans only).
 """
 from __future__ import annotations
 
+import bisect
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -296,3 +301,41 @@ def hidden_pct(measures: dict[PairKind, PairMeasure]) -> float | None:
     comm = sum(m.a2a_us for m in measures.values())
     exposed = sum(min(m.a2a_exposed_us, m.a2a_us) for m in measures.values())
     return None if comm <= 0 else 100.0 * (1.0 - exposed / comm)
+
+
+def cores_taken_pct(trace: Trace, cores: int) -> float | None:
+    """Of the time the ranks spent blocked on all-to-alls inside their F&B pairs, the share (%) during which at
+    least `cores` other ranks were busy (inside a step span and not blocked in a WAIT span). In a serial run that
+    is wait time the model counts as hideable under the other half's compute, but on this host the other half
+    could only get a core by taking it from another rank: the model, which gives every rank a core, cannot hold
+    there. None without such waits or without step spans."""
+    if cores < 1:
+        raise ValueError(f"cores={cores}: pass the host's core count (>= 1)")
+    edges: list[tuple[float, int, int]] = []  # (time, rank, +1 busy / -1 not)
+    for s in trace.spans:
+        if s.kind == "step":
+            edges += [(s.start, s.rank, 1), (s.end, s.rank, -1)]
+        elif s.kind == WAIT_KIND:
+            edges += [(s.start, s.rank, -1), (s.end, s.rank, 1)]
+    if not any(s.kind == "step" for s in trace.spans):
+        return None
+    edges.sort()
+    times, busy_sets, level = [], [], defaultdict(int)
+    for t, rank, d in edges:  # busy set right after each edge
+        level[rank] += d
+        times.append(t)
+        busy_sets.append(frozenset(r for r, v in level.items() if v > 0))
+    blocked = taken = 0.0
+    for rank, _, inside in _pairs(trace):
+        for w in inside:
+            if w.kind != WAIT_KIND or not w.label.startswith("WAIT/A2A_"):
+                continue
+            blocked += w.duration
+            i = bisect.bisect_right(times, w.start) - 1
+            t = w.start
+            while t < w.end:
+                nxt = min(times[i + 1] if i + 1 < len(times) else w.end, w.end)
+                if i >= 0 and len(busy_sets[i] - {rank}) >= cores:
+                    taken += nxt - t
+                t, i = nxt, i + 1
+    return None if blocked <= 0 else 100.0 * taken / blocked

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.measured_pair import chains, hidden_pct, measure_pairs, predict, serial_samples, steady
+from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict, serial_samples,
+                                     steady)
 from traces.comm_overlap import comm_overlap, total
 from traces.trace import Span, Trace
 
@@ -162,3 +163,22 @@ def test_bad_inputs_are_one_line_errors():
         serial_samples(Trace(no_b, META))
     with pytest.raises(ValueError, match="warmup=4"):
         steady(Trace(spans, META), 4)
+
+
+def test_cores_taken_counts_pair_a2a_waits_while_enough_other_ranks_are_busy():
+    """Rank 0 waits 20 us on an all-to-all inside its pair, [10, 30). Other ranks busy (in a step, not in a WAIT):
+    rank 2 always, rank 1 from 20 on, rank 3 until 15. So >= 2 others busy on [10, 15) and [20, 30): 15 of 20 us.
+    Waits outside a pair and waits for a receive do not count."""
+    spans = [Span(r, "compute", "step", None, None, 0.0, 100.0, name="step/0") for r in range(4)]
+    spans += [Span(0, "compute", "FB", 0, 1, 0.0, 50.0, partner=(3, 0), name="FB/s0/mb1+s3/mb0"),
+              wait(0, 0, 1, "A2A_DISPATCH/s0/mb1/L3", 10.0, 20.0),
+              wait(0, 0, 1, "RECV_F/s0/mb1", 40.0, 5.0),  # a receive: not an all-to-all
+              wait(0, 0, 2, "A2A_DISPATCH/s0/mb2/L3", 60.0, 10.0),  # outside the pair
+              wait(1, 1, 0, "RECV_F/s1/mb0", 0.0, 20.0), wait(3, 1, 0, "RECV_F/s1/mb0", 15.0, 85.0)]
+    trace = Trace(spans, dict(META))
+    assert cores_taken_pct(trace, 2) == pytest.approx(75.0, abs=1e-9)
+    assert cores_taken_pct(trace, 1) == pytest.approx(100.0, abs=1e-9)
+    assert cores_taken_pct(trace, 3) == pytest.approx(0.0, abs=1e-9)
+    assert cores_taken_pct(Trace([s for s in spans if s.kind != "step"], dict(META)), 2) is None
+    with pytest.raises(ValueError, match="cores=0"):
+        cores_taken_pct(trace, 0)
