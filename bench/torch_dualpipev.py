@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must exceed --warmup")
     base = load_config(args.config).model_dump()
     if args.ranks is not None:
-        if args.ranks < 1 or base["model"]["num_blocks"] % (2 * args.ranks):
+        if args.ranks < 1:
+            ap.error(f"--ranks {args.ranks}: pass at least 1")
+        if base["model"]["num_blocks"] % (2 * args.ranks):
             ap.error(f"--ranks {args.ranks}: DualPipeV needs 2 x ranks stages that split the config's "
                      f"{base['model']['num_blocks']} blocks evenly")
         base["parallel"]["ranks"] = args.ranks
