@@ -308,7 +308,8 @@ def cores_taken_pct(trace: Trace, cores: int) -> float | None:
     least `cores` other ranks were busy (inside a step span and not blocked in a WAIT span). In a serial run that
     is wait time the model counts as hideable under the other half's compute, but on this host the other half
     could only get a core by taking it from another rank: the model, which gives every rank a core, cannot hold
-    there. None without such waits or without step spans."""
+    there. The ranks' spans must share one clock (the runtime aligns them before recording). None without such
+    waits or without step spans."""
     if cores < 1:
         raise ValueError(f"cores={cores}: pass the host's core count (>= 1)")
     edges: list[tuple[float, int, int]] = []  # (time, rank, +1 busy / -1 not)
