@@ -29,7 +29,9 @@ then max over ranks of t1 - t0, outside the timed region. The CLI (`ab_worker`) 
 project's runtime (`RankRuntime`, recording off) in one process group, one step of each in turn with the order
 reversed every step, so both see the same machine state, under the same garbage-collection policy
 (`pipeline.train.manual_gc`); for n = 1 (residual) and n = 4 (mHC) it reports the median step times, the median
-of ours / torch per step pair (and its quartiles) and whether the losses agree (1e-5 relative, fp32).
+of ours / torch per step pair (and its quartiles) and whether the losses agree (1e-5 relative, fp32). It also
+reports each framework's CPU time per step (process time of every thread, gloo's included, summed over the
+ranks): with more ranks than cores the step is bound by it, so it says how much work each one does.
 """
 from __future__ import annotations
 
@@ -176,12 +178,17 @@ def ab_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
         ours.align_clocks()
         for k in range(steps):
             for kind in (("torch", "ours") if k % 2 == 0 else ("ours", "torch")):
+                cpu0 = time.process_time()
                 if kind == "torch":
                     st = peer.step(k)
-                    hist["torch"].append({"loss": st["loss"], "step_time_s": st["step_time_s"]})
+                    row = {"loss": st["loss"], "step_time_s": st["step_time_s"]}
                 else:
                     st = ours.step(k)
-                    hist["ours"].append({"loss": st.loss, "step_time_s": st.step_time_s})
+                    row = {"loss": st.loss, "step_time_s": st.step_time_s}
+                # CPU time of the whole step (every thread: gloo's included), summed over the ranks
+                cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+                dist.all_reduce(cpu)
+                hist[kind].append({**row, "cpu_s": float(cpu)})
             collect(k)
     return hist
 
@@ -235,20 +242,25 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [o["step_time_s"] / t["step_time_s"] for h in launches
                  for t, o in zip(h["torch"][args.warmup:], h["ours"][args.warmup:])]
         t_torch, t_ours = statistics.median(timed["torch"]), statistics.median(timed["ours"])
+        cpu = {kind: statistics.median(s["cpu_s"] for h in launches for s in h[kind][args.warmup:])
+               for kind in ("torch", "ours")}
         losses = {kind: [s["loss"] for s in launches[0][kind]] for kind in ("torch", "ours")}
         err = max(abs(a - b) / abs(b) for a, b in zip(losses["torch"], losses["ours"]))
         q = statistics.quantiles(pairs, n=4)
         rows.append({"n": n, "variant": cfg["model"]["residual"]["variant"], "torch_step_s": t_torch,
                      "ours_step_s": t_ours, "ratio_ours_over_torch": t_ours / t_torch,
                      "pair_ratio_median": statistics.median(pairs), "pair_ratio_quartiles": [q[0], q[2]],
+                     "torch_cpu_s": cpu["torch"], "ours_cpu_s": cpu["ours"], "cpu_ratio": cpu["ours"] / cpu["torch"],
                      "timed_steps": len(pairs), "launches": launches,
                      "loss_max_rel_err": err, "losses_equal": err <= LOSS_TOL})
     print(f"\n{'n':>2} {'torch ms':>9} {'ours ms':>9} {'ours/torch':>11} {'pair ratio (IQR)':>20} "
-          f"{'loss rel err':>13}")
+          f"{'CPU ms torch/ours':>18} {'CPU ratio':>10} {'loss rel err':>13}")
     for r in rows:
         iqr = f"{r['pair_ratio_median']:.3f} ({r['pair_ratio_quartiles'][0]:.2f}-{r['pair_ratio_quartiles'][1]:.2f})"
+        cpu = f"{r['torch_cpu_s'] * 1e3:.0f}/{r['ours_cpu_s'] * 1e3:.0f}"
         print(f"{r['n']:>2} {r['torch_step_s'] * 1e3:>9.1f} {r['ours_step_s'] * 1e3:>9.1f} "
-              f"{r['ratio_ours_over_torch']:>11.3f} {iqr:>20} {r['loss_max_rel_err']:>13.2e}")
+              f"{r['ratio_ours_over_torch']:>11.3f} {iqr:>20} {cpu:>18} {r['cpu_ratio']:>10.3f} "
+              f"{r['loss_max_rel_err']:>13.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     par = base["parallel"]
     args.out.write_text(json.dumps({
@@ -257,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "warmup": args.warmup, "launches": args.launches, "loss_tol": LOSS_TOL,
         "step_time": "slowest rank's step; both frameworks in one job, one step of each in turn; medians over the "
                      "timed steps of every launch, and the median of ours/torch per step pair",
+        "cpu": "CPU time of a step (process time, every thread) summed over the ranks, median over the timed steps",
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "results": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -70,7 +70,8 @@ class MHCConfig(BaseModel):
     backend: Backend = Field(
         "auto",
         description="'auto': fused Triton on CUDA (or on CPU under TRITON_INTERPRET=1 when imported that way), "
-        "reference otherwise. 'fused' raises if Triton cannot run; 'reference' always uses pure PyTorch.",
+        "otherwise the eager ops (kernels.eager: the reference's math with Sinkhorn as one autograd node). 'fused' "
+        "raises if Triton cannot run; 'reference' always uses the unrolled pure-PyTorch definition of truth.",
     )
 
     @model_validator(mode="after")

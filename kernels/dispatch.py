@@ -1,16 +1,19 @@
-"""Choose the implementation of the mHC ops: fused Triton or the pure-PyTorch reference.
+"""Choose the implementation of the mHC ops: fused Triton, the eager ops, or the pure-PyTorch reference.
 
 'auto': fused on CUDA when triton imports; on CPU fused only while TRITON_INTERPRET=1 is set and the kernels
 were built for the interpreter (the variable was set when kernels.fused was first imported, as the kernel
-tests do); reference otherwise. 'fused' raises a clear error when it cannot run. triton is imported lazily, so
-`import kernels` works on machines without it.
+tests do); kernels.eager otherwise (the reference's math with Sinkhorn as one autograd node: same values and
+gradients to rounding, several times fewer tiny ops). 'reference' is the unrolled definition of truth. 'fused'
+raises a clear error when it cannot run. triton is imported lazily, so `import kernels` works on machines
+without it.
 
 TRITON_INTERPRET on a machine with CUDA is almost always a leftover from a CPU test run: once kernels.fused was
-imported under it, 'auto' runs the pure-PyTorch reference on CUDA tensors (the interpreter cannot launch on
-CUDA), and CPU tensors run interpreted. resolve() says so once per process with a RuntimeWarning.
+imported under it, 'auto' runs the eager ops on CUDA tensors (the interpreter cannot launch on CUDA), and CPU
+tensors run interpreted. resolve() says so once per process with a RuntimeWarning.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -18,13 +21,15 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import eager, reference
 
 _BACKENDS = ("auto", "reference", "fused")
 _warned_interpret_on_cuda = False  # the TRITON_INTERPRET-with-CUDA warning is issued once per process
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Does triton import? (Asked once per process: resolve() runs for every op of every sub-layer.)"""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -33,7 +38,8 @@ def triton_available() -> bool:
 
 
 def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    value = os.environ.get("TRITON_INTERPRET")
+    return value is not None and value.strip().lower() in ("1", "true", "on", "yes")
 
 
 def _fused_module() -> ModuleType:
@@ -50,14 +56,14 @@ def _warn_if_interpreted_on_cuda(fused: ModuleType) -> None:
     state = ("kernels.fused was imported with TRITON_INTERPRET set" if fused.INTERPRETED
              else "TRITON_INTERPRET is set")
     warnings.warn(
-        f"{state} on a machine where CUDA is available: backend='auto' runs the pure-PyTorch reference ops on "
+        f"{state} on a machine where CUDA is available: backend='auto' runs the pure-PyTorch (eager) ops on "
         "CUDA tensors (not the compiled Triton kernels) and the slow Triton interpreter on CPU tensors. Unset "
         "TRITON_INTERPRET before kernels.fused is first imported to use the compiled kernels.",
         RuntimeWarning, stacklevel=3)
 
 
 def resolve(backend: str, x: torch.Tensor) -> ModuleType:
-    """Return the module (kernels.reference or kernels.fused) that implements the ops for tensor x."""
+    """Return the module (kernels.fused, kernels.eager or kernels.reference) that implements the ops for x."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; choose one of {', '.join(_BACKENDS)}")
     if backend == "reference":
@@ -65,16 +71,16 @@ def resolve(backend: str, x: torch.Tensor) -> ModuleType:
     fused_ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
     if backend == "auto":
         if not triton_available() or not fused_ok_dtype:
-            return reference
+            return eager
         if x.is_cuda:
             fused = _fused_module()
             _warn_if_interpreted_on_cuda(fused)
-            return reference if fused.INTERPRETED else fused
+            return eager if fused.INTERPRETED else fused
         if _interpret_env():
             fused = _fused_module()
             _warn_if_interpreted_on_cuda(fused)
-            return fused if fused.INTERPRETED else reference
-        return reference
+            return fused if fused.INTERPRETED else eager
+        return eager
     # backend == "fused": the caller asked for it explicitly, so failing loudly beats a silent fallback.
     if not triton_available():
         raise ValueError("backend='fused' needs the 'triton' package; install the dev extra or use backend='auto'")

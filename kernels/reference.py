@@ -53,20 +53,12 @@ def coefficients(
     (the per-stream RMSNorm of HC). alpha [3] = (alpha_pre, alpha_post, alpha_res), bias [2n + res].
     """
     n = cfg.n
-    if cfg.variant == "residual":
-        raise ValueError("variant='residual' has no coefficients; the module computes x + F(x) directly")
     dt = acc_dtype(mix)
     mix, sumsq, alpha, bias = mix.to(dt), sumsq.to(dt), alpha.to(dt), bias.to(dt)
-    if alpha.shape != (3,):
-        raise ValueError(f"alpha must have shape [3] (pre, post, res), got {tuple(alpha.shape)}")
-    n_bias = 2 * n + cfg.num_res_logits
-    if bias.shape != (n_bias,):
-        raise ValueError(f"bias must have shape [{n_bias}] = [pre n | post n | res], got {tuple(bias.shape)}")
+    check_coefficient_inputs(mix, alpha, bias, cfg)
     b_pre, b_post, b_res = bias[:n], bias[n : 2 * n], bias[2 * n :]
 
     if cfg.variant == "hc":
-        if mix.dim() != 3 or mix.shape[1:] != (n, n + 2):
-            raise ValueError(f"hc mix must be [T, n, n+2] = [T, {n}, {n + 2}], got {tuple(mix.shape)}")
         z = torch.tanh(mix * _inv_rms(sumsq, width, cfg.rms_eps)[..., None])  # [T, n(from j), n+2]
         h_pre = alpha[0] * z[..., 0] + b_pre
         h_post = alpha[1] * z[..., 1] + b_post
@@ -74,8 +66,6 @@ def coefficients(
         h_res = alpha[2] * z[..., 2:].transpose(-1, -2) + b_res.view(n, n)
         return h_pre, h_post, h_res
 
-    if mix.dim() != 2 or mix.shape[1] != cfg.num_mix:
-        raise ValueError(f"mix must be [T, {cfg.num_mix}] for variant={cfg.variant!r}, got {tuple(mix.shape)}")
     rinv = _inv_rms(sumsq, width, cfg.rms_eps)[:, None]
     m_pre = rinv * alpha[0] * mix[:, :n] + b_pre
     m_post = rinv * alpha[1] * mix[:, n : 2 * n] + b_post
@@ -90,17 +80,45 @@ def coefficients(
     return h_pre, h_post, h_res
 
 
+def check_coefficient_inputs(mix: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, cfg: MHCConfig) -> None:
+    """The argument checks of `coefficients` (shared with kernels.eager), each naming the tensor and its shape."""
+    n = cfg.n
+    if cfg.variant == "residual":
+        raise ValueError("variant='residual' has no coefficients; the module computes x + F(x) directly")
+    if alpha.shape != (3,):
+        raise ValueError(f"alpha must have shape [3] (pre, post, res), got {tuple(alpha.shape)}")
+    n_bias = 2 * n + cfg.num_res_logits
+    if bias.shape != (n_bias,):
+        raise ValueError(f"bias must have shape [{n_bias}] = [pre n | post n | res], got {tuple(bias.shape)}")
+    if cfg.variant == "hc":
+        if mix.dim() != 3 or mix.shape[1:] != (n, n + 2):
+            raise ValueError(f"hc mix must be [T, n, n+2] = [T, {n}, {n + 2}], got {tuple(mix.shape)}")
+    elif mix.dim() != 2 or mix.shape[1] != cfg.num_mix:
+        raise ValueError(f"mix must be [T, {cfg.num_mix}] for variant={cfg.variant!r}, got {tuple(mix.shape)}")
+
+
 def pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     """Kernel 4 (pre read). x [T, n, C], H_pre [T, n] -> sub-layer input [T, C] = sum_j H_pre[j] x[j]."""
-    _check_x(x)
-    if h_pre.shape != x.shape[:2]:
-        raise ValueError(f"h_pre must be [T, n] = {tuple(x.shape[:2])}, got {tuple(h_pre.shape)}")
+    check_pre_inputs(x, h_pre)
     dt = acc_dtype(x)
     return torch.einsum("tj,tjc->tc", h_pre.to(dt), x.to(dt)).to(x.dtype)
 
 
+def check_pre_inputs(x: torch.Tensor, h_pre: torch.Tensor) -> None:
+    _check_x(x)
+    if h_pre.shape != x.shape[:2]:
+        raise ValueError(f"h_pre must be [T, n] = {tuple(x.shape[:2])}, got {tuple(h_pre.shape)}")
+
+
 def post_res(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
     """Kernel 5 (post + res write, merged). x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y -> [T, n, C]."""
+    check_post_res_inputs(x, y, h_post, h_res)
+    dt = acc_dtype(x)
+    out = torch.einsum("tij,tjc->tic", h_res.to(dt), x.to(dt)) + h_post.to(dt)[:, :, None] * y.to(dt)[:, None, :]
+    return out.to(x.dtype)
+
+
+def check_post_res_inputs(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
     _check_x(x)
     t, n, c = x.shape
     if y.shape != (t, c):
@@ -110,9 +128,6 @@ def post_res(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torc
             f"h_post must be [T, n] = [{t}, {n}] and h_res [T, n, n] = [{t}, {n}, {n}], "
             f"got {tuple(h_post.shape)} and {tuple(h_res.shape)}"
         )
-    dt = acc_dtype(x)
-    out = torch.einsum("tij,tjc->tic", h_res.to(dt), x.to(dt)) + h_post.to(dt)[:, :, None] * y.to(dt)[:, None, :]
-    return out.to(x.dtype)
 
 
 def expand(h: torch.Tensor, n: int, scale: torch.Tensor | None = None) -> torch.Tensor:

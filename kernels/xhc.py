@@ -47,6 +47,7 @@ from torch import nn
 from .config import MHCConfig
 from .reference import acc_dtype, pre
 from .sinkhorn import sinkhorn
+from .sinkhorn_node import sinkhorn_node
 
 __all__ = ["XHCCoefficients", "XHCView", "XHCSublayer", "route", "causal_depthwise", "gram_schmidt", "write_back"]
 
@@ -237,7 +238,8 @@ class XHCSublayer(nn.Module):
         ba = self.bias_act.to(dt)
         h_post = 2.0 * torch.sigmoid(rinv_a * alpha[1] * mix_a[:, : k * kk] + ba[: k * kk])
         m_res = rinv_a * alpha[2] * mix_a[:, k * kk :] + ba[k * kk :]
-        h_res = sinkhorn(m_res.view(t, k, k), cfg.sinkhorn_iters, cfg.sinkhorn_form, cfg.eps)
+        project_res = sinkhorn if cfg.backend == "reference" else sinkhorn_node  # same values (kernels.eager)
+        h_res = project_res(m_res.view(t, k, k), cfg.sinkhorn_iters, cfg.sinkhorn_form, cfg.eps)
         return XHCCoefficients(h_pre, idx, gate, h_post.view(t, k, kk), h_res)
 
     def apply_pre(self, x: torch.Tensor, coeffs: XHCCoefficients) -> torch.Tensor:

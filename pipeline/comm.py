@@ -53,6 +53,13 @@ class Handle:
     event: threading.Event | None = None  # set once the work completed (or failed): future callback or waiter
     waited_elsewhere: bool = False  # a P2PWaiter thread owns the work's wait(); wait on `event` instead
     error: BaseException | None = None  # the waiter thread's failure
+    p2p_polls: bool = True  # False: a P2P work whose completion only a wait sees (unwatched gloo)
+
+    @property
+    def observable(self) -> bool:
+        """Can polling see this op complete? Not an unwatched gloo P2P work: gloo reports those complete only
+        from inside `wait()`, so polling them is wasted work."""
+        return self.done or self.event is not None or self.p2p_polls
 
 
 class P2PWaiter:
@@ -140,6 +147,9 @@ class Comms:
                 self.recorder.end_async(h.token, cuda_stream=done)
             h.token = None
             return
+        if p2p and self._p2p_futures is False and self.waiter is None:
+            h.p2p_polls = False  # gloo P2P, unwatched: completion is seen only by waiting for it
+            return
         h.event = threading.Event()
         fut = None
         if not (p2p and self._p2p_futures is False):
@@ -155,6 +165,7 @@ class Comms:
             self.waiter.add(h, self.timeout_s)
         else:
             h.event = None  # completion seen only by waiting for it
+            h.p2p_polls = not p2p
 
     @staticmethod
     def completed(h: Handle) -> bool:

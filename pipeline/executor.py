@@ -137,13 +137,14 @@ class Executor:
         return self.transport.wait(p)
 
     def _reap_sends(self, drain: bool = False) -> None:
-        still = []
-        for p in self.sends:
-            if drain:
+        """Drop the sends that completed (all of them, waited, with `drain`). Sends whose completion no poll can
+        see (unwatched gloo P2P) wait for the drain at the end of the step."""
+        if drain:
+            for p in self.sends:
                 self.transport.wait(p)
-            if not self.transport.poll(p):
-                still.append(p)
-        self.sends = still
+            self.sends = []
+            return
+        self.sends = [p for p in self.sends if not (p.observable and self.transport.poll(p))]
 
     # -- halves ------------------------------------------------------------------------------------------
     def _forward_input(self, stage: int, mb: int, batch: Batch, side: str | None = None):

@@ -31,7 +31,7 @@ from kernels import MHCSublayer, StreamExpand, contract
 from kernels import single_pass
 from kernels.xhc import XHCSublayer
 
-from .weight_grad import DeferLinear, WeightGradStore
+from .weight_grad import DeferLinear, WeightGradStore, as_dtype
 
 NORM_EPS = 1e-6
 
@@ -56,21 +56,21 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         acc = acc_dtype(x)
-        xf = x.to(acc)
+        xf = as_dtype(x, acc)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.to(acc)).to(x.dtype)
+        return as_dtype(xf * rstd * as_dtype(weight, acc), x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         acc = rstd.dtype
-        xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
+        xf, dyf, wf = as_dtype(x, acc), as_dtype(dy, acc), as_dtype(weight, acc)
         xhat = xf * rstd
         dxhat = dyf * wf
         dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
         dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+        return as_dtype(dx, x.dtype), as_dtype(dw, weight.dtype), None
 
 
 class RMSNorm(nn.Module):

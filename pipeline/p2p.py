@@ -35,13 +35,18 @@ class Transport:
         self.comms = comms
         self.staged = staged
         self.group = group
+        self._global: dict[int, int] = {}
 
     @property
     def timeout_s(self) -> float:
         return self.comms.timeout_s
 
     def _peer(self, peer: int) -> int:
-        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+        """The global rank of pipeline rank `peer` (looked up once per peer)."""
+        g = self._global.get(peer)
+        if g is None:
+            g = self._global[peer] = peer if self.group is None else dist.get_global_rank(self.group, peer)
+        return g
 
     def post(self, ops: list[tuple[bool, str, int, torch.Tensor]], labels=None) -> list[Handle]:
         """ops: (is_send, name, peer, tensor) - for a receive, `tensor` is the buffer to fill. `labels`: the
@@ -49,13 +54,14 @@ class Transport:
         handles, p2p = [], []
         for i, (is_send, name, peer, tensor) in enumerate(ops):
             _, stage, mb = labels[i] if labels is not None else (None, None, None)
+            to = self._peer(peer)
             if is_send:
                 wire = tensor.detach().to("cpu", copy=True) if self.staged else tensor.detach().contiguous()
-                op = dist.P2POp(dist.isend, wire, self._peer(peer), self.group)
+                op = dist.P2POp(dist.isend, wire, to, self.group)
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
-                op = dist.P2POp(dist.irecv, wire, self._peer(peer), self.group)
-            h = Handle(is_send, name, self._peer(peer), stage, mb, tensor, wire)  # messages name the global rank
+                op = dist.P2POp(dist.irecv, wire, to, self.group)
+            h = Handle(is_send, name, to, stage, mb, tensor, wire)  # messages name the global rank
             handles.append(h)
             p2p.append(op)
         if not p2p:

@@ -71,6 +71,12 @@ class WeightGradStore:
         self._queue.clear()
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`; the tensor itself when it already is (a no-op `.to` still costs microseconds of dispatch,
+    and the layers call it several times per token batch)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = grad
@@ -83,23 +89,23 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, module: "DeferLinear") -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.module = module
-        return x @ weight.to(x.dtype).t()
+        return x @ as_dtype(weight, x.dtype).t()
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight.to(dy.dtype)
+        dx = dy @ as_dtype(weight, dy.dtype)
         store = ctx.module.store
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # [T, K], [T, N]
         if store is not None and store.enabled:
             w = ctx.module.weight  # the Parameter itself (a saved tensor may come back as another handle)
 
             def weight_grad() -> None:
-                _accumulate(w, (dy2.t() @ x2).to(w.dtype))
+                _accumulate(w, as_dtype(dy2.t() @ x2, w.dtype))
 
             store.put(weight_grad)
             return dx, None, None
-        return dx, (dy2.t() @ x2).to(weight.dtype), None
+        return dx, as_dtype(dy2.t() @ x2, weight.dtype), None
 
 
 class DeferLinear(nn.Module):

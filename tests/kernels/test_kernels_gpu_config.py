@@ -278,8 +278,9 @@ def test_backward_keeps_the_forward_config(fused_device, launches):
 
 
 def test_dispatch_warns_once_when_interpreting_on_a_cuda_machine(fused_device, monkeypatch):
-    """TRITON_INTERPRET with CUDA available: 'auto' would quietly run the reference on CUDA tensors (or the slow
+    """TRITON_INTERPRET with CUDA available: 'auto' would quietly run the eager ops on CUDA tensors (or the slow
     interpreter on CPU ones). resolve() warns, once per process; never without CUDA or without the variable."""
+    from kernels import eager
     import types
     import warnings
 
@@ -298,8 +299,8 @@ def test_dispatch_warns_once_when_interpreting_on_a_cuda_machine(fused_device, m
     assert resolve_warnings("auto", x)[1] == []  # no CUDA: the interpreter is the point
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     got, caught = resolve_warnings("auto", x)
-    assert len(caught) == 1 and "reference" in str(caught[0].message), caught
-    assert got is (fused if fused.INTERPRETED else reference)
+    assert len(caught) == 1 and "eager" in str(caught[0].message), caught
+    assert got is (fused if fused.INTERPRETED else eager)
     assert resolve_warnings("auto", x)[1] == []  # once per process
     if fused.INTERPRETED:
         assert resolve_warnings("fused", x)[1] == []
@@ -310,7 +311,7 @@ def test_dispatch_warns_once_when_interpreting_on_a_cuda_machine(fused_device, m
         monkeypatch.delenv("TRITON_INTERPRET")
         cuda_like = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
         got, caught = resolve_warnings("auto", cuda_like)
-        assert got is reference and len(caught) == 1 and "imported with TRITON_INTERPRET" in str(caught[0].message)
+        assert got is eager and len(caught) == 1 and "imported with TRITON_INTERPRET" in str(caught[0].message)
     else:
         monkeypatch.delenv("TRITON_INTERPRET")
         assert resolve_warnings("auto", x.to(fused_device))[1] == []  # compiled CUDA run: nothing to say
