@@ -15,7 +15,8 @@ Actions (schedules/ir.py), in list order:
   W: pop the oldest group and check it is the (stage, mb) the schedule names.
 * FB: the forward of one chunk and the full backward of another. With a `PairRunner` (default) they overlap:
   when their stages exchange tokens with expert-parallel all-to-alls, each half runs on its own thread,
-  interleaved at every segment boundary and every all-to-all (pipeline.overlap); without such communication
+  interleaved at every segment boundary and every all-to-all (pipeline.overlap), the backward's deferred
+  weight-grads filling either half's waits and the rest run when both halves are done; without such communication
   inside the halves there is nothing to interleave, and they run one after the other, the one whose input is
   here first. Either way each half waits only for its own receive and posts its send as soon as it exists.
   Without (`--no-overlap`): F, then B, every all-to-all waited right after its post and the pair's sends posted
@@ -252,9 +253,8 @@ class Executor:
         if split:
             self.store.flush((stage, mb))
             return
-        if pair is not None:  # the input-grad is out: let the forward half go on before the W work
-            pair.switch(side)
-            pair.resume(side, f"L{2 * spec.blocks[0]}.wgrad")
+        if pair is not None and pair.active:
+            return  # the input-grad is out: the W work fills the pair's waits, what is left runs at its end
         self.store.run_current()
 
     # -- actions -------------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ the turn moves at *switch points*:
   combine / MLP / dispatch / attention of the other.
 When a half comes back to an op that has not completed yet and the other half can compute (it is not itself
 parked on an unfinished op), the turn goes to the other half again instead of blocking (`wait`); when neither
-can, the rank runs the backward half's deferred weight-gradient work, one closure at a time (`B/.../L1.wfill`
-spans), and blocks only when there is none left, until either half's op completes. That makes the
+can (the other half parked, or already finished), the rank runs the backward half's deferred weight-gradient
+work, one closure at a time (`B/.../L1.wfill` spans), and blocks only when there is none left, until either
+half's op completes. The backward half leaves its weight-gradient work behind once its input-grad is out (DualPipe
+defers W precisely to fill such gaps): it fills the forward half's waits, and whatever is left runs when both
+halves are done, before the pair ends. That makes the
 interleaving depend on timing, which collectives allow only because each half's all-to-alls use their own EP
 process group (forward and backward exchanges), each issued in program order on every rank of the group. On
 CUDA the host does not block on communication (a wait is a stream dependency), so turns there follow the
@@ -81,8 +84,14 @@ class PairRunner:
         with self._cv:
             while not self._done["B"]:
                 self._cv.wait()
-            self.active = False
             err, self._error = self._error, None
+        try:
+            if err is None:
+                while self._fill():  # the weight-grads no wait needed: the pair is not over before they ran
+                    pass
+        finally:
+            with self._cv:
+                self.active = False
         if err is not None:
             raise err
 
@@ -136,6 +145,11 @@ class PairRunner:
         wait_token, deadline = None, time.monotonic() + comms.timeout_s
         while not comms.completed(handle):
             if self._done[other]:
+                if wait_token is not None:
+                    self.recorder.end(wait_token)
+                    wait_token = None
+                if self._fill():
+                    continue
                 break  # nothing else to run: a plain blocking wait
             parked = self._waiting[other]
             if parked is None or comms.completed(parked):
@@ -159,8 +173,8 @@ class PairRunner:
         comms.wait(handle, host=host)
 
     def _fill(self) -> bool:
-        """Neither half can compute: run one deferred weight-gradient closure of the backward half instead of
-        blocking (DualPipe defers W precisely to fill such gaps). True if there was one."""
+        """Neither half can compute (or, after both halves ended, what is left): run one deferred weight-gradient
+        closure of the backward half instead of blocking. True if there was one."""
         fn = self.filler() if self.filler is not None else None
         if fn is None:
             return False
