@@ -23,11 +23,12 @@ Backward, with d/dr of r / (r q + e) = e / (r q + e)^2 and d/dq = -(r / (r q + e
     dq_k = -r_k^2 dr_k;  dr_{k-1} = e (r_k / r_{k-1})^2 dr_k + A ds_k;  dc_k += A^T dq_k
     ds_k = -c_k^2 dc_k;  dc_{k-1} = e (c_k / c_{k-1})^2 dc_k
     dA = G * (r c^T) + sum_k dq_k c_k^T + sum_{k>=2} r_{k-1} ds_k^T   (two batched products at the end)
-then the column softmax's backward. Double backward is not supported (nothing in the project needs it).
+then the column softmax's backward. The backward is once-differentiable (a second derivative raises).
 """
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .sinkhorn import SINKHORN_FORMS
 
@@ -72,6 +73,7 @@ class _SinkhornNode(torch.autograd.Function):
         return rs[-1] * a * cs[-1].transpose(1, 2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):
         (logits,) = ctx.saved_tensors
         iters, form, e = ctx.args
