@@ -75,7 +75,8 @@ def rank_costs(cfg, rank: int, reps: int) -> dict:
 
     times: dict[str, list[float]] = {"modules": [], "executor": []}
     for k in range(reps + 4):
-        order = (("modules", modules), ("executor", executor)) if k % 2 else (("executor", executor), ("modules", modules))
+        order = (("modules", modules), ("executor", executor))
+        order = order if k % 2 else order[::-1]
         for name, fn in order:
             c0 = time.thread_time()
             fn()

@@ -253,7 +253,7 @@ class Executor:
         if split:
             self.store.flush((stage, mb))
             return
-        if pair is not None and pair.active:
+        if pair is not None:
             return  # the input-grad is out: the W work fills the pair's waits, what is left runs at its end
         self.store.run_current()
 

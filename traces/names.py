@@ -10,7 +10,8 @@ Examples: `F/s3/mb7`, `FB/s3/mb7+s4/mb2` (forward half first), `SEND_F/s3/mb7~co
 `A2A_DISPATCH/s3/mb7/L13.counts~comm` (the per-expert counts before them), `A2A_COMBINE/s3/mb7/L13~comm` (the
 outputs back), and in the backward `A2A_COMBINE/s3/mb7/L13.dgrad~comm`, `A2A_DISPATCH/s3/mb7/L13.dgrad~comm`.
 Inside an overlapped F&B pair each stretch of a half's compute is named after where it starts:
-`F/s3/mb7/L12.block`, `F/s3/mb7/L13.experts`, `B/s4/mb2/L13.router`, `B/s4/mb2/L8.wgrad`. `WAIT/RECV_F/s2/mb7`
+`F/s3/mb7/L12.block`, `F/s3/mb7/L13.experts`, `B/s4/mb2/L13.router`, and the backward's deferred weight-grads
+run in a wait or at the pair's end, one closure each, `B/s4/mb2/L3.wfill`. `WAIT/RECV_F/s2/mb7`
 or `WAIT/A2A_COMBINE/s3/mb7/L13`: the time the compute thread blocked on that op (exposed communication); kind
 WAIT, with the stage and micro-batch of the op. One outer range `step/K` per iteration (Kineto's
 `ProfilerStep#K` is read the same way). PyTorch pipelining action strings (`3F7`, `(3F7;4B2)OVERLAP_F_B`,
