@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # GPU check of mhc-pipe on one H200 (docs: shared/docs/gpu.md), in under 8 minutes, then a short table.
 #
-#   bash bench/gpu_check.sh          # on the GPU machine (device tool), outputs in ${OUT:-runs/gpu_check}
-#   bash bench/gpu_check.sh --cpu    # the same steps with the device set to CPU at small shapes (or GPU_CHECK_CPU=1)
+#   bash bench/gpu_check.sh              # on the GPU machine (device tool), outputs in ${OUT:-runs/gpu_check}
+#   bash bench/gpu_check.sh --cpu        # the same steps with the device set to CPU at small shapes (or GPU_CHECK_CPU=1)
+#   bash bench/gpu_check.sh --gpus N     # a node with N >= 2 GPUs (N even): install, env, multi_gpu only
+#   bash bench/gpu_check.sh --gpus N --cpu   # the multi_gpu plumbing on CPU: its "NCCL" side falls back to gloo
 #
 # Steps, in this order (each with a time limit, its output in OUT/<step>.log; a failing step never stops the
 # later ones; a step that would start with under 15 s of the budget left is skipped and says so):
 #   install         pydantic / nvtx / pyyaml from .whl/ when the image lacks them (gpu.md §1: no network there)
 #   env             versions, device, stream priorities, NVTX (bench/gpu_report.py env)
+#   fb_pair_cuda    the threaded F&B pair on CUDA streams: DualPipeV rank 0 (P=2, M=8, 11 pairs) of a MoE model
+#                   with a world-size-1 NCCL group, two 1-rank EP groups (F, B) whose all-to-alls really run, and
+#                   loopback P2P; trace has both halves' spans and the all-to-all comm spans; loss and every grad
+#                   equal the overlap-off run's (rel <= 1e-5, fp32); step time overlap vs serial
+#                   (bench/gpu_pair_check.py)
+#   hp_bitwise      mhc:4 and mhc-sp:4, DualPipeV ranks 0 and 1: loss, sends and grads with the priority -1 hp
+#                   stream placement torch.equal to the same runtime with env.hp = None, fresh random inputs per
+#                   check, plus a no-hp vs no-hp determinism baseline (bench/gpu_hp_check.py)
+#   world1_nccl     one rank on NCCL: every blocking collective of the runtime, CUDA-event spans, and a
+#                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_parity   fused kernels vs float64 reference at full size, T=4096, C=2560/4096/7168 (bench/kernel_parity.py)
 #   stage           one DualPipeV rank's action list at the paper-27B block shape, n=1 vs n=4, loopback
 #                   hand-offs, CUDA-event spans, and the cost model's H200 prediction (bench/stage.py)
@@ -16,14 +28,15 @@
 #                   2 steps, traced; then a check that the trace has hp-stream spans. Two processes on one GPU
 #                   need host-staged transfers (~3.8 GB/s, gpu.md §6): this proves the CUDA path (streams,
 #                   events, NVTX, priorities) works, it is not a timing.
-#   world1_nccl     one rank on NCCL: every blocking collective of the runtime, CUDA-event spans, and a
-#                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_tests    pytest tests/kernels (compiled Triton kernels on CUDA; the interpreter on CPU). Last because
 #                   CI already runs these small shapes and they compile the most kernel variants.
+#   multi_gpu       (--gpus N only, instead of the steps from fb_pair_cuda on) every schedule x {pp=N (tiny, mhc:4),
+#                   pp=N/2 dp=2 ep=2 (tiny-moe)} for 3 steps with torchrun on NCCL and on gloo, losses equal to
+#                   1e-4 relative, one table (bench/gpu_multi.py; also OUT/multi_table.txt)
 #   then the final table (bench/gpu_report.py table OUT; also OUT/summary.json). Exit 0 only when every step is ok.
 #
 # Preparing the wheels (the H200 image has no pydantic, no nvtx and no PyYAML, and no network), once, on a dev
-# machine with network, from the repository root (.whl/ is git-ignored):
+# machine with network, from the repository root (.whl/ is git-ignored; about 7 MB):
 #
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
@@ -32,25 +45,38 @@
 # A session then runs this through the device tool with carry: [".whl"], e.g.
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # $OUT is set by the device tool to the folder that comes back; the wheels go to a --target folder under /tmp
-# that is put first on PYTHONPATH (nothing is installed into the image's site-packages).
+# that is put first on PYTHONPATH (nothing is installed into the image's site-packages; pip --target installs the
+# dependencies too, so the wheels' typing-extensions, which pydantic needs at >= its pinned minimum, shadows an
+# older one in the image).
 #
-# Environment: OUT (output folder), GPU_CHECK_BUDGET (seconds for all steps; default 460 on GPU, 900 on CPU),
-# WHEEL_DIR (default .whl), SITE_DIR (default /tmp/gpu_check_site), PYTHON (interpreter; default .venv/bin/python
-# when present, else python3), GPU_CHECK_CPU=1 (same as --cpu).
+# Environment: OUT (output folder), GPU_CHECK_BUDGET (seconds for all steps; default 460 on GPU, 900 on CPU, 1800
+# with --gpus, 3600 with --gpus --cpu), WHEEL_DIR (default .whl), SITE_DIR (default /tmp/gpu_check_site), PYTHON
+# (interpreter; default .venv/bin/python when present, else python3), GPU_CHECK_CPU=1 (same as --cpu),
+# GPU_CHECK_ONLY=step,step (run only these steps, plus install and env; e.g. fb_pair_cuda,hp_bitwise,world1_nccl).
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 
 MODE=gpu
-for arg in "$@"; do
-    case "$arg" in
+GPUS=0  # 0: the one-GPU steps; N >= 2: the multi-GPU mode (multi_gpu step)
+while [ $# -gt 0 ]; do
+    case "$1" in
         --cpu) MODE=cpu ;;
-        -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument '$arg' (use --cpu or nothing)" >&2; exit 2 ;;
+        --gpus) GPUS=${2:-}; shift ;;
+        --gpus=*) GPUS=${1#--gpus=} ;;
+        -h|--help) sed -n '2,55p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (use --cpu, --gpus N, or nothing)" >&2; exit 2 ;;
     esac
+    shift
 done
 [ "${GPU_CHECK_CPU:-0}" = "1" ] && MODE=cpu
+case "$GPUS" in
+    ''|*[!0-9]*) echo "gpu_check.sh: --gpus takes an even number >= 2, got '$GPUS'" >&2; exit 2 ;;
+esac
+if [ "$GPUS" != 0 ] && { [ "$GPUS" -lt 2 ] || [ $((GPUS % 2)) != 0 ]; }; then
+    echo "gpu_check.sh: --gpus $GPUS: must be even and >= 2 (the dp=2 layout halves it)" >&2; exit 2
+fi
 
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"
@@ -62,7 +88,9 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 STATUS="$OUT/status.tsv"
 : > "$STATUS"
-if [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-900}; else BUDGET=${GPU_CHECK_BUDGET:-460}; fi
+if [ "$GPUS" != 0 ]; then
+    if [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-3600}; else BUDGET=${GPU_CHECK_BUDGET:-1800}; fi
+elif [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-900}; else BUDGET=${GPU_CHECK_BUDGET:-460}; fi
 WHEELS=${WHEEL_DIR:-$ROOT/.whl}
 SITE=${SITE_DIR:-/tmp/gpu_check_site}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -78,6 +106,10 @@ run_step() {
     shift 2
     local left=$((BUDGET - $(elapsed)))
     local log="$name.log"
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [ "$name" != install ] && [ "$name" != env ] &&
+        [[ ",$GPU_CHECK_ONLY," != *",$name,"* ]]; then
+        return  # not selected: no row at all
+    fi
     if [ "$left" -lt 15 ]; then
         echo "budget of ${BUDGET}s used up: step $name skipped" > "$OUT/$log"
         printf '%s\tskip\t0\t0\t%s\n' "$name" "$log" >> "$STATUS"
@@ -128,22 +160,31 @@ fi
 lim() { if [ "$MODE" = cpu ]; then echo "$2"; else echo "$1"; fi; }
 
 run_step env "$(lim 60 60)" "$PY" bench/gpu_report.py env --out "$OUT/env.json"
-if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
-run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
-run_step stage "$(lim 150 120)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
-run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
-# pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
-CFG="$OUT/pipeline_2rank.yaml"
-TRACE_DIR="$OUT/pipeline_2rank_trace"
-rm -rf "$TRACE_DIR"
-run_step pipeline_2rank "$(lim 120 180)" bash -c '
-    set -e
-    "$0" bench/stage.py "${@:4}" --write-config "$1" --config-ranks 2 --config-blocks-per-stage 1 --config-steps 2
-    "$0" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeline --config "$1" \
-        --device "$3" --transport host --steps 2 --trace-dir "$2"
-    "$0" bench/gpu_report.py trace-check "$2/trace.json" --ranks 2 --device "$3" --out "$(dirname "$1")/trace_check.json"
-' "$PY" "$CFG" "$TRACE_DIR" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)" "${SMALL[@]}"
 
+finish() {
+    echo
+    echo "gpu_check ($MODE$([ "$GPUS" != 0 ] && echo ", --gpus $GPUS")) finished in $(elapsed)s of a ${BUDGET}s budget; outputs in $OUT"
+    "$PY" bench/gpu_report.py table "$OUT" | tee "$OUT/table.txt"
+    exit "${PIPESTATUS[0]}"
+}
+
+rm -f "$OUT/fb_pair.json" "$OUT/hp_bitwise.json" "$OUT/multi.json" "$OUT/multi_table.txt"  # no stale results
+
+# multi_gpu (--gpus N): every schedule x {pp=N, pp=N/2 dp=2 ep=2}, NCCL vs gloo losses; nothing else runs.
+if [ "$GPUS" != 0 ]; then
+    if [ "$MODE" = cpu ]; then MULTI=(--cpu); else MULTI=(); fi
+    run_step multi_gpu "$BUDGET" "$PY" bench/gpu_multi.py --gpus "$GPUS" "${MULTI[@]}" --python "$PY" \
+        --out "$OUT/multi.json" --workdir "$OUT/multi"
+    [ -f "$OUT/multi_table.txt" ] && { echo; cat "$OUT/multi_table.txt"; }
+    finish
+fi
+
+# fb_pair_cuda: the threaded F&B pair (helper thread, EP all-to-alls on 1-rank F/B groups, NCCL world size 1 on
+# CUDA, gloo on CPU), loss and grads against overlap off, step time overlap vs serial.
+run_step fb_pair_cuda "$(lim 90 120)" "$PY" bench/gpu_pair_check.py "${SMALL[@]}" --out "$OUT/fb_pair.json" \
+    --trace-out "$OUT/fb_pair_trace.json"
+# hp_bitwise: mhc and mhc-sp with the hp stream placement vs without (torch.equal), plus a determinism baseline.
+run_step hp_bitwise "$(lim 90 120)" "$PY" bench/gpu_hp_check.py "${SMALL[@]}" --out "$OUT/hp_bitwise.json"
 # world1_nccl: one rank on NCCL (the CPU run: gloo) - the runtime's every blocking collective (barriers, loss and
 # statistics all-reduces, clock all-gather), CUDA-event spans and hp stream, and a torch.distributed.checkpoint save
 # and resume on the device: 3 steps uninterrupted vs 2 steps + resume, the resumed step's loss must match.
@@ -160,10 +201,23 @@ run_step world1_nccl "$(lim 120 240)" bash -c '
     "$0" bench/gpu_report.py resume-check "$W/full.log" "$W/resumed.log" --out "$(dirname "$W")/world1_resume.json"
 ' "$PY" "$OUT/world1" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)"
 
+if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
+run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
+run_step stage "$(lim 150 120)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
+run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
+# pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
+CFG="$OUT/pipeline_2rank.yaml"
+TRACE_DIR="$OUT/pipeline_2rank_trace"
+rm -rf "$TRACE_DIR"
+run_step pipeline_2rank "$(lim 120 180)" bash -c '
+    set -e
+    "$0" bench/stage.py "${@:4}" --write-config "$1" --config-ranks 2 --config-blocks-per-stage 1 --config-steps 2
+    "$0" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeline --config "$1" \
+        --device "$3" --transport host --steps 2 --trace-dir "$2"
+    "$0" bench/gpu_report.py trace-check "$2/trace.json" --ranks 2 --device "$3" --out "$(dirname "$1")/trace_check.json"
+' "$PY" "$CFG" "$TRACE_DIR" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)" "${SMALL[@]}"
+
 # Last: the small-shape kernel tests (CI runs them under the interpreter; here compiled) get what is left.
 run_step kernel_tests "$(lim 100 300)" "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
 
-echo
-echo "gpu_check ($MODE) finished in $(elapsed)s of a ${BUDGET}s budget; outputs in $OUT"
-"$PY" bench/gpu_report.py table "$OUT" | tee "$OUT/table.txt"
-exit "${PIPESTATUS[0]}"
+finish

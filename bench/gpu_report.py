@@ -42,6 +42,7 @@ def probe_env() -> dict:
     if out["cuda"]:
         dev = torch.device("cuda", 0)
         out["device"] = torch.cuda.get_device_name(dev)
+        out["device_count"] = torch.cuda.device_count()
         out["capability"] = list(torch.cuda.get_device_capability(dev))
         out["memory_GiB"] = torch.cuda.get_device_properties(dev).total_memory / 2**30
         out["stream_priority_range"] = list(torch.cuda.Stream.priority_range())
@@ -156,17 +157,64 @@ def _reason(path: Path) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
+JSON_STEPS = {"fb_pair_cuda": "fb_pair.json", "hp_bitwise": "hp_bitwise.json", "multi_gpu": "multi.json"}
+
+
+def _json_step(name: str, out: Path, log: Path, failed: bool) -> str:
+    """Headline of a step whose script writes its checks into a JSON (also when it failed: the problems)."""
+    d = _load(out / JSON_STEPS[name])
+    if not d or "_error" in d:
+        return _reason(log) if failed else _tail(log)
+    probs = d.get("problems") or []
+    if name == "fb_pair_cuda":
+        tr, sh = d["trace"]["overlap"], d["shape"]
+        ms = d["step_ms_median"]
+        text = (f"{d['device']}, {d['backend']} ws1, 1-rank EP F/B: {sh['fb_pairs_per_step']} pairs/step threaded "
+                f"(half spans F {tr['half_spans']['F']} B {tr['half_spans']['B']}, a2a comm {tr['a2a_comm_spans']}); "
+                f"step overlap {ms['overlap']:.1f} vs serial {ms['serial']:.1f} ms (x{d['overlap_over_serial']:.2f}); "
+                f"loss rel {d['max_loss_rel']:.0e}, grad rel {d['max_grad_rel']:.0e} (tol {d['tolerance']:.0e}, "
+                f"{d['dtype']}), bitwise {d['bitwise_grads']}")
+    elif name == "hp_bitwise":
+        parts = []
+        for v, e in d["variants"].items():
+            if "error" in e:
+                parts.append(f"{v} ERROR {e['error'][:80]}")
+            else:
+                parts.append(f"{v} {e['hp_equal']} equal (no-hp baseline {e['baseline_equal']}, hp spans "
+                             f"{e['hp_spans']})")
+        sh = d.get("shape", {})
+        text = (f"hp vs no hp, torch.equal of loss/sends/grads ({sh.get('dtype')}, T={sh.get('T')}, C={sh.get('C')}): "
+                + "; ".join(parts) + ("" if d.get("hp_stream_exists") else "; CPU: no hp stream, plumbing only"))
+    else:  # multi_gpu
+        c = d["counts"]
+        rels = [r["max_rel"] for r in d["rows"] if r.get("max_rel") is not None]
+        text = (f"N={d['gpus']}, {d['nccl_side']} vs cpu/gloo, {d['steps']} steps: {c['ok']} ok, {c['fail']} FAIL, "
+                f"{c['skip']} skipped; worst loss rel {max(rels) if rels else float('nan'):.1e} (tol "
+                f"{d['rel_tol']:.0e}); table in multi_table.txt")
+        probs = [f"{r['schedule']} {r['layout']}: {'; '.join(r.get('problems', []))}" for r in d["rows"]
+                 if r["status"] == "FAIL"]
+    if probs:
+        text += "; PROBLEMS: " + "; ".join(probs)[:400]
+    elif failed:
+        text += "; step failed: " + _reason(log)
+    return text
+
+
 def summary(name: str, out: Path, log: Path, failed: bool = False) -> str:
     """The headline of one step, from its JSON (or its log's last line); a failed step's error line."""
-    if failed:
+    if failed and name not in JSON_STEPS:
         return _reason(log)
     try:
+        if name in JSON_STEPS:
+            return _json_step(name, out, log, failed)
         if name == "env":
             e = _load(out / "env.json")
             if not e:
                 return _tail(log)
             missing = [k for k, v in e["modules"].items() if str(v).startswith("MISSING")]
             dev = e.get("device", "no CUDA")
+            if e.get("device_count", 1) > 1:
+                dev = f"{e['device_count']} x {dev}"
             pr = e.get("stream_priority_range")
             return (f"{dev}; torch {e['modules'].get('torch')}, py {e['python']}"
                     + (f"; priorities {pr}" if pr else "") + (f"; missing {','.join(missing)}" if missing else "")

@@ -73,6 +73,10 @@ class ParallelConfig(BaseModel):
     overlap: bool = Field(True, description="run each F&B pair overlapped: the forward of one micro-batch "
                           "interleaved with the backward of another, each one's communication under the other's "
                           "compute (pipeline.overlap); false = forward then backward (--no-overlap, for A/B)")
+    p2p_groups: Literal["channel", "shared"] = Field(
+        "channel", description="process groups of the pipeline's P2P: 'channel' = one per direction of each "
+        "pipeline link (deadlock-free under NCCL's rules, docs/communication.md); 'shared' = one group for all of a "
+        "pipeline's P2P, the pre-0.9 design that deadlocks under NCCL (kept to reproduce it: --p2p-groups)")
     uneven_stages: bool = Field(False, description="the layout may give stages different block counts (the first "
                                 "num_blocks % stages stages take one more, as the runtime splits them); false: "
                                 "the cost model rejects a layout whose stage count does not divide the blocks")
@@ -125,6 +129,11 @@ class TrainConfig(BaseModel):
         "tests: sums in another order then differ by ~1e-16 instead of ~1e-7)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
+    comm_rules: Literal["backend", "nccl", "nccl-pair"] = Field(
+        "backend", description="'backend' = the backend's own semantics; 'nccl' = gloo P2P run under NCCL's rules "
+        "(per communicator one batch at a time in posting order, a send completes only while its receive runs; "
+        "collectives compared across members every step), one queue per process group; 'nccl-pair' = the same "
+        "with one queue per (group, peer). CPU only (pipeline.strict_transport; --transport strict|strict-pair)")
     cpu_bind: bool = Field(False, description="CPU runs: bind local rank i to core i mod cores (consecutive ranks, "
                            "e.g. expert-parallel peers, on different cores; pipeline.cpu_binding), --cpu-bind")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "

@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     "traces.trace_cli",
     "traces.analysis_cli",
     "traces.diagnose_cli",
+    "traces.comm_cli",
     "costmodel.predict_cli",
     "costmodel.tune_cli",
 )

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 staged = True  # NCCL refuses two ranks on one GPU
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" and not staged else "gloo"
-        init_distributed(backend, cfg.train.timeout_s)
+        init_distributed(backend, cfg.train.timeout_s, device)
         log = lambda line: print(line, flush=True)  # noqa: E731
         if len(cfgs) > 1:
             dirs = None if args.trace_dir is None else [variant_dir(args.trace_dir, c) for c in cfgs]

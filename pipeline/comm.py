@@ -105,6 +105,9 @@ class Comms:
         self.stream = None  # CUDA: the stream ops are posted from (it waits for the compute stream first)
         self._done_streams: list = []  # CUDA: streams that wait for works to time their end
         self._next_done = 0
+        self._batches: dict[str | None, int] = {}  # group name -> batches posted on it
+        self._batch_lock = threading.Lock()
+        self.strict = None  # pipeline.strict_transport.StrictTransport: notes collectives, reports hangs
         if stream_ordered and device is not None and device.type == "cuda":
             self.stream = torch.cuda.Stream(device)
             # several, so that a receive still in flight delays no other op's end event (it would only skew that
@@ -114,18 +117,22 @@ class Comms:
         self.waiter = P2PWaiter(self._signal) if watch_p2p and self.stream is None else None
 
     # -- posting -------------------------------------------------------------------------------------------
-    def launch(self, post, spans: list[tuple]):
-        """Call `post()` (which issues async ops and returns their works) and open one comm span per
-        (kind, stage, mb, peer, name) in `spans`: on CPU once the ops are in flight (posting is the compute
-        thread's work), on CUDA from the communication stream, which first waits for the compute stream (the
-        data is ready). Returns (works, tokens)."""
+    def launch(self, post, spans: list[tuple], group: str | None = None):
+        """Call `post()` (which issues one batch of async ops on the process group named `group` and returns
+        their works) and open one comm span per (kind, stage, mb, peer, name) in `spans`, carrying the group and
+        the batch's number on it (per group, in posting order: traces.comm_replay): on CPU once the ops are in
+        flight (posting is the compute thread's work), on CUDA from the communication stream, which first waits
+        for the compute stream (the data is ready). Returns (works, tokens)."""
         rec = self.recorder
+        with self._batch_lock:  # both halves of an F&B pair post (one at a time; the lock keeps it exact)
+            batch = self._batches.get(group, 0)
+            self._batches[group] = batch + 1
         if self.stream is None:
             works = post()
-            return works, [rec.begin_async(*span) for span in spans]
+            return works, [rec.begin_async(*span, group=group, batch=batch) for span in spans]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            tokens = [rec.begin_async(*span, cuda_stream=self.stream) for span in spans]
+            tokens = [rec.begin_async(*span, group=group, batch=batch, cuda_stream=self.stream) for span in spans]
             return post(), tokens
 
     def _signal(self, h: Handle) -> None:
@@ -187,18 +194,51 @@ class Comms:
                 self._cv.wait(left)
         return True
 
-    def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, **kwargs) -> Handle:
+    def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, group_name: str,
+             **kwargs) -> Handle:
         """Post a collective `fn(*args, async_op=True, **kwargs)` (its tensors checked against the group's backend
-        first); its output is the caller's business."""
+        first) on the group named `group_name`; its output is the caller's business."""
         check_devices(args, kwargs.get("group"), name, self.rank)
+        if self.strict is not None:
+            import torch.distributed as dist
+
+            self.strict.note_collective(group_name, dist.get_process_group_ranks(kwargs.get("group")), fn.__name__,
+                                        name, args)
         try:
             work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
-                                         [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")])
+                                         [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")],
+                                         group=group_name)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"rank {self.rank}: posting {name} ({peer}) failed: {describe(err)}") from None
         h = Handle(False, name, peer, stage, mb, work=work, token=token)
         self.track(h)
         return h
+
+    def host_read(self, h: Handle, tensors: list[torch.Tensor]):
+        """A reader of `tensors` (which `h`'s op fills or reads) as one host list: call it after waiting for `h`.
+        CUDA: the device-to-host copy is queued now on a side stream ordered behind `h`'s work alone, and the
+        reader polls its event (with the deadline), so the host never waits for later kernels of the compute
+        stream; elsewhere the reader reads the tensors."""
+        if self.stream is None:
+            return lambda: torch.cat(tensors).tolist()
+        side = self._done_streams[self._next_done % len(self._done_streams)]
+        self._next_done += 1
+        with torch.cuda.stream(side):
+            h.work.wait()
+            flat = torch.cat(tensors)
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        for t in tensors:
+            t.record_stream(side)
+
+        def read() -> list:
+            if not poll(done.query, self.timeout_s):
+                raise self.timeout_error(h)
+            return host.tolist()
+
+        return read
 
     def poll(self, h: Handle) -> bool:
         """Non-blocking: has `h` completed? (then its comm span is closed). Errors surface as PipelineError."""
@@ -239,12 +279,11 @@ class Comms:
         except Exception as err:  # noqa: BLE001
             cause = describe(err)
             if cause == "the backend timed out":
-                raise PipelineError(f"rank {self.rank}: timed out after {limit:g} s waiting for {h.name} "
-                                    f"{self._with(h)}") from None
+                raise self.timeout_error(h, limit) from None
             raise PipelineError(f"rank {self.rank}: {h.name} {self._with(h)} failed after "
                                 f"{time.monotonic() - started:.1f} s: {cause}") from None
         if not ok:
-            raise PipelineError(f"rank {self.rank}: timed out after {limit:g} s waiting for {h.name} {self._with(h)}")
+            raise self.timeout_error(h, limit)
         if wtok is not None:
             self.recorder.end(wtok)
         h.done = True
@@ -252,9 +291,11 @@ class Comms:
             self.recorder.end_async(h.token, h.done_ns[0] if h.done_ns else None)
             h.token = None
 
-    def timeout_error(self, h: Handle) -> PipelineError:
-        return PipelineError(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {h.name} "
-                             f"{self._with(h)}")
+    def timeout_error(self, h: Handle, limit: float | None = None) -> PipelineError:
+        """The one-line error of a wait that ran out; under the strict transport with every rank's queue heads."""
+        hint = f"; {self.strict.hang_report()}" if self.strict is not None else ""
+        return PipelineError(f"rank {self.rank}: timed out after {self.timeout_s if limit is None else limit:g} s "
+                             f"waiting for {h.name} {self._with(h)}{hint}")
 
     @staticmethod
     def _with(h: Handle) -> str:

@@ -152,12 +152,12 @@ class Executor:
         spec = self.specs[stage]
         ids, labels = batch.microbatch(global_microbatch(self.plan, spec.pipeline, mb))
         if spec.has_embed:
-            inp = ids.to(self.device)
+            inp = ids.to(self.device, non_blocking=True)  # pinned on CUDA (RankRuntime.step): no host sync
         elif self._local(spec.prev):
             inp = self.mail_f.pop((stage, mb))
         else:
             inp = self._take_recv(Kind.RECV_F, spec.prev, mb, side)
-        return inp, (labels.to(self.device) if spec.has_head else None)
+        return inp, (labels.to(self.device, non_blocking=True) if spec.has_head else None)
 
     @contextlib.contextmanager
     def _span(self, kind: str | None, stage: int, mb: int):
@@ -204,7 +204,7 @@ class Executor:
         elif self._local(spec.next):
             self.mail_f[(spec.next, mb)] = run.output
         else:
-            self._produced(Kind.SEND_F, stage, mb, run.output)
+            self._produced(Kind.SEND_F, stage, mb, run.release_output())
 
     def _backward_input(self, stage: int, mb: int, side: str | None = None) -> torch.Tensor | None:
         """The output-grad of (stage, mb): none at the head, a local hand-off, or its receive (waited for)."""
@@ -297,9 +297,10 @@ class Executor:
                 self._flush_sends(peer)
         elif self.stages[a.stage].exchanges or self.stages[a.b_stage].exchanges:
             with fb():  # overlapped: even the forward's input wait lets the backward half compute
+                first = "F" if self.pair.dynamic or not self._b_first(a) else "B"  # fixed turns: start ready
                 self.pair.run(lambda: self._forward(a.stage, a.mb, batch, side="F"),
                               lambda: self._backward(a.b_stage, a.b_mb, split=False, side="B"),
-                              f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb))
+                              f_chunk=(a.stage, a.mb), b_chunk=(a.b_stage, a.b_mb), first=first)
         elif self._b_first(a):
             b_in = (self._backward_input(a.b_stage, a.b_mb),)
             with fb():

@@ -36,8 +36,10 @@ from .comm import Comms
 class ExpertComm:
     """The EP group of one rank, with the waits, spans and F&B hand-over of its exchanges."""
 
-    def __init__(self, groups: dict[str, object], size: int, rank: int, comms: Comms, pair=None):
+    def __init__(self, groups: dict[str, object], size: int, rank: int, comms: Comms, pair=None,
+                 names: dict[str, str] | None = None):
         self.groups = groups  # "F": forward exchanges, "B": backward ones (two process groups of the same ranks)
+        self.names = names or {side: f"ep-{side}" for side in groups}  # each group's name (trace spans)
         self.size = size  # EP ranks
         self.rank = rank  # this rank's index in the EP group
         self.comms = comms
@@ -63,26 +65,43 @@ class ExpertComm:
         stage, mb = chunk
         name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
         h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
-                            group=self.groups[side], name=name, kind=op if part is None else f"{op}.{part}",
+                            group=self.groups[side], group_name=self.names[side], name=name, kind=op if part is None else f"{op}.{part}",
                             stage=stage, mb=mb, peer=self.peers)
         pair = self.pair
-        host = part == "counts"  # the host reads the counts next (on CUDA: wait until they are there)
         if pair is None:
-            self.comms.wait(h, host=host)
+            self.comms.wait(h)
             return out
         pair.switch(side)
-        pair.wait(side, h, host=host)
+        pair.wait(side, h)
         pair.resume(side, f"L{layer}.{resume}")
         return out
+
+    def counts(self, counts: torch.Tensor, chunk: tuple, layer: int) -> tuple[torch.Tensor, list[int]]:
+        """Exchange the per-expert counts [EP*E_l]; returns what arrived and, read on the host, both vectors (the
+        split sizes): the layer's one host synchronisation. On CUDA the host copy is queued on a side stream
+        behind the exchange alone, so the host waits for the counts, not for whatever the other half of an F&B
+        pair queued on the compute stream meanwhile."""
+        stage, mb = chunk
+        recv = torch.empty_like(counts)
+        name = f"A2A_DISPATCH/s{stage}/mb{mb}/L{layer}.counts"
+        h = self.comms.post(dist.all_to_all_single, recv, counts, None, None, group=self.groups["F"],
+                            group_name=self.names["F"], name=name, kind="A2A_DISPATCH.counts", stage=stage, mb=mb,
+                            peer=self.peers)
+        read = self.comms.host_read(h, [counts, recv])
+        if self.pair is None:
+            self.comms.wait(h)
+        else:
+            self.pair.switch("F")
+            self.pair.wait("F", h)
+            self.pair.resume("F", f"L{layer}.dispatch")
+        return recv, read()
 
     def routed(self, moe, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs for `rows` [N, C] (sorted by expert, counts[e] rows for expert e) over the EP group;
         one output row per input row, same order."""
         ep, e_l, layer = self.size, moe.num_local, moe.layer
         chunk = self.chunk()
-        recv_counts = self.exchange(counts, None, None, op="A2A_DISPATCH", chunk=chunk, layer=layer,
-                                    part="counts", side="F", resume="dispatch")  # [EP*E_l]: [source, expert]
-        both = torch.cat([counts, recv_counts]).tolist()  # the layer's one host read
+        recv_counts, both = self.counts(counts, chunk, layer)  # [EP*E_l]: [source, expert]; the one host read
         sent, got = both[:ep * e_l], both[ep * e_l:]
         in_splits = [sum(sent[r * e_l:(r + 1) * e_l]) for r in range(ep)]
         out_splits = [sum(got[r * e_l:(r + 1) * e_l]) for r in range(ep)]

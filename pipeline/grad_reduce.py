@@ -34,10 +34,10 @@ def last_grad_actions(actions, local_stages) -> dict[int, int]:
 
 
 class _Bucket:
-    __slots__ = ("label", "params", "group", "peers", "flat", "handle")
+    __slots__ = ("label", "params", "group", "group_name", "peers", "flat", "handle")
 
-    def __init__(self, label: str, params: list, group):
-        self.label, self.params, self.group = label, params, group
+    def __init__(self, label: str, params: list, group, group_name: str):
+        self.label, self.params, self.group, self.group_name = label, params, group, group_name
         self.peers = f"gradient group (ranks {', '.join(map(str, dist.get_process_group_ranks(group)))})"
         self.flat: torch.Tensor | None = None
         self.handle: Handle | None = None
@@ -54,9 +54,11 @@ class GradReducer:
             expert = [p for n, p in named if ".experts." in n]
             bs = []
             if dense and groups.dense_grad_size > 1:
-                bs.append(_Bucket(f"RG/s{s}/dense", dense, groups.dense_grad_group))
+                bs.append(_Bucket(f"RG/s{s}/dense", dense, groups.dense_grad_group,
+                                  groups.name_of(groups.dense_grad_group)))
             if expert and groups.expert_grad_size > 1:
-                bs.append(_Bucket(f"RG/s{s}/experts", expert, groups.expert_grad_group))
+                bs.append(_Bucket(f"RG/s{s}/experts", expert, groups.expert_grad_group,
+                                  groups.name_of(groups.expert_grad_group)))
             if bs:
                 self.buckets[s] = bs
         self.after: dict[int, list[int]] = {}
@@ -97,7 +99,7 @@ class GradReducer:
     def _post(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.handle = self.comms.post(dist.all_reduce, b.flat, group=b.group, name=b.label, kind="RG", stage=None,
+        b.handle = self.comms.post(dist.all_reduce, b.flat, group=b.group, group_name=b.group_name, name=b.label, kind="RG", stage=None,
                                    mb=None, peer=b.peers)
 
     def finish(self) -> None:

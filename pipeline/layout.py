@@ -11,7 +11,10 @@ ep_rank. An EP group exchanges tokens; the ranks with the same pp and ep rank (t
 experts.
 
 Process groups, all created from DeviceMesh objects (collectively, on every rank) and passed in:
-* `mesh` (pp, dp) from `init_device_mesh`: the pipeline's P2P group (`pp`) and the data-parallel group (`dp`);
+* `mesh` (pp, dp) from `init_device_mesh`: the data-parallel group (`dp`), and the pipeline rows (`pp`) whose
+  links carry the P2P: one two-rank group per direction of each link of a row (`p2p:<src>><dst>`, global ranks),
+  so a communicator only ever carries one channel's messages, in one order on both ends
+  (docs/communication.md says why that cannot deadlock under NCCL's rules);
 * `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas; a
   second EP group over the same ranks (its own process group, wrapped in a mesh) carries the backward's
   all-to-alls (pipeline.expert);
@@ -26,7 +29,7 @@ Multi-node is torchrun's rendezvous: every node runs the same command with --nno
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,7 +106,9 @@ class Layout:
 
 @dataclass
 class ParallelGroups:
-    """This rank's place in the layout and its process groups (None where the group would be this rank alone)."""
+    """This rank's place in the layout and its process groups (None where the group would be this rank alone).
+    `names`: id(group) -> the group's name (the same string on all its members, one per communicator), which
+    trace spans and the strict transport's messages carry."""
 
     layout: Layout
     rank: int  # global rank
@@ -118,6 +123,37 @@ class ParallelGroups:
     expert_grad_size: int = 1
     world_group: object = None
     meshes: tuple = ()
+    p2p_channels: dict | None = None  # (src pp rank, dst pp rank) -> its one-direction group, this rank's row
+    names: dict = field(default_factory=dict)
+
+    def comm_groups(self) -> dict[str, list[int]]:
+        """{name: global ranks} of this rank's named groups (trace meta `comm_groups`, traces.comm_replay)."""
+        import torch.distributed as dist
+
+        out = {}
+        for g in (self.world_group, self.pp_group, self.dense_grad_group, self.expert_grad_group,
+                  *(self.ep_groups or {}).values(), *(self.p2p_channels or {}).values()):
+            if g is not None and id(g) in self.names:
+                out[self.names[id(g)]] = dist.get_process_group_ranks(g)
+        return out
+
+    def name_of(self, group) -> str:
+        """The group's name; `world` for the default group."""
+        name = self.names.get(id(group))
+        if name is None:
+            return "world" if group is None or group is self.world_group else f"group{id(group):x}"
+        return name
+
+    def channel(self, src: int, dst: int):
+        """The process group of the P2P channel pipeline rank `src` -> `dst` of this rank's row (the shared `pp`
+        group under parallel.p2p_groups 'shared')."""
+        if self.p2p_channels is None:
+            return self.pp_group
+        group = self.p2p_channels.get((src, dst))
+        if group is None:
+            raise ValueError(f"rank {self.rank}: no P2P channel group for pipeline ranks {src} -> {dst} (only "
+                             f"neighbouring ranks exchange activations: {sorted(self.p2p_channels)})")
+        return group
 
     @classmethod
     def single(cls, layout: Layout, pp_rank: int) -> "ParallelGroups":
@@ -125,8 +161,37 @@ class ParallelGroups:
         return cls(layout, pp_rank, pp_rank, 0, 0)
 
 
-def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
-    """Create the meshes and groups (collective: every rank of the world calls it, in the same order)."""
+def _members(group) -> str:
+    import torch.distributed as dist
+
+    return ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def build_p2p_channels(mesh, rank: int) -> tuple[dict, dict]:
+    """One two-rank process group per direction of every link between neighbouring pipeline ranks, for every
+    pipeline row of `mesh` ([P, D] global ranks): created on every rank in the same order (each `new_group` is
+    collective over the world), so each is one communicator on both of its members. Neighbours are the only
+    pipeline ranks that exchange activations in the five schedules (a V's turn is a local hand-off). Returns this
+    rank's row as {(src pp rank, dst pp rank): group} and {id(group): name}."""
+    import torch.distributed as dist
+
+    ranks = mesh.mesh.tolist()  # [P][D]
+    mine, names = {}, {}
+    for d in range(len(ranks[0])):
+        for p in range(len(ranks) - 1):
+            for src, dst in ((p, p + 1), (p + 1, p)):
+                a, b = ranks[src][d], ranks[dst][d]
+                group = dist.new_group([a, b])  # collective: every rank calls it, members or not
+                if rank in (a, b):
+                    mine[(src, dst)] = group
+                    names[id(group)] = f"p2p:{a}>{b}"
+    return mine, names
+
+
+def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = "channel") -> ParallelGroups:
+    """Create the meshes and groups (collective: every rank of the world calls it, in the same order).
+    `p2p_groups`: 'channel' (one group per direction of each pipeline link) or 'shared' (the mesh's `pp` group
+    for all P2P: reproduces the design that deadlocks under NCCL's rules)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -135,6 +200,13 @@ def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
     mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, pp_group=mesh.get_group("pp"),
                        world_group=dist.group.WORLD, meshes=(mesh,))
+    g.names[id(dist.group.WORLD)] = "world"
+    g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
+    if p2p_groups == "channel":
+        g.p2p_channels, names = build_p2p_channels(mesh, rank)
+        g.names.update(names)
+    elif p2p_groups != "shared":
+        raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
     if layout.ep > 1:
         em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
         # The backward's exchanges need process groups of their own over the same ranks (pipeline.expert). A
@@ -145,6 +217,8 @@ def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
         bm = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("ep",))
         g.meshes += (em, bm)
         g.ep_groups = {"F": em.get_group("ep"), "B": bm.get_group("ep")}
+        for side, group in g.ep_groups.items():
+            g.names[id(group)] = f"ep-{side}:{_members(group)}"
         if g.ep_groups["F"] is g.ep_groups["B"]:
             raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
                                "collectives could pair up across the two halves of an F&B pair")
@@ -165,4 +239,7 @@ def build_groups(layout: Layout, rank: int, device_type: str) -> ParallelGroups:
         else:
             g.expert_grad_group = em.get_group("edp")
         g.expert_grad_size = copies
+    for role, group in (("grad", g.dense_grad_group), ("grad-experts", g.expert_grad_group)):
+        if group is not None and id(group) not in g.names:
+            g.names[id(group)] = f"{role}:{_members(group)}"
     return g

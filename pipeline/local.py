@@ -1,7 +1,7 @@
 """Launch a pipeline on local CPU processes (gloo) without torchrun: for tests and benchmarks.
 
-`launch(worker, world, args, timeout_s)` spawns `world` processes, each joining a gloo process group on a
-free port (bounded init timeout), with OMP_NUM_THREADS=1, and runs `worker(rank, world, *args)`. Results
+`launch(worker, world, args, timeout_s)` spawns `world` processes, each joining a gloo process group through a
+TCPStore the parent hosts on a free port (bounded init timeout; it outlives any rank), with OMP_NUM_THREADS=1, and runs `worker(rank, world, *args)`. Results
 come back through files; a `PipelineError` is reported as the rank's one-line error and the process exits 1
 at once (`os._exit`: a group with a dead peer must not be torn down politely, that can hang). The parent
 enforces a wall-clock deadline and kills stragglers, so nothing outlives the call.
@@ -52,7 +52,10 @@ def _entry(rank: int, world: int, port: int, init_timeout_s: float, worker, args
 
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        # the parent hosts the store, so it outlives any rank (the strict transport's hang report reads it)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=datetime.timedelta(seconds=init_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=init_timeout_s))
         value = worker(rank, world, *args)
         torch.save({"value": value}, out)
@@ -75,8 +78,12 @@ def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, in
     (they should fail on their own within the configured P2P timeout) before they are killed."""
     import torch.multiprocessing as mp
 
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # noqa: F841 - lives
+                          timeout=datetime.timedelta(seconds=init_timeout_s))           # as long as the ranks
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rt_launch_") as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, port, init_timeout_s, worker, args, out_dir), daemon=False)

@@ -173,6 +173,8 @@ class MoE(nn.Module):
 def run_routed(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Expert outputs for `rows` (sorted by expert, counts[e] rows for expert e): here, or over the EP group."""
     if moe.comm is None or moe.comm.size == 1:
+        # the layer's one host synchronisation: per-expert slices need their sizes on the host (with EP the
+        # count exchange's read, pipeline.expert.ExpertComm.counts, is that one)
         return moe.local_experts(rows, counts.tolist())
     return moe.comm.routed(moe, rows, counts)
 
@@ -301,5 +303,11 @@ def build_head(model_cfg, seed: int, store: WeightGradStore | None = None) -> He
 
 
 def make_optimizer(params, train_cfg) -> torch.optim.AdamW:
-    """AdamW as the runtime and the single-process reference both use it (elementwise: per-rank == global)."""
-    return torch.optim.AdamW(list(params), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, foreach=False)
+    """AdamW as the runtime and the single-process reference both use it (elementwise: per-rank == global).
+    CUDA: the fused kernel (one launch for all parameters instead of several per parameter); CPU: the plain
+    per-parameter loop, whose arithmetic the equivalence tests compare bit for bit across layouts."""
+    params = list(params)
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    if on_cuda:
+        return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, foreach=False)

@@ -63,11 +63,14 @@ class PairRunner:
         self._thread.start()
 
     # -- the pair ------------------------------------------------------------------------------------------
-    def run(self, forward, backward, *, f_chunk: tuple[int, int], b_chunk: tuple[int, int]) -> None:
-        """forward() here, backward() on the helper thread, forward first; returns when both are done. Each
-        half opens its first span itself (`resume`), after waiting for its input."""
+    def run(self, forward, backward, *, f_chunk: tuple[int, int], b_chunk: tuple[int, int],
+            first: str = "F") -> None:
+        """forward() here, backward() on the helper thread, `first` computing first (the executor starts with
+        the half whose input is here: with fixed turns, CUDA, a late input of the first half would stall the
+        other); returns when both are done. Each half opens its first span itself (`resume`), after waiting for
+        its input."""
         with self._cv:
-            self.active, self._turn, self._error = True, "F", None
+            self.active, self._turn, self._error = True, first, None
             self._done = {"F": False, "B": False}
             self._waiting = {"F": None, "B": None}
             self._fills = 0
@@ -75,6 +78,11 @@ class PairRunner:
         self._names = {"F": f"F/s{f_chunk[0]}/mb{f_chunk[1]}", "B": f"B/s{b_chunk[0]}/mb{b_chunk[1]}"}
         self._jobs.put(backward)
         try:
+            with self._cv:  # B first: the forward starts at the backward's first switch point
+                while self._turn != "F" and self._error is None and not self._done["B"]:
+                    self._cv.wait()
+                if self._error is not None:
+                    raise HalfAborted("the B half of the F&B pair failed")
             forward()
             self._close("F")
         except BaseException as err:  # noqa: BLE001 - hand any failure to the other half, then report it
@@ -190,9 +198,10 @@ class PairRunner:
         if not self.active or not self.recorder.enabled:
             return
         kind, stage, mb = self._meta[side]
+        # a process-wide NVTX range, not a push/pop: on CUDA autograd runs the backward half's nodes (and so its
+        # switch points) on its own device thread, while the half itself began on the helper thread
         self._open[side] = self.recorder.begin(f"{kind}.{label.split('.', 1)[-1]}", stage, mb,
-                                               name=f"{self._names[side]}/{label}")  # NVTX: pushed and popped
-        # on this side's own thread (`_close` runs there too)
+                                               name=f"{self._names[side]}/{label}", thread_bound=False)
 
     def _close(self, side: str) -> None:
         token = self._open[side]

@@ -2,8 +2,10 @@
 
 Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
-`Transport.post(ops)` issues one `batch_isend_irecv` for a group of SEND/RECV ops over the pipeline's process
-group (the mesh's `pp` dimension; peers are pipeline ranks) and returns one `comm.Handle` per op without waiting.
+`Transport.post(ops)` issues the SEND/RECV ops (peers are pipeline ranks) as one `batch_isend_irecv` per P2P
+channel group (pipeline.layout: one two-rank group per direction of each pipeline link, so a communicator carries
+one channel's messages in one order on both ends: docs/communication.md) and returns one `comm.Handle` per op
+without waiting.
 Compute waits only on the receive it consumes and sends are reaped when they complete; waits, deadlines and
 their spans are `comm.Comms`' business.
 
@@ -26,16 +28,20 @@ Pending = Handle  # the name the executor and the loopback transport use for a P
 
 
 class Transport:
-    """Posts and waits P2P ops for one rank. `group`: the pipeline's process group (None = the default group,
-    whose ranks are then the pipeline ranks)."""
+    """Posts and waits P2P ops for one rank. `groups`: its `layout.ParallelGroups` (the P2P channel groups and
+    their names); None = the default group, whose ranks are then the pipeline ranks. `strict`: a
+    `strict_transport.StrictTransport` that runs the batches under NCCL's rules instead of posting them to gloo."""
 
-    def __init__(self, rank: int, device: torch.device, comms: Comms, staged: bool = False, group=None):
+    def __init__(self, rank: int, device: torch.device, comms: Comms, staged: bool = False, groups=None,
+                 strict=None):
         self.rank = rank  # this rank's pipeline rank (peers are pipeline ranks); messages name the global rank
         self.device = device
         self.comms = comms
         self.staged = staged
-        self.group = group
+        self.groups = groups
+        self.strict = strict
         self._global: dict[int, int] = {}
+        self._channels: dict[tuple[int, int], tuple[object, str]] = {}
 
     @property
     def timeout_s(self) -> float:
@@ -45,34 +51,64 @@ class Transport:
         """The global rank of pipeline rank `peer` (looked up once per peer)."""
         g = self._global.get(peer)
         if g is None:
-            g = self._global[peer] = peer if self.group is None else dist.get_global_rank(self.group, peer)
+            pp = None if self.groups is None else self.groups.pp_group
+            g = self._global[peer] = peer if pp is None else dist.get_global_rank(pp, peer)
         return g
+
+    def _channel(self, src: int, dst: int) -> tuple[object, str]:
+        """(process group, name) carrying pipeline rank src -> dst (looked up once per channel)."""
+        ch = self._channels.get((src, dst))
+        if ch is None:
+            if self.groups is None:
+                ch = (None, "world")
+            else:
+                group = self.groups.channel(src, dst)
+                ch = (group, self.groups.name_of(group))
+            self._channels[(src, dst)] = ch
+        return ch
 
     def post(self, ops: list[tuple[bool, str, int, torch.Tensor]], labels=None) -> list[Handle]:
         """ops: (is_send, name, peer, tensor) - for a receive, `tensor` is the buffer to fill. `labels`: the
-        (kind, stage, mb) of each op for its span (default: parsed from nothing, no span stage)."""
+        (kind, stage, mb) of each op for its span. The ops go out as one batch per process group (one group per
+        channel: a batch never mixes channels), in the order their groups first appear."""
+        batches: dict[str, tuple[object, list[int]]] = {}
+        for i, (is_send, _, peer, _) in enumerate(ops):
+            group, gname = self._channel(self.rank, peer) if is_send else self._channel(peer, self.rank)
+            batches.setdefault(gname, (group, []))[1].append(i)
+        handles: list[Handle | None] = [None] * len(ops)
+        for gname, (group, idx) in batches.items():
+            for i, h in zip(idx, self._post_batch(group, gname, [ops[i] for i in idx],
+                                                  None if labels is None else [labels[i] for i in idx])):
+                handles[i] = h
+        return handles
+
+    def _post_batch(self, group, gname: str, ops, labels) -> list[Handle]:
         handles, p2p = [], []
         for i, (is_send, name, peer, tensor) in enumerate(ops):
             _, stage, mb = labels[i] if labels is not None else (None, None, None)
             to = self._peer(peer)
             if is_send:
                 wire = tensor.detach().to("cpu", copy=True) if self.staged else tensor.detach().contiguous()
-                op = dist.P2POp(dist.isend, wire, to, self.group)
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
-                op = dist.P2POp(dist.irecv, wire, to, self.group)
-            h = Handle(is_send, name, to, stage, mb, tensor, wire)  # messages name the global rank
-            handles.append(h)
-            p2p.append(op)
-        if not p2p:
+            if self.strict is None:
+                p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, wire, to, group))
+            handles.append(Handle(is_send, name, to, stage, mb, tensor, wire))  # messages name the global rank
+        if not handles:
             return handles
-        spans = [(name.split("/", 1)[0], h.stage, h.mb, peer, f"{name}~comm")
-                 for (_, name, peer, _), h in zip(ops, handles)]
+        spans = [(name.split("/", 1)[0], h.stage, h.mb, h.peer, f"{name}~comm") for (_, name, _, _), h in zip(ops, handles)]
+        if self.strict is not None:
+            batch = [(h.is_send, h.name, h.peer, h.wire) for h in handles]
+            post = lambda: [self.strict.post(group, gname, batch)]  # noqa: E731
+        else:
+            post = lambda: dist.batch_isend_irecv(p2p)  # noqa: E731
         try:
-            works, tokens = self.comms.launch(lambda: dist.batch_isend_irecv(p2p), spans)
+            works, tokens = self.comms.launch(post, spans, group=gname)
+        except PipelineError:
+            raise
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             names = ", ".join(f"{h.name} {'to' if h.is_send else 'from'} rank {h.peer}" for h in handles)
-            raise PipelineError(f"rank {self.comms.rank}: posting {names} failed: {describe(err)}") from None
+            raise PipelineError(f"rank {self.comms.rank}: posting {names} on {gname} failed: {describe(err)}") from None
         if len(works) == 1 and len(handles) > 1:  # NCCL coalesces a batch into one work: every op completes with it
             works = works * len(handles)
         if len(works) != len(handles):
@@ -102,9 +138,12 @@ class Transport:
         return False
 
 
-def init_distributed(backend: str, timeout_s: float) -> None:
-    """init_process_group from torchrun's environment with a bounded timeout for every collective."""
+def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None) -> None:
+    """init_process_group from torchrun's environment with a bounded timeout for every collective. NCCL: bound
+    to this rank's GPU (`device_id`), so the communicators are created now, collectively, and every subgroup is
+    split from them when it is made, instead of lazily at a first op that not every rank reaches together."""
+    extra = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
     except Exception as err:  # noqa: BLE001
         raise PipelineError(f"could not join the process group ({backend}): {describe(err)}") from None

@@ -40,7 +40,7 @@ class Recorder:
         self.enabled = enabled
         self.cuda = device.type == "cuda"
         self.spans: list[Span] = []
-        self._open: list[tuple] = []  # CUDA: (kind, stage, mb, stream, partner, peer, name, ev0, ev1)
+        self._open: list[tuple] = []  # CUDA: (kind, stage, mb, stream, partner, peer, name, comm, ev0, ev1)
         self._t0_ns = time.perf_counter_ns()
         self._cuda_offset_us = 0.0
         self._ref_event = None
@@ -62,58 +62,74 @@ class Recorder:
     # -- ranges ------------------------------------------------------------------------------------------
     def begin(self, kind: str, stage: int | None, mb: int | None, *, stream: str = "compute",
               partner: tuple[int, int] | None = None, peer: int | None = None, name: str,
-              cuda_stream=None, nvtx: bool = True) -> tuple:
+              cuda_stream=None, nvtx: bool = True, thread_bound: bool = True, comm: tuple | None = None) -> tuple:
+        """Open a span (and an NVTX range). `thread_bound=False`: the range may end on another thread than the
+        one that opened it (an F&B pair's halves: autograd runs CUDA backward nodes on its own thread), so it is
+        a process-wide NVTX start/end range, not a push/pop on this thread's stack. `comm`: (group, batch) of a
+        communication span."""
+        nv = None
         if _nvtx is not None and nvtx:
-            _nvtx.push_range(name, color=_COLORS.get(kind.split(".")[0], "purple"), domain=DOMAIN,
-                             category=kind.split(".")[0])
+            color, category = _COLORS.get(kind.split(".")[0], "purple"), kind.split(".")[0]
+            if thread_bound:
+                _nvtx.push_range(name, color=color, domain=DOMAIN, category=category)
+                nv = True
+            else:
+                nv = _nvtx.start_range(name, color=color, domain=DOMAIN, category=category)
         if not self.enabled:
-            return (kind,)
+            return (kind, nv)
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(cuda_stream) if cuda_stream is not None else ev.record()
             start = ev
         else:
             start = self._now_us()
-        return (kind, stage, mb, stream, partner, peer, name, start, cuda_stream)
+        return (kind, nv, stage, mb, stream, partner, peer, name, start, cuda_stream, comm)
 
     def end(self, token: tuple, *, pop: bool = True, end_ns: int | None = None) -> None:
         """Close a span now, or (CPU) at `end_ns`, a `time.perf_counter_ns` reading taken earlier."""
-        if _nvtx is not None and pop:
-            _nvtx.pop_range(domain=DOMAIN)
+        nv = token[1]
+        if nv is not None and pop:
+            if nv is True:
+                _nvtx.pop_range(domain=DOMAIN)
+            else:
+                _nvtx.end_range(nv)
         if not self.enabled:
             return
-        kind, stage, mb, stream, partner, peer, name, start, cuda_stream = token
+        kind, _, stage, mb, stream, partner, peer, name, start, cuda_stream, comm = token
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(cuda_stream) if cuda_stream is not None else ev.record()
-            self._open.append((kind, stage, mb, stream, partner, peer, name, start, ev))
+            self._open.append((kind, stage, mb, stream, partner, peer, name, comm, start, ev))
         else:
             now = self._now_us() if end_ns is None else (end_ns - self._t0_ns) / 1e3
+            g, b = comm if comm is not None else (None, None)
             self.spans.append(Span(self.rank, stream, kind, stage, mb, start, max(0.0, now - start), partner, peer,
-                                   name))
+                                   name, g, b))
 
     def range(self, kind: str, stage: int | None, mb: int | None, **kw):
         return _Range(self, kind, stage, mb, kw)
 
-    def begin_async(self, kind: str, stage: int, mb: int, peer: int, name: str, cuda_stream=None) -> tuple:
+    def begin_async(self, kind: str, stage: int, mb: int, peer: int | None, name: str, group: str | None = None,
+                    batch: int | None = None, cuda_stream=None) -> tuple:
         """A comm span (stream "comm"): begun at post (CUDA: an event on `cuda_stream`, the communication
-        stream); an NVTX mark, not a range, since it overlaps the compute ranges of the same thread."""
+        stream); an NVTX mark, not a range, since it overlaps the compute ranges of the same thread. `group`,
+        `batch`: the process group's name and the op's batch number on it (traces.comm_replay)."""
         if _nvtx is not None:
             _nvtx.mark(name, color="grey", domain=DOMAIN, category="P2P")
         if not self.enabled:
-            return (kind,)
+            return (kind, None)
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record(cuda_stream) if cuda_stream is not None else start.record()
         else:
             start = self._now_us()
-        return (kind, stage, mb, "comm", None, peer, name, start, cuda_stream)
+        return (kind, None, stage, mb, "comm", None, peer, name, start, cuda_stream, (group, batch))
 
     def end_async(self, token: tuple, end_ns: int | None = None, cuda_stream=None) -> None:
         """Close a comm span: CPU at its completion time `end_ns` when the backend reported it, else now; CUDA
         with an event on `cuda_stream` (a stream ordered behind the transfer), else on the span's own stream."""
         if self.cuda and cuda_stream is not None and self.enabled:
-            token = token[:-1] + (cuda_stream,)
+            token = token[:9] + (cuda_stream,) + token[10:]
         self.end(token, pop=False, end_ns=end_ns)
 
     # -- output ------------------------------------------------------------------------------------------
@@ -127,12 +143,13 @@ class Recorder:
         wait_events([ev for *_, ev0, ev1 in self._open for ev in (ev0, ev1)], timeout_s,
                     "resolving the step's CUDA events", self.rank)
         ref = self._ref_event
-        for kind, stage, mb, stream, partner, peer, name, ev0, ev1 in self._open:
+        for kind, stage, mb, stream, partner, peer, name, comm, ev0, ev1 in self._open:
             start = ref.elapsed_time(ev0) * 1e3 + self._cuda_offset_us
             dur = max(0.0, ev0.elapsed_time(ev1) * 1e3)
             if kind == "WAIT" and dur < 1.0:
                 continue
-            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, dur, partner, peer, name))
+            g, b = comm if comm is not None else (None, None)
+            self.spans.append(Span(self.rank, stream, kind, stage, mb, start, dur, partner, peer, name, g, b))
         self._open.clear()
 
     def save(self, path: Path, meta: dict) -> Path:
@@ -159,8 +176,13 @@ class _Range:
 def merge_rank_traces(paths: list[Path], out: Path, meta: dict) -> Path:
     """Merge per-rank trace files (already on a common clock) into one measured trace."""
     spans: list[Span] = []
+    groups: dict[str, list[int]] = {}
     for p in paths:
-        spans.extend(Trace.load(p).spans)
+        t = Trace.load(p)
+        spans.extend(t.spans)
+        groups.update(t.meta.get("comm_groups") or {})  # each rank knows its own groups
+    if groups:
+        meta = {**meta, "comm_groups": dict(sorted(groups.items()))}
     if not spans:
         raise ValueError(f"no spans in {', '.join(map(str, paths))}")
     return Trace(sorted(spans, key=lambda s: (s.start, s.rank, s.stream)), meta).save(out)

@@ -9,6 +9,7 @@ flag or field.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -31,8 +32,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
     p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
-    p.add_argument("--transport", choices=["auto", "host"], default="auto",
-                   help="'host' = stage P2P through host memory (several ranks on one GPU)")
+    p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
+                   default=os.environ.get("MHCPIPE_TRANSPORT", "auto"),
+                   help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "
+                        "'host' = stage P2P through host memory (several ranks on one GPU); 'strict' = gloo P2P "
+                        "under NCCL's rules (a posting order that would hang on NCCL fails here with every rank's "
+                        "queue heads; train.comm_rules nccl), 'strict-pair' = the same with one queue per rank pair")
+    p.add_argument("--p2p-groups", choices=["channel", "shared"],
+                   help="parallel.p2p_groups: 'channel' (default) = one process group per direction of each "
+                        "pipeline link; 'shared' = one for all, the old design that deadlocks under NCCL (kept to "
+                        "reproduce it with --transport strict and mhcpipe check-comm)")
     p.add_argument("--diagnostics-every", type=int, metavar="K",
                    help="train.diagnostics_every: log stream-collapse diagnostics on step 0, every K-th step and the "
                         "last, into --diagnostics-dir or --trace-dir (draw them with `mhcpipe diagnose`)")
@@ -68,7 +77,9 @@ _FLAG_FIELDS = {
     "device": ("train", "device", None),
     "timeout": ("train", "timeout_s", None),
     "diagnostics_every": ("train", "diagnostics_every", None),
+    "p2p_groups": ("parallel", "p2p_groups", None),
 }
+_TRANSPORT_RULES = {"strict": "nccl", "strict-pair": "nccl-pair"}  # --transport -> train.comm_rules
 
 
 def config_from_args(args: argparse.Namespace, world: int | None):
@@ -81,9 +92,11 @@ def config_from_args(args: argparse.Namespace, world: int | None):
         _positive(flag, getattr(args, flag))
     over: dict = {"parallel": {}, "train": {}, "model": {}}
     for flag, (section, field, value) in _FLAG_FIELDS.items():
-        given = getattr(args, flag)
+        given = getattr(args, flag, None)
         if given:  # unset flags (None, False, 0) keep the config's value
             over[section][field] = given if value is None else value
+    if getattr(args, "transport", None) in _TRANSPORT_RULES:
+        over["train"]["comm_rules"] = _TRANSPORT_RULES[args.transport]
     if args.pp:
         over["parallel"]["ranks"] = args.pp
     elif world is not None:

@@ -29,7 +29,7 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
     for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
-                 "interleave", "diagnostics_every", "expand"):
+                 "interleave", "diagnostics_every", "expand", "p2p_groups"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from kernels import single_pass
 
@@ -49,6 +50,15 @@ class ChunkRun:
     output: torch.Tensor | None = None  # detached stage output (to send or hand off)
     loss: torch.Tensor | None = None  # head stages: this micro-batch's loss contribution
     input_grad: torch.Tensor | None = None  # set by the backward (None on an embedding stage)
+
+    def release_output(self) -> torch.Tensor:
+        """The detached output, for its send; from now on the backward holds only the output's gradient edge, so
+        its storage is freed as soon as the send no longer needs it (DualPipe frees sent outputs too: the
+        backward of the stage needs their gradient, never their values)."""
+        leaf, out, rec = self.segs[-1]
+        self.segs[-1] = (leaf, get_gradient_edge(out), rec)
+        sent, self.output = self.output, None
+        return sent
 
 
 class Stage(nn.Module):
@@ -160,6 +170,8 @@ class Stage(nn.Module):
                         rec.register(y, "x", i)
                     y, a, coeffs = self._sublayer(i, l, m, is_mlp, y, a, routing if is_mlp else None, rec, env, mb)
                     routing = coeffs if self.flash and not is_mlp else None
+                if a is not None:
+                    env.sync_hp()  # the pack reads y, which the hp stream may still be writing
                 out = self._pack(y, a)
             if rec is not None:
                 rec.end_forward()

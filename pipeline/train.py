@@ -28,7 +28,7 @@ from configs import recompute_block_size
 from kernels import single_pass
 
 from .comm import Comms
-from .data import load_tokens, make_batch
+from .data import Batch, load_tokens, make_batch
 from .executor import Executor
 from .expert import ExpertComm
 from .grad_reduce import GradReducer
@@ -104,7 +104,8 @@ class RankRuntime:
         self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
         self.expert = None
         if groups.ep_groups is not None:
-            self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair)
+            self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair,
+                                     names={side: groups.name_of(g) for side, g in groups.ep_groups.items()})
         # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
         # cost model prices it; blocks never cross a stage boundary
         rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
@@ -127,7 +128,10 @@ class RankRuntime:
         self.tokens_per_mb = par.tokens_per_microbatch
         self.total_tokens = self.tokens_per_mb * par.microbatches
         self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
-        self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged, group=groups.pp_group)
+        self.strict = strict_transport(cfg, groups, device, staged)
+        self.comms.strict = self.strict
+        self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged,
+                                   groups=groups if groups.world_group is not None else None, strict=self.strict)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
                                  boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),
@@ -144,6 +148,8 @@ class RankRuntime:
         """One optimizer step; `diagnostics` (pipeline.diagnostics_log.DiagnosticsLog) logs it if it wants."""
         cfg = self.cfg
         batch = make_batch(cfg, step, self.tokens)
+        if self.device.type == "cuda":  # ids and labels go to the device without a host sync per micro-batch
+            batch = Batch(batch.inputs.pin_memory(), batch.labels.pin_memory())
         self.env.diagnostics = None
         if diagnostics is not None and diagnostics.wants_step(step):
             self.env.diagnostics = StepProbe(diagnostics, step, first_microbatches(self.executor.actions))
@@ -156,6 +162,8 @@ class RankRuntime:
             loss_sum = self.executor.run_step(batch)
             if self.grads_reducer.active:
                 self.grads_reducer.finish()
+            if self.strict is not None:  # before the loss all-reduce: no rank leaves while another still compares
+                self.strict.check_collectives()
             world = self.groups.world_group
             loss_sum = loss_sum.to(group_device(world, self.device))
             collective(dist.all_reduce, loss_sum, what="the loss all-reduce", rank=self.rank,
@@ -213,7 +221,9 @@ class RankRuntime:
                 "p2p_completion": "stamped" if self.comms.waiter is not None else "at the wait",
                 "time_unit": "us", "device": str(self.device), "model": self.cfg.model.name,
                 "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},
-                "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb}
+                "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb,
+                "comm_groups": self.groups.comm_groups() if self.groups.world_group is not None else {},
+                "comm_rules": self.cfg.train.comm_rules}
         self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
         collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s,
                    group=self.groups.world_group)
@@ -249,6 +259,21 @@ def manual_gc(interval: int):
             gc.enable()
 
 
+def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: bool):
+    """The NCCL-rules transport of train.comm_rules 'nccl' / 'nccl-pair' (None for 'backend'), for a run with a
+    process group on gloo: a CPU run, or a host-staged one."""
+    rules = cfg.train.comm_rules
+    if rules == "backend" or groups.world_group is None:
+        return None
+    if device.type == "cuda" and not staged:
+        raise ValueError(f"train.comm_rules {rules!r} (--transport strict) runs gloo P2P under NCCL's rules; this "
+                         "run is on NCCL already: use --transport auto, or --device cpu")
+    from .strict_transport import StrictTransport
+
+    return StrictTransport(groups.rank, dist.get_world_size(groups.world_group), cfg.train.timeout_s,
+                           view="pair" if rules == "nccl-pair" else "group")
+
+
 def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
     """Check the layout against the world and create its meshes and groups (collective: every rank calls it);
     with train.cpu_bind on a CPU run, bind this process to its cores first."""
@@ -264,7 +289,11 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
         raise ValueError("--transport host stages pipeline P2P through host memory only; data and expert "
                          "parallelism need a GPU per rank (use --dp 1 --ep 1 with it)")
     device_type = "cuda" if device.type == "cuda" and not staged else "cpu"
-    return build_groups(layout, rank, device_type)
+    if cfg.parallel.p2p_groups == "shared" and device_type == "cuda":
+        raise ValueError("parallel.p2p_groups 'shared' (--p2p-groups shared) puts all of a pipeline's P2P on one "
+                         "communicator, which deadlocks under NCCL; it exists to reproduce that on gloo "
+                         "(--transport strict); use 'channel'")
+    return build_groups(layout, rank, device_type, cfg.parallel.p2p_groups)
 
 
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,

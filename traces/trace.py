@@ -45,7 +45,10 @@ class Span:
     kind: schedule op kind (F, I, W, B, FB, SEND_F, RECV_F, SEND_B, RECV_B) or another label (RC, OPT, a kernel).
     stage, mb: the (global stage, micro-batch) the op belongs to; for FB the forward half.
     partner: for FB, the (stage, mb) of the backward half.
-    peer: for SEND/RECV, the other rank.
+    peer: for SEND/RECV, the other rank (global rank in measured traces).
+    group, batch: for a measured communication span, the process group's name (the same on all its members, one
+    per communicator) and the op's batch on that group (per rank, increasing in posting order; the ops of one
+    batch_isend_irecv share it), so that `traces.comm_replay` can replay the posting order under NCCL's rules.
     Not frozen: a frozen dataclass constructs ~5x slower, and simulations create 10^5-10^6 spans; treat spans
     as values (use dataclasses.replace) all the same.
     """
@@ -60,6 +63,8 @@ class Span:
     partner: tuple[int, int] | None = None
     peer: int | None = None
     name: str = ""
+    group: str | None = None
+    batch: int | None = None
 
     @property
     def end(self) -> float:
@@ -84,6 +89,9 @@ class _SpanRecord(pydantic.BaseModel):
     partner: tuple[int, int] | None = None
     peer: int | None = None
     name: str = ""
+    group: str | None = pydantic.Field(default=None, description="comm spans: the process group's name")
+    batch: int | None = pydantic.Field(default=None, ge=0, description="comm spans: batch number on the group, "
+                                       "per rank, in posting order")
 
 
 class _TraceFile(pydantic.BaseModel):
@@ -138,6 +146,8 @@ class Trace:
             d = asdict(s)
             if d["partner"] is not None:
                 d["partner"] = list(d["partner"])
+            if d["group"] is None and d["batch"] is None:  # only measured comm spans carry them
+                del d["group"], d["batch"]
             spans.append(d)
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta, "spans": spans}
 

@@ -6,8 +6,9 @@ import torch
 
 def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None = None, blocks: int | None = None,
                 steps: int = 3, moe: bool = False, timeout_s: float = 20.0, seed: int = 1, dp: int = 1, ep: int = 1,
-                overlap: bool = True, dtype: str = "float32") -> dict:
-    """hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P per data-parallel replica (the minimum
+                overlap: bool = True, dtype: str = "float32", comm_rules: str = "nccl") -> dict:
+    """Multi-rank runs go under NCCL's rules on gloo (`comm_rules` 'nccl': pipeline.strict_transport).
+    hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P per data-parallel replica (the minimum
     DualPipe(V) accepts), dp replicas, EP ep; MoE: 4 experts, top-2, one shared expert, the first block dense."""
     model = {"name": "test", "vocab_size": 64, "num_blocks": blocks or (4 if ranks == 2 else 8), "hidden": 32,
              "num_heads": 2, "head_dim": 16, "mlp_hidden": 64,
@@ -19,7 +20,7 @@ def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None
                          "seq_len": 8, "data_parallel": dp, "expert_parallel": ep, "overlap": overlap},
             "recompute": recompute or {"mode": "off"},
             "train": {"steps": steps, "lr": 1e-2, "seed": seed, "device": "cpu", "timeout_s": timeout_s,
-                      "dtype": dtype}}
+                      "dtype": dtype, "comm_rules": comm_rules}}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -167,8 +167,8 @@ def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, mo
     tr = Transport(1, torch.device("cpu"), comms)
     with pytest.raises(PipelineError) as err:
         tr.post([(True, "SEND_F/s2/mb0", 0, torch.zeros(4))], labels=[("SEND_F", 2, 0)])
-    assert str(err.value) == ("rank 3: posting SEND_F/s2/mb0 to rank 0 failed: the peer closed its connection "
-                              "(it probably died)")
+    assert str(err.value) == ("rank 3: posting SEND_F/s2/mb0 to rank 0 on world failed: the peer closed its "
+                              "connection (it probably died)")
 
 
 def test_p2p_wait_errors_name_the_peers_global_rank(monkeypatch):
@@ -189,8 +189,17 @@ def test_p2p_wait_errors_name_the_peers_global_rank(monkeypatch):
                         else r)
     monkeypatch.setattr(dist, "P2POp", lambda *a, **k: None)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [DeadPeerWork() for _ in ops])
+    class Groups:  # the rank's layout.ParallelGroups, as far as the transport reads it
+        pp_group = pipeline_group
+
+        def channel(self, src, dst):
+            return pipeline_group
+
+        def name_of(self, group):
+            return "pp:0,2"
+
     comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, watch_p2p=False)
-    tr = Transport(0, torch.device("cpu"), comms, group=pipeline_group)
+    tr = Transport(0, torch.device("cpu"), comms, groups=Groups())
     (h,) = tr.post([(False, "RECV_F/s2/mb0", 1, torch.zeros(4))], labels=[("RECV_F", 2, 0)])
     with pytest.raises(PipelineError) as err:
         tr.wait(h)

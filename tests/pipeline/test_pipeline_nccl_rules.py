@@ -1,0 +1,217 @@
+"""The runtime's communication under NCCL's rules (pipeline.strict_transport, docs/communication.md).
+
+* The old design (one process group for all of a pipeline's P2P: parallel.p2p_groups 'shared') deadlocks under
+  NCCL's rules in every schedule: the strict transport turns that into one line per rank that names every rank's
+  blocked queue heads, within the timeout, in the group view and the pair view.
+* The new design (one group per direction of each pipeline link) runs every schedule x {pp4 tiny, pp2 dp2 ep2
+  tiny MoE} x n in {1, 4} x overlap on/off under the strict transport with the losses of plain gloo.
+* The strict transport itself: a receive order that differs from the send order is an error naming both
+  messages; collectives that differ across the members of a group are an error at the end of the step.
+* Every comm span of a recorded run carries its group, batch and the peer's global rank, and
+  `traces.comm_replay` (mhcpipe check-comm) finds the old design's trace deadlocked and the new one's ok.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _pipeline_helpers import check_ok, tiny_config
+from pipeline.local import launch, variants_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+LAYOUTS = {"pp4": dict(ranks=4), "pp2-dp2-ep2": dict(ranks=2, dp=2, ep=2, moe=True)}
+
+
+def _step_worker(rank, world, cfg_dict, trace_dir=None):
+    import torch
+
+    from configs import parse_config
+    from pipeline.train import RankRuntime, make_groups
+
+    cfg = parse_config(cfg_dict)
+    groups = make_groups(cfg, rank, world, torch.device("cpu"))
+    rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, record=trace_dir is not None)
+    rt.align_clocks()
+    loss = rt.step(0).loss
+    if trace_dir is not None:
+        rt.save_trace(Path(trace_dir), world)
+    return loss
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_shared_p2p_group_deadlocks_under_nccl_rules_in_every_schedule(kind):
+    """Posting order of the shared design, replayed live under NCCL's rules: every rank fails within the timeout
+    with one line naming the op it waited for and every rank's queue heads (what each one's communicator is
+    stuck on, and what sits behind it)."""
+    cfg = tiny_config(kind, 4, steps=1, timeout_s=5)
+    cfg["parallel"]["p2p_groups"] = "shared"
+    results = launch(_step_worker, 4, (cfg,), timeout_s=120, grace_s=20)
+    assert all(r.exitcode == 1 for r in results), [(r.rank, r.exitcode, r.error) for r in results]
+    for r in results:
+        assert "\n" not in r.error, r.error
+        assert f"rank {r.rank}: timed out after 5 s waiting for " in r.error, r.error
+        assert "NCCL-rules queue heads (group view)" in r.error, r.error
+        for other in range(4):  # every rank's heads, the blocked op first and what it waits for
+            assert f"rank {other}: [world] " in r.error, r.error
+        assert "waits for rank" in r.error and "behind it" in r.error, r.error
+
+
+@pytest.mark.timeout(120)
+def test_the_shared_p2p_group_deadlocks_in_the_pair_view_too():
+    """ProcessGroupNCCL may run P2P on a two-rank communicator per rank pair, shared by both directions: the old
+    design deadlocks there as well (rank 0's receive from rank 1 ahead of its send to it, and vice versa)."""
+    cfg = tiny_config("1f1b", 4, steps=1, timeout_s=5, comm_rules="nccl-pair")
+    cfg["parallel"]["p2p_groups"] = "shared"
+    results = launch(_step_worker, 4, (cfg,), timeout_s=100, grace_s=20)
+    assert all(r.exitcode == 1 for r in results), [(r.rank, r.exitcode, r.error) for r in results]
+    err = results[0].error
+    assert "(pair view)" in err and "[world|0-1] RECV_B/s1/mb0 waits for rank 1's send of B/s1/mb0" in err, err
+
+
+def _grid(layout: str) -> list[dict]:
+    out = []
+    for kind in KINDS:
+        overlaps = (True, False) if kind in ("dualpipe", "dualpipev") else (True,)  # only DualPipe has F&B pairs
+        for n in (1, 4):
+            for ov in overlaps:
+                for rules in ("nccl", "backend"):
+                    out.append(tiny_config(kind, n=n, overlap=ov, steps=1, comm_rules=rules, **LAYOUTS[layout]))
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_channel_groups_run_every_schedule_under_nccl_rules_with_plain_gloos_losses(layout):
+    """One group per direction of each pipeline link: every schedule, n in {1, 4}, overlap on and off, runs to
+    the end under NCCL's rules (group view), and its loss equals the plain gloo run's."""
+    variants = _grid(layout)
+    results = launch(variants_worker, 4, (variants, False), timeout_s=380)
+    check_ok(results)
+    for i in range(0, len(variants), 2):
+        strict, plain = variants[i], variants[i + 1]
+        assert strict["train"]["comm_rules"] == "nccl" and plain["train"]["comm_rules"] == "backend"
+        for r in results:
+            a, b = r.value[i]["stats"][0]["loss"], r.value[i + 1]["stats"][0]["loss"]
+            assert abs(a - b) <= 1e-6 * abs(b), (layout, strict["parallel"], strict["model"]["residual"], a, b)
+
+
+def _mismatch_worker(rank, world):
+    """Rank 0 sends F/s0/mb0 then F/s0/mb1; rank 1 receives them the other way round, on one channel."""
+    import torch
+
+    from pipeline.comm import Comms
+    from pipeline.layout import Layout, build_groups
+    from pipeline.p2p import Transport
+    from pipeline.recorder import Recorder
+    from pipeline.strict_transport import StrictTransport
+
+    groups = build_groups(Layout(2, 1, 1, "1f1b"), rank, "cpu")
+    comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=10.0)
+    strict = StrictTransport(rank, world, 10.0)
+    comms.strict = strict
+    tr = Transport(rank, torch.device("cpu"), comms, groups=groups, strict=strict)
+    x = torch.randn(4, 2, 8)
+    if rank == 0:
+        ops = [(True, "SEND_F/s0/mb0", 1, x), (True, "SEND_F/s0/mb1", 1, x)]
+    else:
+        ops = [(False, "RECV_F/s0/mb1", 0, torch.empty_like(x)), (False, "RECV_F/s0/mb0", 0, torch.empty_like(x))]
+    handles = [tr.post([op])[0] for op in ops]
+    for h in handles:
+        tr.wait(h)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_order_unlike_the_send_order_is_an_error_naming_both_messages():
+    """NCCL matches the k-th send with the k-th receive of a pair: the wrong tensor (same shape) or a hang. The
+    strict transport checks each match and names both messages."""
+    results = launch(_mismatch_worker, 2, (), timeout_s=60, grace_s=15)
+    errs = " ".join(r.error or "" for r in results)
+    assert "NCCL order mismatch on p2p:0>1: its next send to rank 1 is F/s0/mb0" in errs, errs
+    assert "rank 1's next receive from it is F/s0/mb1" in errs, errs
+
+
+def _collective_worker(rank, world, swapped):
+    """Two all-reduces of 6 elements each; rank 1 posts them in the other order when `swapped` (gloo sums flat
+    buffers, so it completes; NCCL-wise the shapes [2, 3] and [3, 2] differ)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.comm import Comms
+    from pipeline.recorder import Recorder
+    from pipeline.strict_transport import StrictTransport
+
+    comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=10.0)
+    comms.strict = StrictTransport(rank, world, 10.0)
+    shapes = [(2, 3), (3, 2)]
+    if swapped and rank == 1:
+        shapes.reverse()
+    hs = [comms.post(dist.all_reduce, torch.ones(s), group=dist.group.WORLD, group_name="world", name=f"RG/{s}",
+                     kind="RG", stage=None, mb=None, peer="world group") for s in shapes]
+    for h in hs:
+        comms.wait(h)
+    comms.strict.check_collectives()
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_collectives_in_another_order_on_one_member_are_an_error():
+    same = launch(_collective_worker, 2, (False,), timeout_s=60)
+    check_ok(same)
+    swapped = launch(_collective_worker, 2, (True,), timeout_s=60, grace_s=15)
+    errs = " ".join(r.error or "" for r in swapped)
+    assert "collective order mismatch on world in step 0: its collective #1 is all_reduce torch.float32[3]" in errs \
+        or "collective order mismatch on world in step 0: its collective #1 is all_reduce torch.float32[2]" in errs, errs
+
+
+def _trace_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """pp2 x dp2 x ep2 (global ranks differ from pipeline ranks): a traced step of the new design under the
+    strict transport, and of the old one on plain gloo (which completes it: its sends are buffered)."""
+    new = tiny_config("dualpipev", 2, moe=True, dp=2, ep=2, steps=1)
+    old = tiny_config("dualpipev", 2, moe=True, dp=2, ep=2, steps=1, comm_rules="backend")
+    old["parallel"]["p2p_groups"] = "shared"
+    for name, cfg in (("new", new), ("old", old)):
+        check_ok(launch(_step_worker, 4, (cfg, str(tmp_path / name)), timeout_s=120))
+    return tmp_path / "new" / "trace.json", tmp_path / "old" / "trace.json"
+
+
+@pytest.mark.timeout(300)
+def test_comm_spans_carry_group_batch_and_global_peer_and_check_comm_reads_them(tmp_path):
+    from traces.comm_replay import check_comm
+    from traces.io import load_trace
+
+    new_path, old_path = _trace_pair(tmp_path)
+    trace = load_trace(new_path)
+    comm = [s for s in trace.spans if s.stream == "comm"]
+    assert comm and all(s.group is not None and s.batch is not None for s in comm)
+    groups = trace.meta["comm_groups"]
+    p2p = [s for s in comm if s.kind.startswith(("SEND_", "RECV_"))]
+    assert {s.group for s in p2p} == {"p2p:0>2", "p2p:2>0", "p2p:1>3", "p2p:3>1"}
+    for s in p2p:  # the peer is the global rank at the other end of the span's one-direction channel
+        src, dst = map(int, s.group.split(":")[1].split(">"))
+        assert (s.rank, s.peer) == ((src, dst) if s.kind.startswith("SEND_") else (dst, src)), s
+        assert sorted(groups[s.group]) == sorted((src, dst))
+    sends = {(s.rank, s.peer, s.name.split("/", 1)[1]) for s in p2p if s.kind.startswith("SEND_")}
+    recvs = {(s.peer, s.rank, s.name.split("/", 1)[1]) for s in p2p if s.kind.startswith("RECV_")}
+    assert sends == recvs  # every send's peer has the matching receive from it
+    assert {s.group.split(":")[0] for s in comm} >= {"ep-F", "ep-B"}
+    batches = {}
+    for s in sorted(comm, key=lambda s: s.start):  # batch numbers rise in posting order, per rank and group
+        batches.setdefault((s.rank, s.group), []).append(s.batch)
+    assert all(b == sorted(b) for b in batches.values())
+    assert all(r.ok for r in check_comm(trace)), [r.problems for r in check_comm(trace)]
+    old = check_comm(load_trace(old_path))
+    assert [r.ok for r in old] == [False, False] and all(r.deadlock for r in old)
+    out = subprocess.run([sys.executable, "-m", "mhcpipe", "check-comm", str(old_path), "--json",
+                          str(tmp_path / "cc.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout.startswith("deadlock (group view)"), out.stdout + out.stderr
+    assert json.loads((tmp_path / "cc.json").read_text())[0]["ok"] is False
+    ok = subprocess.run([sys.executable, "-m", "mhcpipe", "check-comm", str(new_path)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: "), ok.stdout + ok.stderr

@@ -1,0 +1,60 @@
+"""`mhcpipe check-comm`: replay a measured trace's communication under NCCL's rules (per-group FIFO order,
+rendezvous sends, positional matching, host waits) and report deadlocks, order mismatches and unmatched ops.
+
+    mhcpipe check-comm TRACE [--view group|pair|both] [--json OUT]
+
+example: mhcpipe check-comm runs/x/trace.json --view both
+
+TRACE is a trace of ours recorded by `mhcpipe run ... --trace-dir DIR` (or that folder). Views: `group` queues
+everything a rank posts on one process group in one FIFO; `pair` gives P2P ops one queue per peer (two-rank
+communicators). Prints `ok: N ops in B batches on G groups (V view)` per view and exits 0, or the problems (first
+line a summary per view) and exits 1; bad input exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from traces.comm_replay import VIEWS, ReplayResult, replay
+from traces.io import load_trace
+
+MAX_LINES = 20
+HELP = "replay a measured trace's communication under NCCL's rules: deadlocks, order mismatches, unmatched ops"
+EXAMPLE = "mhcpipe check-comm runs/x/trace.json --view both --json runs/x/comm.json"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("check-comm", help=HELP, description=f"{HELP}\n\nexample: {EXAMPLE}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", metavar="TRACE", help="trace file of ours, or the run's trace folder")
+    p.add_argument("--view", choices=(*VIEWS, "both"), default="both",
+                   help="queue per (rank, group), per (rank, group, peer) for P2P, or both (default)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON here")
+    p.set_defaults(func=run_check_comm)
+
+
+def format_result(res: ReplayResult, max_lines: int = MAX_LINES) -> list[str]:
+    """The summary line, then at most `max_lines` problem lines and `... and K more`."""
+    probs = res.problems
+    lines = [res.summary(), *(f"  {p}" for p in probs[:max_lines])]
+    if len(probs) > max_lines:
+        lines.append(f"  ... and {len(probs) - max_lines} more")
+    return lines
+
+
+def run_check_comm(args: argparse.Namespace) -> int:
+    path = Path(args.trace)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (pass a trace written by --trace-dir)")
+    trace = load_trace(path)
+    views = VIEWS if args.view == "both" else (args.view,)
+    results = [replay(trace, v, source=str(path)) for v in views]
+    for res in results:
+        sys.stdout.write("\n".join(format_result(res)) + "\n")
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps([r.to_dict() for r in results], indent=1))
+    return 0 if all(r.ok for r in results) else 1
