@@ -101,8 +101,7 @@ def test_channel_groups_run_every_schedule_under_nccl_rules_with_plain_gloos_los
             assert abs(a - b) <= 1e-6 * abs(b), (layout, strict["parallel"], strict["model"]["residual"], a, b)
 
 
-def _mismatch_worker(rank, world):
-    """Rank 0 sends F/s0/mb0 then F/s0/mb1; rank 1 receives them the other way round, on one channel."""
+def _strict_transport(rank, world, p2p_groups="channel", timeout_s=10.0):
     import torch
 
     from pipeline.comm import Comms
@@ -111,11 +110,43 @@ def _mismatch_worker(rank, world):
     from pipeline.recorder import Recorder
     from pipeline.strict_transport import StrictTransport
 
-    groups = build_groups(Layout(2, 1, 1, "1f1b"), rank, "cpu")
-    comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=10.0)
-    strict = StrictTransport(rank, world, 10.0)
+    groups = build_groups(Layout(2, 1, 1, "1f1b"), rank, "cpu", p2p_groups)
+    comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=timeout_s)
+    strict = StrictTransport(rank, world, timeout_s)
     comms.strict = strict
-    tr = Transport(rank, torch.device("cpu"), comms, groups=groups, strict=strict)
+    return Transport(rank, torch.device("cpu"), comms, groups=groups, strict=strict)
+
+
+def _send_first_worker(rank, world, p2p_groups):
+    """Both ranks post a send to the other, then a receive from it, as two batches: gloo buffers the sends and
+    completes; on one NCCL communicator each send waits for a receive queued behind the peer's own send."""
+    import torch
+
+    tr = _strict_transport(rank, world, p2p_groups, timeout_s=4.0)
+    x = torch.randn(4, 2, 8)
+    peer = 1 - rank
+    tr.post([(True, f"SEND_F/s{rank}/mb0", peer, x)])
+    (h,) = tr.post([(False, f"RECV_F/s{peer}/mb0", peer, torch.empty_like(x))])
+    tr.wait(h)
+    return "completed"
+
+
+@pytest.mark.timeout(120)
+def test_a_send_completes_only_while_its_receive_runs():
+    """NCCL's rendezvous rule, alone: sends at the head of both ranks' queues on one communicator deadlock
+    (each waits for a receive behind the other's send); on one group per direction they complete."""
+    shared = launch(_send_first_worker, 2, ("shared",), timeout_s=60, grace_s=15)
+    assert all(r.exitcode == 1 for r in shared), [(r.rank, r.exitcode, r.error) for r in shared]
+    assert "[world] SEND_F/s0/mb0 waits for rank 1 to run the receive of F/s0/mb0" in shared[0].error, \
+        shared[0].error
+    check_ok(launch(_send_first_worker, 2, ("channel",), timeout_s=60))
+
+
+def _mismatch_worker(rank, world):
+    """Rank 0 sends F/s0/mb0 then F/s0/mb1; rank 1 receives them the other way round, on one channel."""
+    import torch
+
+    tr = _strict_transport(rank, world)
     x = torch.randn(4, 2, 8)
     if rank == 0:
         ops = [(True, "SEND_F/s0/mb0", 1, x), (True, "SEND_F/s0/mb1", 1, x)]
