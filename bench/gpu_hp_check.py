@@ -36,36 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
+from bench.gpu_common import check_device, deterministic_mode  # noqa: E402
+
 FULL = dict(vocab=4096, hidden=1024, heads=8, head_dim=128, mlp_hidden=2816, seq_len=2048, microbatch_size=1,
             dtype="bfloat16")
 SMALL = dict(vocab=256, hidden=64, heads=4, head_dim=16, mlp_hidden=128, seq_len=32, microbatch_size=2,
              dtype="float32")
-
-
-def deterministic_mode(device_type: str, off: bool) -> list[str]:
-    """CUDA: torch.use_deterministic_algorithms(True, warn_only=True) with CUBLAS_WORKSPACE_CONFIG set (before
-    cuBLAS starts), so the comparison is not blurred by atomics (index_add/index_select backward of the MoE,
-    attention backward); an op that has no deterministic form only warns. Returns the list that collects those
-    warnings (reported in the JSON). CPU kernels are deterministic already: nothing changes there."""
-    import warnings
-
-    seen: list[str] = []
-    if device_type != "cuda" or off:
-        return seen
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    shown = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if "determinis" in text and text[:200] not in seen:
-            seen.append(text[:200])
-        shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    return seen
 
 
 def parse_args(argv=None):
@@ -197,12 +173,9 @@ def main(argv=None) -> int:
     nondet = deterministic_mode(args.device, args.no_deterministic)
     import torch
 
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("bench/gpu_hp_check.py: error: no CUDA device; use --device cpu --small", file=sys.stderr)
-            return 2
-        torch.cuda.set_device(device)
+    device = check_device(args.device, "bench/gpu_hp_check.py")
+    if device is None:
+        return 2
     cuda = device.type == "cuda"
     out: dict = {"device": torch.cuda.get_device_name(device) if cuda else
                  f"cpu ({platform.processor() or platform.machine()})", "torch": torch.__version__,

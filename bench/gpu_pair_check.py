@@ -62,6 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
+from bench.gpu_common import check_device, deterministic_mode  # noqa: E402
+
 # GPU: a MoE model whose rank-0 step takes tens of ms on an H200 (fp32); small: the tiny-moe shape.
 FULL = dict(vocab=4096, hidden=1024, heads=8, head_dim=128, mlp_hidden=2816, experts=8, top_k=2, shared=1,
             expert_hidden=1024, seq_len=1024, microbatch_size=1)
@@ -69,32 +71,6 @@ SMALL = dict(vocab=256, hidden=64, heads=4, head_dim=16, mlp_hidden=128, experts
              expert_hidden=32, seq_len=32, microbatch_size=2)
 TOL = {"float32": 1e-5, "float64": 1e-12}
 HALF = re.compile(r"^(F|B)/s\d+/mb\d+/L\d+\.")
-
-
-def deterministic_mode(device_type: str, off: bool) -> list[str]:
-    """CUDA: torch.use_deterministic_algorithms(True, warn_only=True) with CUBLAS_WORKSPACE_CONFIG set (before
-    cuBLAS starts), so the comparison is not blurred by atomics (index_add/index_select backward of the MoE,
-    attention backward); an op that has no deterministic form only warns. Returns the list that collects those
-    warnings (reported in the JSON). CPU kernels are deterministic already: nothing changes there."""
-    import warnings
-
-    seen: list[str] = []
-    if device_type != "cuda" or off:
-        return seen
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    shown = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if "determinis" in text and text[:200] not in seen:
-            seen.append(text[:200])
-        shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    return seen
 
 
 def parse_args(argv=None):
@@ -267,12 +243,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("bench/gpu_pair_check.py: error: no CUDA device; use --device cpu --small", file=sys.stderr)
-            return 2
-        torch.cuda.set_device(device)
+    device = check_device(args.device, "bench/gpu_pair_check.py")
+    if device is None:
+        return 2
     backend = "nccl" if device.type == "cuda" else "gloo"
     cfg = config(args)
     from pipeline.layout import Layout, ParallelGroups

@@ -33,7 +33,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
     p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
     p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
-                   default=os.environ.get("MHCPIPE_TRANSPORT", "auto"),
+                   default=os.environ.get("MHCPIPE_TRANSPORT") or "auto",
                    help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "
                         "'host' = stage P2P through host memory (several ranks on one GPU); 'strict' = gloo P2P "
                         "under NCCL's rules (a posting order that would hang on NCCL fails here with every rank's "

@@ -171,7 +171,10 @@ class StrictTransport:
                 error = err if isinstance(err, PipelineError) else PipelineError(
                     f"rank {self.rank}: {', '.join(o.name for o in batch.ops)} failed: {describe(err)}")
             with self._cv:
-                q.popleft()
+                if error is None:
+                    q.popleft()
+                else:  # stays at the head, so the heads report says what broke this queue
+                    batch.state = f"failed ({describe(error)})"
                 self._version += 1
             batch.work.finish(error)
             if error is not None:

@@ -7,7 +7,6 @@ with a stand-in for torchrun that prints loss lines, so no process group is star
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -17,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from _bench_helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ recorder spans, and the cost model's H200 prediction of the same actions.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
@@ -15,16 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from _bench_helpers import load_bench
 from configs import eq20_block_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

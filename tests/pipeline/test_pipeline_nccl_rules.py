@@ -57,9 +57,14 @@ def test_the_shared_p2p_group_deadlocks_under_nccl_rules_in_every_schedule(kind)
         assert "\n" not in r.error, r.error
         assert f"rank {r.rank}: timed out after 5 s waiting for " in r.error, r.error
         assert "NCCL-rules queue heads (group view)" in r.error, r.error
-        for other in range(4):  # every rank's heads, the blocked op first and what it waits for
-            assert f"rank {other}: [world] " in r.error, r.error
-        assert "waits for rank" in r.error and "behind it" in r.error, r.error
+
+    def complete(err: str) -> bool:  # every rank's heads: the blocked op, what it waits for, what is behind it
+        heads = err.split("queue heads (group view): ", 1)[1].split(" | ")
+        return len(heads) == 4 and all("[world] " in h and "waits for rank" in h for h in heads) and \
+            "behind it" in err
+
+    # the first ranks to time out see every rank still blocked (a later one may see a peer already gone)
+    assert any(complete(r.error) for r in results), [r.error for r in results]
 
 
 @pytest.mark.timeout(120)
@@ -70,8 +75,9 @@ def test_the_shared_p2p_group_deadlocks_in_the_pair_view_too():
     cfg["parallel"]["p2p_groups"] = "shared"
     results = launch(_step_worker, 4, (cfg,), timeout_s=100, grace_s=20)
     assert all(r.exitcode == 1 for r in results), [(r.rank, r.exitcode, r.error) for r in results]
-    err = results[0].error
-    assert "(pair view)" in err and "[world|0-1] RECV_B/s1/mb0 waits for rank 1's send of B/s1/mb0" in err, err
+    errs = " ".join(r.error for r in results)
+    assert all("(pair view)" in r.error for r in results), errs
+    assert "[world|0-1] RECV_B/s1/mb0 waits for rank 1's send of B/s1/mb0" in errs, errs
 
 
 def _grid(layout: str) -> list[dict]:
@@ -137,8 +143,9 @@ def test_a_send_completes_only_while_its_receive_runs():
     (each waits for a receive behind the other's send); on one group per direction they complete."""
     shared = launch(_send_first_worker, 2, ("shared",), timeout_s=60, grace_s=15)
     assert all(r.exitcode == 1 for r in shared), [(r.rank, r.exitcode, r.error) for r in shared]
-    assert "[world] SEND_F/s0/mb0 waits for rank 1 to run the receive of F/s0/mb0" in shared[0].error, \
-        shared[0].error
+    errs = " ".join(r.error for r in shared)  # the first rank to time out sees both heads before the other exits
+    assert "[world] SEND_F/s0/mb0 waits for rank 1 to run the receive of F/s0/mb0" in errs, errs
+    assert "[world] SEND_F/s1/mb0 waits for rank 0 to run the receive of F/s1/mb0" in errs, errs
     check_ok(launch(_send_first_worker, 2, ("channel",), timeout_s=60))
 
 
