@@ -13,12 +13,10 @@ all-to-alls, "B" for the backward's) handed in through `pipeline.layout.Parallel
 transport is swapped for `pipeline.loopback.LoopbackTransport` (as bench/stage.py does): every RECV is a device
 copy of a pre-made random tensor, every SEND completes at once.
 
-On a 1-rank EP group the runtime skips the exchange path (pipeline/model.py `run_routed` runs the experts locally
-when `comm.size == 1`, and pipeline/stage.py `Stage.exchanges` needs `expert.size > 1`), so nothing would run on the
-pair's helper thread. This script therefore forces that path in its own process, without touching pipeline/:
-`pipeline.model.run_routed` is replaced by one that always calls `ExpertComm.routed` when the MoE has a comm, and
-every stage's `exchanges` flag is recomputed without the size test. Then the counts, dispatch and combine
-all-to-alls (and their .dgrad backward exchanges) really go through the 1-rank groups, and every F&B pair takes
+On a 1-rank EP group the runtime runs the experts locally (`ExpertComm.exchanging` is False for one rank), so
+nothing would run on the pair's helper thread. This script sets `rt.expert.exchanging = True`: then the counts,
+dispatch and combine all-to-alls (and their .dgrad backward exchanges) really go through the 1-rank groups, and
+every F&B pair takes
 `pipeline.overlap.PairRunner`'s threaded path (forward half here, backward half on the helper thread, turns handed
 over at every all-to-all and block boundary; on CUDA both threads issue to the compute stream and NCCL runs on its
 own streams).
@@ -138,27 +136,11 @@ def init_world1(backend: str, device, timeout_s: float) -> None:
     dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
-def force_exchange_path() -> None:
-    """Run MoE layers through ExpertComm.routed (the all-to-alls) even on a 1-rank EP group (see the docstring)."""
-    import pipeline.model as model
-
-    def run_routed(moe, rows, counts):
-        if moe.comm is None:
-            return moe.local_experts(rows, counts.tolist())
-        return moe.comm.routed(moe, rows, counts)
-
-    model.run_routed = run_routed
-
-
-def mark_exchanges(rt) -> list[int]:
-    """Recompute Stage.exchanges without the EP-size test; returns the stages that exchange."""
-    out = []
-    for s, st in rt.stages.items():
-        st.exchanges = rt.expert is not None and any(
-            getattr(st.blocks[str(b)].mlp.sublayer.core, "comm", None) is not None for b in st.spec.blocks)
-        if st.exchanges:
-            out.append(s)
-    return out
+def force_exchanges(rt) -> list[int]:
+    """Make the runtime's MoE layers exchange over their 1-rank EP groups (`ExpertComm.exchanging`), so F&B
+    pairs take the threaded path; returns the stages that exchange."""
+    rt.expert.exchanging = True
+    return [s for s, st in rt.stages.items() if st.exchanges]
 
 
 class Side:
@@ -173,7 +155,7 @@ class Side:
         shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, boundary_width(cfg))
         self.loop = LoopbackTransport(args.rank, device, shape, self.rt.dtype, seed=cfg.train.seed + 1)
         self.rt.transport = self.rt.executor.transport = self.loop
-        self.exchanging = mark_exchanges(self.rt)
+        self.exchanging = force_exchanges(self.rt)
         self.rt.recorder.align()
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -252,7 +234,6 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     init_world1(backend, device, args.timeout)
-    force_exchange_path()
     g_f, g_b = dist.new_group([0]), dist.new_group([0])
     layout = Layout.of(cfg)
     groups = ParallelGroups(layout, 0, args.rank, 0, 0, ep_groups={"F": g_f, "B": g_b},

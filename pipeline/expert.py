@@ -40,6 +40,9 @@ class ExpertComm:
                  names: dict[str, str] | None = None):
         self.groups = groups  # "F": forward exchanges, "B": backward ones (two process groups of the same ranks)
         self.names = names or {side: f"ep-{side}" for side in groups}  # each group's name (trace spans)
+        # the MoE layers exchange over the group (a 1-rank group runs its experts locally, unless a one-GPU check
+        # sets this to run the all-to-alls, and so the threaded F&B pair, anyway: bench/gpu_pair_check.py)
+        self.exchanging = size > 1
         self.size = size  # EP ranks
         self.rank = rank  # this rank's index in the EP group
         self.comms = comms

@@ -172,7 +172,7 @@ class MoE(nn.Module):
 
 def run_routed(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Expert outputs for `rows` (sorted by expert, counts[e] rows for expert e): here, or over the EP group."""
-    if moe.comm is None or moe.comm.size == 1:
+    if moe.comm is None or not moe.comm.exchanging:
         # the layer's one host synchronisation: per-expert slices need their sizes on the host (with EP the
         # count exchange's read, pipeline.expert.ExpertComm.counts, is that one)
         return moe.local_experts(rows, counts.tolist())

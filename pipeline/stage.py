@@ -74,8 +74,8 @@ class Stage(nn.Module):
         self.head = build_head(mc, seed, store) if spec.has_head else None
         subs = [(l, m, l % 2 == 1) for b in spec.blocks for l, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
-        # expert-parallel all-to-alls inside this stage's forward and backward (what an F&B pair can overlap)
-        self.exchanges = expert is not None and expert.size > 1 and any(
+        self.expert = expert
+        self.has_moe = expert is not None and any(
             getattr(self.blocks[str(b)].mlp.sublayer.core, "comm", None) is not None for b in spec.blocks)
         first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
         self.labels = ([f"L{first}.embed"] if self.embed is not None else []) + \
@@ -90,6 +90,11 @@ class Stage(nn.Module):
                              "recompute.block_size")
 
     # -- one sub-layer ---------------------------------------------------------------------------------
+    @property
+    def exchanges(self) -> bool:
+        """Expert-parallel all-to-alls inside this stage's forward and backward (what an F&B pair can overlap)."""
+        return self.has_moe and self.expert.exchanging
+
     def _post_fn(self, m, coeffs):
         if self.residual:
             return lambda x, y: x + y[:, None]
