@@ -13,7 +13,8 @@ stream, so a comm span starts with an event on that stream when the data is read
 on a completion stream after `Work.wait()` orders that stream behind NCCL's, i.e. when the transfer finished.
 Waiting for a result orders the compute stream behind the work (`Work.wait()` without a timeout: the host keeps
 queuing kernels) and the `WAIT` span is a pair of events on the compute stream, i.e. how long that stream
-stalled. Only a result read by the host (`wait(host=True)`) makes the host wait, by polling.
+stalled. Only a result read by the host makes the host wait, by polling: `wait(host=True)`, or `host_read`, whose
+copy is queued behind the op alone (the expert counts).
 
 Deadlines: gloo works take `Work.wait(timeout)`; NCCL works are polled (`is_completed`, which queries an event)
 with a sleeping back-off, never waited with a timeout (that busy-waits the host); a stream-ordered wait has the

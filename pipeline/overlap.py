@@ -141,13 +141,13 @@ class PairRunner:
             if self._error is not None:
                 raise HalfAborted(f"the {other} half of the F&B pair failed")
 
-    def wait(self, side: str, handle, host: bool = False) -> None:
+    def wait(self, side: str, handle) -> None:
         """`side` needs `handle`'s result. While it is in flight and the other half can compute (it is not parked
         on an unfinished op), the other half computes; when neither can, this thread blocks until *either* op
         completes (a WAIT span covers that time), so neither half's progress waits behind the other's."""
         comms = self.comms
         if not (self.active and self.dynamic):
-            comms.wait(handle, host=host)
+            comms.wait(handle)
             return
         other = "B" if side == "F" else "F"
         wait_token, deadline = None, time.monotonic() + comms.timeout_s
@@ -178,7 +178,7 @@ class PairRunner:
                 raise comms.timeout_error(handle)
         if wait_token is not None:
             self.recorder.end(wait_token)
-        comms.wait(handle, host=host)
+        comms.wait(handle)
 
     def _fill(self) -> bool:
         """Neither half can compute (or, after both halves ended, what is left): run one deferred weight-gradient
