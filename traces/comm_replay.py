@@ -229,7 +229,12 @@ def _match_collectives(ops: list[_Op], g: str, lists: dict[int, list[int]], mism
 
 def _host_waits(trace: Trace, ops: list[_Op]) -> dict[int, list[tuple[float, int]]]:
     """Per rank, the ops its host waited for, as (WAIT end, op index) sorted; sets each op's `wpos`. A WAIT
-    names the op; the instance is the rank's last op of that name posted before the WAIT ended."""
+    names the op; the instance is the rank's last op of that name posted before the WAIT ended. None for a run
+    whose overlapped F&B pairs post from two threads (meta layout: overlap with EP): a WAIT there blocks one
+    half only, so it orders nothing the other half posts, and using it would invent a deadlock."""
+    lay = trace.meta.get("layout") or {}
+    if lay.get("overlap") and (lay.get("ep") or 1) > 1:
+        return {}
     by_name: dict[tuple[int, str], list[tuple[float, int]]] = defaultdict(list)
     for i, o in enumerate(ops):
         by_name[(o.rank, o.name)].append((o.start, i))
