@@ -279,10 +279,14 @@ class Comms:
                     ok = poll(ev.query, max(0.0, limit - (time.monotonic() - started)))
         except Exception as err:  # noqa: BLE001
             cause = describe(err)
+            if isinstance(err, PipelineError):  # the strict transport's batch error: keep its cause only
+                cause = str(err).split(" failed: ", 1)[-1]
             if cause == "the backend timed out":
                 raise self.timeout_error(h, limit) from None
+            # a peer that died of its own timeout closes its connections: the heads say where the job hung
+            hint = f"; {self.strict.hang_report()}" if self.strict is not None else ""
             raise PipelineError(f"rank {self.rank}: {h.name} {self._with(h)} failed after "
-                                f"{time.monotonic() - started:.1f} s: {cause}") from None
+                                f"{time.monotonic() - started:.1f} s: {cause}{hint}") from None
         if not ok:
             raise self.timeout_error(h, limit)
         if wtok is not None:

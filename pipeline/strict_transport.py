@@ -164,17 +164,18 @@ class StrictTransport:
                 batch = q[0]
                 batch.state, batch.since_wall = "running", time.time()
                 self._version += 1
-            error = None
+            error, cause = None, ""
             try:
                 self._run_batch(batch)
             except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the batch
+                cause = str(err) if isinstance(err, PipelineError) else describe(err)
                 error = err if isinstance(err, PipelineError) else PipelineError(
-                    f"rank {self.rank}: {', '.join(o.name for o in batch.ops)} failed: {describe(err)}")
+                    f"rank {self.rank}: {', '.join(o.name for o in batch.ops)} failed: {cause}")
             with self._cv:
                 if error is None:
                     q.popleft()
                 else:  # stays at the head, so the heads report says what broke this queue
-                    batch.state = f"failed ({describe(error)})"
+                    batch.state = f"failed ({cause})"
                 self._version += 1
             batch.work.finish(error)
             if error is not None:
