@@ -127,6 +127,11 @@ class TrainConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float64"] = Field(
         "float32", description="activation dtype; parameters are fp32, or fp64 with 'float64' (CPU equivalence "
         "tests: sums in another order then differ by ~1e-16 instead of ~1e-7)")
+    distributed_optimizer: bool = Field(
+        False, description="Adam's fp32 master weights and moments sharded over the data-parallel ranks (ZeRO-1, "
+        "Megatron-LM's --use-distributed-optimizer; routed experts over the D / EP replicas holding them): the cost "
+        "model prices 6 + 12/D bytes per bf16 parameter instead of 18 (costmodel/memory.py). The runtime's AdamW "
+        "(pipeline.model.make_optimizer) keeps the whole state on every rank whatever this says")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
     comm_rules: Literal["backend", "nccl", "nccl-pair"] = Field(

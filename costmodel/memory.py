@@ -1,9 +1,32 @@
 """Memory per rank: model states, activations of the schedule's peak live micro-batches, mHC with and without
 recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage), P2P buffers.
 
-* Model states, mixed-precision Adam: 16 bytes per parameter (bf16 weight and gradient, fp32 master weight and
-  two moments; ZeRO arXiv 1910.02054 §3.1), no optimizer sharding (ZeRO-1 over data parallelism would divide the
-  12 optimizer bytes; not modelled). DualPipe holds two stages per rank (both copies of a block): counted.
+* Model states, Adam as Megatron-LM counts them (bytes per parameter, d = the data-parallel ranks that share
+  the parameter's optimizer state; Megatron Core docs, "Distributed Optimizer" table, and
+  megatron/training/theoretical_memory_usage.py, compute_weight_and_optimizer_memory):
+  train.dtype bfloat16: bf16 weight 2 + fp32 main gradient 4, kept on every rank (6), + fp32 master weight 4 and
+  Adam m, v 8 (12): 18 without the distributed optimizer, 6 + 12/d with it (train.distributed_optimizer:
+  ZeRO-1, arXiv 1910.02054 §5.1, which shards the optimizer state, not the gradients or weights);
+  float32 (Megatron's fp32 row): weight 4 + gradient 4 (8) + m, v 8: 16, or 8 + 8/d; float64: the fp32 row
+  doubled (derived): 32, or 16 + 16/d. Which d divides what (Megatron's expert-data-parallel group, the
+  runtime's gradient groups, data_parallel.py): dense parameters (attention, norms, router, shared experts,
+  embedding, head, mHC coefficients) d = D, the data-parallel replicas; routed experts, already split over
+  EP, d = D / EP, the replicas holding the same experts (max(1, D // EP): a config with D < EP prices one
+  replica's EP ranks as if they held the experts alone). Megatron's own formula uses one d for all (it also
+  ignores EP); with EP = 1 the two agree. DualPipe holds two stages per rank (both copies of a block): counted.
+* Reserve per GPU (rank_memory's `hw` a GPU spec; nothing on a CPU spec, whose ranks have no CUDA context),
+  RankMemory.reserve_bytes, stated assumptions, not measured here: CUDA context CUDA_CONTEXT_BYTES = 0.75 GiB
+  (a PyTorch process's first CUDA call takes ~0.7 GiB, 723 MiB in discuss.pytorch.org/t/73021; 0.5-1 GiB is
+  the range commonly seen, lazy module loading, CUDA >= 12.2's default, at the low end); NCCL
+  NCCL_BUFFER_BYTES = 0.5 GiB for all of a rank's communicators (DP and expert-DP all-reduce, PP P2P: NCCL's
+  default NCCL_BUFFSIZE is 4 MiB per channel and peer, ~32 channels x send/receive x the protocols is a few
+  hundred MiB per communicator; our assumption); DeepEP, when EP > 1: DEEPEP_NVL_BYTES = 2e9 of NVLink buffer,
+  plus DEEPEP_RDMA_BYTES = 1e9 of RDMA buffer when the EP group spans nodes (the sizes DeepEP V1's own tests
+  allocate for its training/prefill kernels, tests/test_intranode.py and test_internode.py:
+  `Buffer(group, int(2e9), int(1e9))`; DeepEP V2's README: its buffers are larger than V1's); allocator
+  fragmentation FRAGMENTATION = 5% of the dynamically allocated bytes (activations, the recompute transient,
+  receive buffers; model states live in contiguous buffers allocated once): Megatron's theoretical memory adds
+  the same 5% to activations for "optimizer and miscellaneous temporaries".
 * Activations, counted per stored tensor (Korthikanti et al. arXiv 2205.05198's method), per token, with
   FlashAttention (no T x T matrix). Attention sub-layer: norm input C, normed C, q k v 3q, attention output q
   (+ fp32 log-sum-exp per head); SwiGLU: norm input C, normed C, gate and up 2H, activation H; MoE: norm input
@@ -26,12 +49,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+from costmodel.comm import ep_ranks_per_node
+from costmodel.hardware import HardwareSpec
 from costmodel.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
 from costmodel.ops import block_params
 from configs import RunConfig, recompute_block_size
 
-BYTES_PER_PARAM = 16
+GIB = 2 ** 30
+# model-state bytes per parameter by train.dtype: (kept on every rank: weight + main gradient, sharded by the
+# distributed optimizer: master weight + Adam m, v); Megatron's table, see the module docstring
+STATE_BYTES = {"bfloat16": (6.0, 12.0), "float32": (8.0, 8.0), "float64": (16.0, 16.0)}
+CUDA_CONTEXT_BYTES = 0.75 * GIB
+NCCL_BUFFER_BYTES = 0.5 * GIB
+DEEPEP_NVL_BYTES = 2e9
+DEEPEP_RDMA_BYTES = 1e9
+FRAGMENTATION = 0.05
+
+
+def state_bytes_per_param(dtype: str, distributed_optimizer: bool, d: int) -> float:
+    """Model-state bytes per parameter whose optimizer state `d` data-parallel ranks share (module docstring):
+    18 for bf16 without the distributed optimizer, 6 + 12/d with it."""
+    kept, sharded = STATE_BYTES[dtype]
+    return kept + sharded / (max(1, d) if distributed_optimizer else 1)
+
+
+def is_gpu(hw: HardwareSpec | None) -> bool:
+    """A GPU spec (the reserve applies): not `local`, whose ranks share a host's CPU cores."""
+    return hw is not None and hw.host_cores is None and hw.runtime is None
+
+
+def fixed_reserve_bytes(cfg: RunConfig, hw: HardwareSpec | None, ep_per_node: int | None = None) -> float:
+    """The reserve's fixed part per GPU: CUDA context, NCCL buffers, DeepEP buffers (EP > 1; RDMA when the EP
+    group spans nodes, comm.ep_ranks_per_node with pricing.Options.ep_per_node). 0 on a CPU spec."""
+    if not is_gpu(hw):
+        return 0.0
+    ep = cfg.parallel.expert_parallel
+    out = CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
+    if ep > 1:
+        out += DEEPEP_NVL_BYTES + (DEEPEP_RDMA_BYTES if ep_ranks_per_node(hw, ep, ep_per_node) < ep else 0.0)
+    return out
 
 
 def recompute_block(cfg: RunConfig, spec: ResidualSpec, stage_sublayers: int) -> int | None:
@@ -65,6 +124,7 @@ class StageMemory:
     chunk_activation_bytes: float
     recompute_block: int | None
     transient_bytes: float
+    expert_params: float = 0.0  # the routed-expert part of `params` (already split over EP)
 
 
 @dataclass
@@ -75,10 +135,12 @@ class RankMemory:
     transient_bytes: float
     buffer_bytes: float
     peak_live_chunks: int
+    reserve_bytes: float = 0.0  # CUDA context, NCCL and DeepEP buffers, fragmentation (module docstring)
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes + self.transient_bytes + self.buffer_bytes
+        return (self.model_state_bytes + self.activation_bytes + self.transient_bytes + self.buffer_bytes
+                + self.reserve_bytes)
 
 
 def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, first: bool, last: bool,
@@ -91,11 +153,12 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
     L = 2 * len(blocks)
     L_r = recompute_block(cfg, spec, L) if recompute else None
     elems = residual_activation_elems(spec, C, d, L, L_r)
-    params = 0.0
+    params = experts = 0.0
     for b in blocks:
         a, f = sublayer_activation_elems(cfg, b, d)
         elems += a + f
         params += block_params(cfg, b, p.expert_parallel) + 2 * mhc_params_per_sublayer(spec, C)
+        experts += block_params(cfg, b, p.expert_parallel) - block_params(cfg, b, math.inf)
     if first:  # the embedding output; the expanded x_0 is the first sub-layer's x_l, counted on the residual side
         elems += C
         params += m.vocab_size * C
@@ -103,20 +166,43 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
         elems += C + 4 / d * m.vocab_size
         params += m.vocab_size * C + C
     transient = recompute_transient_elems(spec, C, L_r) * T * d if L_r else 0.0
-    return StageMemory(stage, len(blocks), params, elems * T * d, L_r, transient)
+    return StageMemory(stage, len(blocks), params, elems * T * d, L_r, transient, experts)
+
+
+def model_state_bytes(cfg: RunConfig, stages: list[StageMemory], dp: int | None = None) -> float:
+    """Model states of the stages one rank holds: dense parameters at d = D, routed experts at d = D / EP
+    (module docstring). `dp`: the data-parallel replicas D (default cfg.parallel.data_parallel; the tuner
+    prices one replica's config and passes its layout's D)."""
+    D = cfg.parallel.data_parallel if dp is None else dp
+    dist, dtype = cfg.train.distributed_optimizer, cfg.train.dtype
+    dense = sum(s.params - s.expert_params for s in stages)
+    experts = sum(s.expert_params for s in stages)
+    return (state_bytes_per_param(dtype, dist, D) * dense
+            + state_bytes_per_param(dtype, dist, max(1, D // cfg.parallel.expert_parallel)) * experts)
 
 
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],
-                rank: int, peak_live: int) -> RankMemory:
+                rank: int, peak_live: int, *, hw: HardwareSpec | None = None, dp: int | None = None,
+                ep_per_node: int | None = None) -> RankMemory:
+    """Peak memory of one rank. `hw`: a GPU spec adds the reserve (none without it, or on a CPU spec); `dp`:
+    the data-parallel replicas that share the optimizer state (default the config's); `ep_per_node`:
+    pricing.Options.ep_per_node (whether DeepEP needs its RDMA buffer)."""
     mine = [stages[s] for s in stages_of_rank]
     from costmodel.ops import DTYPE_BYTES
 
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
+    act = peak_live * max(s.chunk_activation_bytes for s in mine)
+    transient = max(s.transient_bytes for s in mine)
+    buffers = 2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes)
+    reserve = fixed_reserve_bytes(cfg, hw, ep_per_node)
+    if is_gpu(hw):
+        reserve += FRAGMENTATION * (act + transient + buffers)
     return RankMemory(
         rank=rank,
-        model_state_bytes=BYTES_PER_PARAM * sum(s.params for s in mine),
-        activation_bytes=peak_live * max(s.chunk_activation_bytes for s in mine),
-        transient_bytes=max(s.transient_bytes for s in mine),
-        buffer_bytes=2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes),
-        peak_live_chunks=peak_live)
+        model_state_bytes=model_state_bytes(cfg, mine, dp),
+        activation_bytes=act,
+        transient_bytes=transient,
+        buffer_bytes=buffers,
+        peak_live_chunks=peak_live,
+        reserve_bytes=reserve)

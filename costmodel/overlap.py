@@ -12,10 +12,16 @@ inside it the outputs are ready to send, is decided here.
   and at every block boundary (`TimedOp.switch`); an F&B pair issues F's first segment, then B's, then F's
   second, ... (DualPipe's hand-written interleaving: forward attention / dispatch / MLP / combine of one
   micro-batch against backward combine / MLP / dispatch / attention of the other). The backward half's W kernels
-  (`deferrable`) are not in that order: they fill the compute stream whenever its next kernel cannot start yet
-  and the W kernel ends before that kernel's inputs are expected (backfilling: a long W in a short wait would
-  delay the program and the all-to-alls it feeds), and run at the end otherwise (the runtime's `wfill`), so the
-  input gradient is ready before them.
+  (`deferrable`) are issued after both halves, at the end of the compute stream's queue, as the runtime does on
+  CUDA (its halves' waits are stream dependencies, so it never sees a gap to fill; `PairRunner.run` issues the
+  deferred weight-gradient closures after both halves); `wfill="program"` keeps each W where its backward
+  produced it instead (DeepSeek-V3 Fig. 4: MLP(B), MLP(W), ATTN(B), ATTN(W)).
+* Monotone physics (issue 32): the issue order is fixed before the pair runs; nothing depends on timing except
+  the fluid rates. An earlier model back-filled a W into a wait when it was expected to end before the waiting
+  kernel's input: a greedy, non-preemptive list scheduler, which has Graham's anomalies. More NVLink bandwidth
+  shortened a dispatch wait below the 736 us experts W-grad (paper-27b, H800, 160 -> 165 GB/s), the W lost its
+  gap, ran at the pair's end, and the baseline pair got 3.6% slower. With a fixed order every start is a max of
+  ready times and stream predecessors' ends, so shorter kernels never start anything later.
 * Streams, CUDA semantics: each stream runs its kernels one at a time in issue order; a kernel starts when its
   stream is free and its dependencies (explicit events across streams) are done. "hp" is the high-priority
   compute stream (the MLP-side mHC post+res and its backward, mhc.md §6); with `hp=False` its kernels are issued
@@ -96,8 +102,11 @@ def _segments(chain: list[TimedOp], base: int, pair: bool) -> tuple[list[list[in
     return [s for s in segs if s], deferred
 
 
+WFILL = ("end", "program")
+
+
 def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
-                comm_share: float = 0.0, lags: tuple[float, ...] | None = None) -> OverlapResult:
+                comm_share: float = 0.0, lags: tuple[float, ...] | None = None, wfill: str = "end") -> OverlapResult:
     ops: list[TimedOp] = []
     chain_of: list[int] = []
     base: list[int] = []
@@ -118,14 +127,16 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                     succ[base[c] + j].append(base[c] + i)
                     preds[base[c] + i].append(base[c] + j)
                     missing[base[c] + i] += 1
-    pair = len(chains) > 1
+    if wfill not in WFILL:
+        raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
+    pair = len(chains) > 1 and wfill == "end"
     parts = [_segments(chain, base[c], pair) for c, chain in enumerate(chains)]
     order: list[int] = []  # issue order: the halves' segments alternate, F first
     for k in range(max((len(p[0]) for p in parts), default=0)):
         for segs, _ in parts:
             if k < len(segs):
                 order.extend(segs[k])
-    fill = [i for _, d in parts for i in d]  # W kernels in the order their backward produced them
+    order += [i for _, d in parts for i in d]  # deferred W kernels: issued after both halves, in their order
 
     def stream_of(i: int) -> str:
         s = ops[i].stream
@@ -135,7 +146,6 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     for i in order:
         queues[stream_of(i)].append(i)
     head = {s: 0 for s in queues}
-    fill_head = 0
     running: dict[str, list] = {}  # stream -> [op, remaining full-rate work, start, order of start]
     start_at = [0.0] * N
     end_at = [0.0] * N
@@ -143,30 +153,13 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     done = 0
     started = 0
     busy_c = busy_m = exposed = 0.0
-    eta_of: dict[int, float] = {}
 
     def ready(i: int) -> bool:
         return missing[i] == 0 and t + _EPS >= lag[chain_of[i]]
 
-    def fits(w: int, blocked: int | None) -> bool:
-        """Backfilling: a deferred W kernel may fill the wait of the compute stream's next kernel only if it ends
-        before that kernel's inputs are expected (a long W in a short wait would delay the program, and with it
-        the all-to-alls it feeds). Unknown when an input comes from a kernel not yet started: fill."""
-        if blocked is None:
-            return True
-        expect = lag[chain_of[blocked]]
-        for j in preds[blocked]:
-            if end_at[j]:
-                continue
-            eta = eta_of.get(j)
-            if eta is None:
-                return True
-            expect = max(expect, eta)
-        return t + ops[w].duration <= expect + _EPS
-
     while done < N:
-        # start what can start: each stream's next kernel in issue order; the compute stream otherwise takes a
-        # deferred W kernel whose input gradient exists
+        # start what can start: each stream's next kernel in issue order (fixed before the run: no timing-dependent
+        # choice, see "Monotone physics" in the module docstring)
         for s in ("comm", "hp", "compute"):
             if s in running:
                 continue
@@ -174,10 +167,6 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
             if head[s] < len(q) and ready(q[head[s]]):
                 i = q[head[s]]
                 head[s] += 1
-            elif (s == "compute" and fill_head < len(fill) and ready(fill[fill_head])
-                  and fits(fill[fill_head], q[head[s]] if head[s] < len(q) else None)):
-                i = fill[fill_head]
-                fill_head += 1
             else:
                 continue
             running[s] = [i, ops[i].duration, t, started]
@@ -191,7 +180,6 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
             continue
         rates = _rates(ops, running, sigma, corun, comm_share)
         finish = {s: t + e[1] / rates[s] for s, e in running.items() if rates[s] > 0}
-        eta_of = {running[s][0]: f for s, f in finish.items()}  # expected ends at today's rates (backfilling)
         t_next = min(finish.values(), default=float("inf"))
         waiting_lags = [x for x in lag if x > t + _EPS]
         if waiting_lags:
@@ -277,10 +265,13 @@ def run_serial(chains: list[list[TimedOp]]) -> OverlapResult:
 
 
 def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0.0, hp: bool = True, *,
-            corun: bool = True, comm_share: float = 0.0, lags: tuple[float, ...] | None = None) -> OverlapResult:
+            corun: bool = True, comm_share: float = 0.0, lags: tuple[float, ...] | None = None,
+            wfill: str = "end") -> OverlapResult:
     """Duration of one action made of `chains` (1 chain, or 2 for an F&B step); see the module docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown overlap mode {mode!r}; choose one of {', '.join(MODES)}")
+    if wfill not in WFILL:
+        raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
     if mode == "serial":
         res = run_serial(chains)
         if lags and len(chains) > 1 and any(lags):  # F after its input, then B after its input
@@ -291,7 +282,7 @@ def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0
             return OverlapResult(start_b + sum(op.duration for op in chains[1]), res.compute_busy, res.comm_busy,
                                  res.exposed_comm, res.group_time, (f_rel, b_rel), res.timeline)
         return res
-    kw = dict(corun=corun, comm_share=comm_share)
+    kw = dict(corun=corun, comm_share=comm_share, wfill=wfill)
     if mode == "max" and len(chains) > 1:
         parts = [run_streams([c], sigma, hp, lags=None if lags is None else (lags[k],), **kw)
                  for k, c in enumerate(chains)]

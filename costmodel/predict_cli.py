@@ -125,6 +125,40 @@ def _parse_sweep(text: str) -> tuple[str, list[float]]:
     return key, vals
 
 
+RESOURCE_SWEEPS = ("bw",)  # sweep keys that add a physical resource: more of it must never make anything slower
+
+
+def sweep_times(pred) -> dict[str, float]:
+    """What more of a resource must never raise: both step makespans, both F&B stages and every F&B pair kind
+    priced alone (inputs on time), baseline and mHC (us)."""
+    out = {f"{name} step": pred.summary["iteration_us"][name] for name in ("baseline", "mhc")}
+    for name in ("baseline", "mhc"):
+        fb = pred.summary["fb_stage_us"][name]
+        if fb is not None:
+            out[f"{name} F&B stage"] = fb
+    for row in pred.summary["fb_pairs"]:
+        for name in ("baseline", "mhc"):
+            v = row["alone_us"][name]
+            if v == v:  # not NaN
+                out[f"{name} F&B pair F{row['f_stage']}/B{row['b_stage']}"] = v
+    return out
+
+
+def monotone_warnings(points: list[tuple[float, dict[str, float]]], label: str, rel: float = 1e-9) -> list[str]:
+    """One WARNING line per time that rises between neighbouring sweep points as the resource grows (float noise
+    below `rel` ignored): the cost model's physics must be monotone (issue 32, overlap.py "Monotone physics")."""
+    pts = sorted(points, key=lambda p: p[0])
+    rises: dict[str, list[str]] = {}
+    for (v0, t0), (v1, t1) in zip(pts, pts[1:]):
+        for name, b in t1.items():
+            a = t0.get(name)
+            if a is not None and v1 > v0 and b > a * (1 + rel):
+                rises.setdefault(name, []).append(f"{v0:g} -> {v1:g}: {a / 1e3:.3f} -> {b / 1e3:.3f} ms "
+                                                  f"(+{100 * (b / a - 1):.3f}%)")
+    return [f"WARNING: non-monotone: {name} rises with more {label} at {'; '.join(where)}"
+            for name, where in rises.items()]
+
+
 def _check_output(flag: str, path: str | None, suffix: str) -> Path | None:
     """Refuse an output path before minutes of work rather than after: empty, a directory, or a missing parent
     that cannot be made."""
@@ -248,15 +282,20 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
         else:
             points.append((v, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9)))
     rows = []
+    times = []  # per point: the times more of a physical resource must never raise (monotone_warnings)
     for v, s, o in points:
         pred = predict(cfg, hw, s, o, profile_pricing=HostPricing())
         b = pred.summary["breakdown_pp"]
-        rows.append((v, pred.summary["overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
+        rows.append((v, pred.summary["step_overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
                      pred.summary["memory_gib"]["mhc"]))
+        times.append((v, sweep_times(pred)))
     label = "n (residual streams)" if key == "n" else "PP link bandwidth (GB/s per direction)"
     print(f"{label:<40} overhead   kernels  recompute  boundary   memory")
     for v, o, k, r, e, m in rows:
         print(f"{v:<40g} {o:7.2f}%  {k:+7.2f}  {r:+8.2f}  {e:+8.2f}  {m:6.1f} GiB")
+    if key in RESOURCE_SWEEPS:
+        for line in monotone_warnings(times, label):
+            print(line)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     xs = [r[0] for r in rows]
     ax.plot(xs, [r[1] for r in rows], "o-", label="total overhead")

@@ -16,6 +16,7 @@ stage-boundary messages, for one residual variant.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -39,6 +40,9 @@ class Options:
     fb_mode: str = "streams"
     """how an F&B step is priced (overlap.MODES): its sub-operations on three streams in DualPipe's program order
     ("streams"), F + B back to back ("serial", as the DeepSeek figures draw it), or max(F, B)"""
+    single_mode: str | None = None
+    """how single actions (F, I, W, B) are priced: "streams" (their kernels and all-to-alls on the streams) or
+    "serial"; None = as fb_mode implies ("serial" when fb_mode is "serial", "streams" otherwise)"""
     hp_stream: bool = True
     """MLP-side post+res (and its backward) on the high-priority stream, co-running with the other half's GEMMs"""
     sigma: float | None = None
@@ -69,8 +73,17 @@ class Options:
             raise ValueError(f"p2p {self.p2p!r}: choose one of {', '.join(P2P_MODES)}")
         if self.fb_mode not in MODES:
             raise ValueError(f"fb_mode {self.fb_mode!r}: choose one of {', '.join(MODES)}")
+        if self.single_mode not in (None, "streams", "serial"):
+            raise ValueError(f"single_mode {self.single_mode!r}: choose 'streams', 'serial' or None")
         if self.ep_per_node is not None and self.ep_per_node < 1:
             raise ValueError(f"ep_per_node {self.ep_per_node}: EP ranks per node must be >= 1")
+
+    @property
+    def single_action_mode(self) -> str:
+        """The pricing mode of a single action (F, I, W, B): single_mode, or what fb_mode implies."""
+        if self.single_mode is not None:
+            return self.single_mode
+        return "serial" if self.fb_mode == "serial" else "streams"
 
 
 def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> dict[int, tuple[range, bool, bool]]:
@@ -298,7 +311,7 @@ class Pricer:
 
     # ---- schedule callbacks -----------------------------------------------------------------------------
     def _run(self, chains: list[list[TimedOp]], fb: bool, lags: tuple[float, float] | None = None) -> OverlapResult:
-        mode = self.opt.fb_mode if fb else ("serial" if self.opt.fb_mode == "serial" else "streams")
+        mode = self.opt.fb_mode if fb else self.opt.single_action_mode
         return overlap(chains, mode, self.sigma, self.opt.hp_stream, corun=self.opt.corun,
                        comm_share=self.comm_share, lags=lags)
 
@@ -350,10 +363,13 @@ class Pricer:
             self.compute_time(a)
         res = self.results[key]
         if lag_f > 0 or lag_b > 0:
-            lkey = key + (round(lag_f, 3), round(lag_b, 3))
+            # lags rounded *up* to 1 ns and priced at the rounded value: lags that differ by float noise share one
+            # simulation, and rounding up never has a half start before its input
+            lf, lb = math.ceil(lag_f * 1e3 - 1e-6) / 1e3, math.ceil(lag_b * 1e3 - 1e-6) / 1e3
+            lkey = key + (lf, lb)
             res = self._lagged.get(lkey)
             if res is None:
-                res = self._lagged[lkey] = self._run(self._chains(a), True, (lag_f, lag_b))
+                res = self._lagged[lkey] = self._run(self._chains(a), True, (lf, lb))
         f = self.slowdown
         return res.makespan * f, res.release[0] * f, res.release[1] * f
 

@@ -52,6 +52,10 @@ def format_table(pred: Prediction) -> str:
     mem = s["memory_gib"]
     lines.append(f"  {'peak memory per rank':<34}{mem['baseline']:>10.1f} GiB{mem['mhc']:>10.1f} GiB"
                  f"   (no recompute: {mem['mhc_no_recompute']:.1f} GiB; device {pred.hardware.memory_bytes / 2**30:.0f} GiB)")
+    t = s["memory_terms_gib"]
+    lines.append(f"    mHC rank {t['rank']} = states {t['model_states']:.1f} + activations {t['activations']:.1f} + transient "
+                 f"and buffers {t['transient_and_buffers']:.1f} + reserve {t['reserve']:.1f} GiB"
+                 f" ({'distributed' if pred.config.train.distributed_optimizer else 'replicated'} optimizer)")
     lr = s["recompute_block"]
     how = {"auto": "mode auto: Eq. 20 within the stage", "block": "mode block: the config's block size",
            "off": "mode off: mHC intermediates kept"}[s["recompute_mode"]]
@@ -59,11 +63,14 @@ def format_table(pred: Prediction) -> str:
                  f"   ({how})")
     lines.append(f"  pricing: {s['pricing']}")
     lines.append("")
-    if s["fb_step_overhead_pct"] is not None:  # like for like with the paper's 6.7% first (costmodel.md §5)
-        lines.append(f"  mHC overhead: {s['fb_step_overhead_pct']:.2f}% of the overlapped F&B stage (the measure of "
-                     f"DeepSeek's 6.7%); {s['overhead_pct']:.2f}% of the iteration")
+    if s["fb_stage_overhead_pct"] is not None:  # like for like with the paper's 6.7% first (costmodel.md §5)
+        fb = s["fb_stage_us"]
+        lines.append(f"  mHC overhead: {s['fb_stage_overhead_pct']:.2f}% of the overlapped F&B stage (the measure of "
+                     f"DeepSeek's 6.7%); {s['step_overhead_pct']:.2f}% of the iteration")
+        lines.append(f"    F&B stage = every pair as the step runs it: {fb['baseline'] / 1e3:,.1f} ms per rank baseline, "
+                     f"{fb['mhc'] / 1e3:,.1f} ms mHC")
     else:
-        lines.append(f"  mHC overhead: {s['overhead_pct']:.2f}% of the iteration (no overlapped F&B stage in "
+        lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the iteration (no overlapped F&B stage in "
                      f"{s['schedule']['kind']})")
     b = s["breakdown_pp"]
     lines.append(f"    = kernel traffic {b['kernel_traffic']:+.2f} pp + recompute {b['recompute']:+.2f} pp "

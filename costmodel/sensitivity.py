@@ -18,6 +18,12 @@ Inputs and how each moves (X = the percentage, default 20):
 * M: integer, moves to the nearest lower and higher micro-batch count the schedule accepts (the generator owns
   the M/P rules, e.g. DualPipe's even M).
 * C: the hidden size times (1 -+ X/100), rounded to an integer; everything else in the model is held.
+* The model's own constants (ASSUMED), each with its source: the HBM efficiency curve (its Hopper ceiling is the
+  H200-measured copy, read across), the SM share a memory-bound kernel needs, the kernel launch gap, the
+  all-to-all's SM carve-out and the InfiniBand efficiency and latency move -+X% (capped where a share tops at 1,
+  integers rounded); sigma and the mHC kernels' efficiency are choices between two sourced readings, so they move
+  to the other reading (SIGMA_ALT, CUTILE_MHC_EFF of explain.py) only. The caller's --sigma and --comm-sms become
+  the spec's values first, so their rows move what prices them.
 Hardware inputs are uncertainties to measure; EP, M and C are layout choices, reported apart.
 """
 from __future__ import annotations
@@ -38,6 +44,8 @@ DEFAULT_PCT = 20.0
 MEASURED = ("HBM bandwidth TB/s", "inter-node bandwidth GB/s", "intra-node bandwidth GB/s", "GEMM efficiency",
             "mHC kernel bandwidth")
 CHOICES = ("EP", "M (micro-batches)", "C (hidden)")
+ASSUMED = ("HBM efficiency", "SM share of HBM-bound kernels", "kernel launch gap us", "all-to-all SMs",
+           "IB efficiency", "IB latency us", "sigma (compute under A2A)", "mHC kernels at cuTile")
 
 
 @dataclass
@@ -78,6 +86,9 @@ class Sensitivity:
 
     def top_choice(self) -> Row | None:
         return next((r for r in self.rows if r.name in CHOICES), None)
+
+    def top_assumption(self) -> Row | None:
+        return next((r for r in self.rows if r.name in ASSUMED), None)
 
 
 def check_pct(pct: float) -> float:
@@ -142,11 +153,16 @@ def moves(cfg: RunConfig, hw: HardwareSpec, pct: float) -> list[tuple[str, str, 
         out.append((name, f"curve top {top:.3g} -+{pct:g}%" + (", capped at 1" if top * (1 + f) > 1 else "") + note,
                     sides))
 
-    curve("GEMM efficiency", "matrix_eff", hw.matrix_eff, "")
+    curve("GEMM efficiency", "matrix_eff", hw.matrix_eff,
+          " (Hopper: the H200-measured 0.80 ceiling, gpu.md §3, read across to H100/H800)")
+    curve("HBM efficiency", "memory_eff", hw.memory_eff,
+          " (Hopper: the H200-measured copy 0.896 ceiling read across; every memory-bound kernel"
+          + (", the mHC kernels included)" if hw.mhc_memory_eff is None else ")"))
     mhc = hw.memory_eff if hw.mhc_memory_eff is None else hw.mhc_memory_eff
     curve("mHC kernel bandwidth", "mhc_memory_eff", mhc,
           f" ({'memory curve' if hw.mhc_memory_eff is None else 'mhc_memory_eff'} of the groups mhc+recompute; "
           "TileLang/Triton/cuTile kernels differ by up to ~2x)")
+    assumed(out, cfg, hw, f, pct)
     lo, hi = _ep_moves(cfg)
     if lo or hi:
         sides = [(f"EP {v}", _cfg_with(cfg, "parallel", expert_parallel=v), hw) if v else None for v in (lo, hi)]
@@ -166,6 +182,47 @@ def moves(cfg: RunConfig, hw: HardwareSpec, pct: float) -> list[tuple[str, str, 
     return out
 
 
+def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -> None:
+    """The model's own constants, each moved with its source (hardware.py, explain.py): -+pct where the constant is
+    a scale, its sourced alternative where it is a choice between two readings."""
+
+    def scaled(name: str, value: float, make, source: str, cap: float | None = None, integer: bool = False) -> None:
+        sides = []
+        for k in (1 - f, 1 + f):
+            v = value * k
+            v = round(v) if integer else v
+            v = min(cap, v) if cap is not None else v
+            sides.append((f"{v:.4g}", cfg, make(v)) if v != value else None)
+        out.append((name, f"{value:.4g} -+{pct:g}%{', capped at %g' % cap if cap and value * (1 + f) > cap else ''}"
+                    f" ({source})", sides))
+
+    scaled("SM share of HBM-bound kernels", hw.bandwidth_sm_share,
+           lambda v: hw.model_copy(update={"bandwidth_sm_share": v}),
+           "assumed: a third of Hopper's SMs saturate HBM", cap=1.0)
+    scaled("kernel launch gap us", hw.launch_us,
+           lambda v: hw.model_copy(update={"launch_us": v, "bwd_launch_us": None if hw.bwd_launch_us is None
+                                           else hw.bwd_launch_us * v / hw.launch_us}),
+           "assumed: back-to-back CUDA kernels without graphs")
+    if hw.comm_sms:
+        scaled("all-to-all SMs", hw.comm_sms, lambda v: hw.model_copy(update={"comm_sms": int(v)}),
+               "DeepSeek-V3 §3.2.2: 20 of 132 SMs; DeepEP's default", integer=True)
+    scaled("IB efficiency", hw.inter.efficiency,
+           lambda v: hw.model_copy(update={"inter": hw.inter.model_copy(update={"efficiency": v})}),
+           "Calculon's InfiniBand 0.9", cap=1.0)
+    scaled("IB latency us", hw.inter.latency_us,
+           lambda v: hw.model_copy(update={"inter": hw.inter.model_copy(update={"latency_us": v})}),
+           "Calculon's 2 us")
+    from costmodel.explain import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
+
+    if hw.interference != SIGMA_ALT:
+        out.append(("sigma (compute under A2A)", f"{hw.interference:g} -> {SIGMA_ALT:g} (DeepSeek-V3 §3.2.2 "
+                    "20/132 SMs, Calculon's NVLink processor_usage 0.15: the pessimistic reading)",
+                    [None, (f"{SIGMA_ALT:g}", cfg, hw.model_copy(update={"interference": SIGMA_ALT}))]))
+    top = max(e for _, e in CUTILE_MHC_EFF.points)
+    out.append(("mHC kernels at cuTile", f"flat {top:g} of peak HBM (Megatron-LM PR #3828 on GB200, read across)",
+                [None, (f"{top:g}", cfg, hw.model_copy(update={"mhc_memory_eff": CUTILE_MHC_EFF}))]))
+
+
 def sensitivity(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: Options, pct: float = DEFAULT_PCT,
                 profile_pricing: ProfilePricing | None = None) -> Sensitivity:
     pct = check_pct(pct)
@@ -173,9 +230,14 @@ def sensitivity(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: O
         raise ValueError("--sensitivity: the residual is the plain baseline (n=1): there is no mHC overhead to vary; "
                          "use --variant mhc (or --n 4)")
 
+    # the caller's --sigma / --comm-sms become the spec's, so that their rows move what prices them
+    hw = hw.model_copy(update={k: v for k, v in (("interference", options.sigma), ("comm_sms", options.comm_sms))
+                               if v is not None})
+    options = dataclasses.replace(options, sigma=None, comm_sms=None)
+
     def point(label: str, c: RunConfig, h: HardwareSpec) -> Point:
         s = predict(c, h, spec, options, ladder=False, profile_pricing=profile_pricing).summary
-        return Point(label, s["overhead_pct"], s["fb_step_overhead_pct"])
+        return Point(label, s["step_overhead_pct"], s["fb_stage_overhead_pct"])
 
     base = point("base", cfg, hw)
     metric = "fb_pct" if base.fb_pct is not None else "step_pct"
@@ -212,6 +274,10 @@ def format_sensitivity(se: Sensitivity) -> str:
     if first:
         lines.append(f"  measure this first: {first.name} (moves the {what} overhead by {first.swing(se.metric, b):.2f} "
                      f"pp over -+{se.pct:g}%)")
+    assumption = se.top_assumption()
+    if assumption:
+        lines.append(f"  of the model's own constants, {assumption.name} moves it most "
+                     f"({assumption.swing(se.metric, b):.2f} pp): {assumption.note}")
     if choice:
         lines.append(f"  of the layout choices, {choice.name} moves it most ({choice.swing(se.metric, b):.2f} pp)")
     return "\n".join(lines)
@@ -225,4 +291,5 @@ def to_json(se: Sensitivity) -> dict[str, Any]:
                       "high": dataclasses.asdict(r.high) if r.high else None,
                       "swing_fb_pp": r.swing("fb_pct", se.base), "swing_step_pp": r.swing("step_pct", se.base)}
                      for r in se.rows],
-            "measure_first": se.measure_first().name if se.measure_first() else None}
+            "measure_first": se.measure_first().name if se.measure_first() else None,
+            "top_assumption": se.top_assumption().name if se.top_assumption() else None}

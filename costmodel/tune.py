@@ -8,13 +8,22 @@ micro-batches one pipeline runs, L_r the recompute block (sub-layers).
 Search space (one `Candidate` each): P dividing the GPUs (D = GPUs / P), schedule kind, EP dividing D and the
 expert count (the runtime's rules, pipeline/layout.py), b from a list (M follows), recompute off / auto (Eq. 20
 per stage) / a few block sizes, the MLP-side post+res on the high-priority stream or not, and stages that do not
-divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more). EP placement
+divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more), the optimizer
+state whole on every rank or sharded over the data-parallel ranks (train.distributed_optimizer, ZeRO-1 as
+Megatron-LM's distributed optimizer: memory only; the step prices the same gradient all-reduce). EP placement
 follows the runtime's mesh (data_parallel.ep_ranks_per_node -> Options.ep_per_node). Invalid layouts (a
 schedule's M/P rules, too few blocks, D not dividing M) are dropped before anything is priced.
 
 Objective: step = the simulated pipeline of one replica (the same Pricer + simulation as `predict`'s mHC run)
 plus the exposed part of the gradient all-reduce over the replicas (data_parallel.grad_sync). Memory: the peak
-per rank of predict's model (memory.rank_memory).
+per rank of predict's model (memory.rank_memory: model states as Megatron counts them, with the layout's D for
+the distributed optimizer, and the GPU reserve).
+
+Ties: the model's error is a few percent (costmodel.md §1: the published analytic and simulation anchors report
+2-8% average error), so layouts whose step is within TIE_PCT = 2.0% of the best are not told apart by it: the
+runnable (hp) Pareto front's layouts within that band are reported as ties, most memory headroom (budget minus
+peak memory) first (TuneResult.ties). Exact under the pruning below: a layout bounded out is dominated by a
+simulated one with no more memory and no longer step, which is in the band too and has at least its headroom.
 
 Pruning, exact for the front: (1) recompute choices that give every stage the same L_r as an earlier choice
 are one layout; (2) memory first, from the stage memory and the schedule's peak live chunks in program order, no
@@ -44,6 +53,7 @@ from schedules.simulate import peak_live_activations
 
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 GIB = 2 ** 30
+TIE_PCT = 2.0  # the model's +-2% error band (costmodel.md §1 anchors: 2-8% average error)
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Candidate:
     recompute: str  # "off", "auto" or a block size in sub-layers
     hp: bool = True
     uneven: bool = False
+    distributed_optimizer: bool = False  # train.distributed_optimizer (ZeRO-1 over the data-parallel ranks)
 
     @property
     def per_replica(self) -> int:
@@ -67,7 +78,8 @@ class Candidate:
 
     def label(self) -> str:
         return (f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} mbs={self.microbatch_size} "
-                f"M={self.microbatches} recompute={self.recompute}{'' if self.hp else ' no-hp'}")
+                f"M={self.microbatches} recompute={self.recompute}{'' if self.hp else ' no-hp'}"
+                f"{' dist-opt' if self.distributed_optimizer else ''}")
 
     def overrides(self) -> dict:
         rc = ({"mode": self.recompute, "block_size": None} if self.recompute in ("off", "auto")
@@ -75,7 +87,7 @@ class Candidate:
         return {"parallel": {"schedule": self.schedule, "ranks": self.pp, "data_parallel": self.dp,
                              "expert_parallel": self.ep, "microbatches": self.microbatches,
                              "microbatch_size": self.microbatch_size, "uneven_stages": self.uneven},
-                "recompute": rc}
+                "recompute": rc, "train": {"distributed_optimizer": self.distributed_optimizer}}
 
 
 @dataclass
@@ -104,6 +116,8 @@ class TuneResult:
     counts: Counter = field(default_factory=Counter)  # what happened to the candidates
     smallest: Evaluated | None = None  # the least memory of any layout (for the error message)
     tuner: "Tuner | None" = None  # its configs and caches
+    ties: list[Evaluated] = field(default_factory=list)  # runnable front within TIE_PCT of best, most headroom
+    # first (the best among them)
 
 
 def merged(data: dict, over: dict) -> dict:
@@ -132,7 +146,7 @@ def divisors(n: int) -> list[int]:
 
 def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=SCHEDULES, microbatch_sizes=(1, 2, 4),
                recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
-               counts: Counter | None = None) -> list[Candidate]:
+               distributed_optimizer=(False, True), counts: Counter | None = None) -> list[Candidate]:
     """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
     counts = counts if counts is not None else Counter()
     nb, moe = cfg.model.num_blocks, cfg.model.moe
@@ -162,7 +176,8 @@ def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=SCHEDULES
                 for ep in eps:
                     for rc in recompute:
                         for h in hp:
-                            out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven))
+                            for zero in distributed_optimizer:
+                                out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven, zero))
     return out
 
 
@@ -215,7 +230,8 @@ class Tuner:
         again, which thousands of candidates cannot afford)."""
         over = cand.overrides()
         return self.cfg.model_copy(update={"parallel": self.cfg.parallel.model_copy(update=over["parallel"]),
-                                           "recompute": RecomputeConfig(**over["recompute"])})
+                                           "recompute": RecomputeConfig(**over["recompute"]),
+                                           "train": self.cfg.train.model_copy(update=over["train"])})
 
     def _schedule(self, cand: Candidate):
         key = (cand.schedule, cand.pp, cand.per_replica)
@@ -241,7 +257,8 @@ class Tuner:
         """Peak memory per rank, predict's model, without a simulation (peaks in program order)."""
         schedule, peaks, _ = self._schedule(cand)
         cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
-        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r]).total_bytes
+        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r], hw=self.hw,
+                              dp=cand.dp, ep_per_node=pr.opt.ep_per_node).total_bytes
                   for r in range(schedule.num_ranks))
         return Evaluated(cand, mem)
 
@@ -274,7 +291,9 @@ class Tuner:
         cfg, layout, pr = self._pricer(cand, schedule, full)
         sim = pr.simulate(schedule)
         ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
-                                          sim.peak_activations[r]).total_bytes for r in range(schedule.num_ranks))
+                                          sim.peak_activations[r], hw=self.hw, dp=cand.dp,
+                                          ep_per_node=pr.opt.ep_per_node).total_bytes
+                              for r in range(schedule.num_ranks))
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
         return ev
@@ -300,7 +319,8 @@ def reference_candidate(cfg: RunConfig, gpus: int, global_batch: int) -> Candida
         return None
     recompute = rc.mode if rc.mode != "block" else str(rc.block_size)
     uneven = cfg.model.num_blocks % p.num_stages != 0
-    return Candidate(p.schedule, p.ranks, dp, p.expert_parallel, p.microbatch_size, M, recompute, True, uneven)
+    return Candidate(p.schedule, p.ranks, dp, p.expert_parallel, p.microbatch_size, M, recompute, True, uneven,
+                     cfg.train.distributed_optimizer)
 
 
 def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: float, global_batch: int,
@@ -319,7 +339,7 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
     reference: Evaluated | None = None
     budget = memory_gib * GIB
     for c in cands:
-        key = (c.schedule, c.pp, c.dp, c.ep, c.microbatch_size, c.hp, tuner.recompute_key(c))
+        key = (c.schedule, c.pp, c.dp, c.ep, c.microbatch_size, c.hp, c.distributed_optimizer, tuner.recompute_key(c))
         if key in seen:  # e.g. a block size longer than every stage = auto on a one-block stage
             counts["same per-stage L_r as another recompute choice"] += 1
             reference = seen[key] if c == ref else reference
@@ -357,4 +377,13 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
         done.append(ev)
     runnable = [d for d in done if d.cand.hp]
     best = min(runnable, key=lambda d: (d.step_us, d.memory_bytes)) if runnable else None
-    return TuneResult(pareto(done), best, reference, counts, smallest, tuner)
+    return TuneResult(pareto(done), best, reference, counts, smallest, tuner, ties_of(runnable, best))
+
+
+def ties_of(runnable: list[Evaluated], best: Evaluated | None, pct: float = TIE_PCT) -> list[Evaluated]:
+    """The runnable Pareto front's layouts whose step is within `pct`% of the best's, least memory (most
+    headroom under any budget) first; the best is one of them."""
+    if best is None:
+        return []
+    limit = best.step_us * (1 + pct / 100)
+    return sorted((e for e in pareto(runnable) if e.step_us <= limit), key=lambda e: (e.memory_bytes, e.step_us))

@@ -6,10 +6,15 @@ memory per GPU and write the fastest layout as a config that `mhcpipe run --conf
 Examples:
   mhcpipe tune --preset paper-27b --hardware h800 --gpus 48 --memory-gib 80 --global-batch 1280 -o best.yaml
   mhcpipe tune --preset paper-9b --hardware h100 --gpus 16 --schedules 1f1b,dualpipev --recompute off,auto
+  mhcpipe tune --preset paper-27b --gpus 48 --global-batch 1280 --distributed-optimizer off --json tune.json
+
+Layouts within 2% of the best step (tune.TIE_PCT, the model's error band) are listed as ties, most memory
+headroom first: the model cannot tell them apart.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -35,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute choices: off, auto (Eq. 20 per stage), block sizes in sub-layers")
     p.add_argument("--hp", default="on,off", help="MLP post+res on the high-priority stream: on, off or both")
     p.add_argument("--even-only", action="store_true", help="only layouts whose stages divide the blocks")
+    p.add_argument("--distributed-optimizer", default="off,on",
+                   help="optimizer state whole on every rank (off) or sharded over the data-parallel ranks (on, "
+                        "ZeRO-1 as Megatron's distributed optimizer; train.distributed_optimizer), or both")
+    p.add_argument("--json", metavar="TUNE.json", help="write the front, the best layout and the ties as JSON")
     p.add_argument("-o", "--output", metavar="BEST.yaml", help="write the fastest runnable layout as a config")
     p.set_defaults(func=run)
 
@@ -84,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     out = _check_output(args.output)
+    if args.json is not None and Path(args.json).suffix != ".json":
+        raise ValueError(f"--json {args.json!r}: give a file name ending in .json, e.g. tune.json")
     cfg, data = load(args)
     try:
         hw = get_hardware(args.hardware)
@@ -99,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
         microbatch_sizes=tuple(int(b) for b in _list("--microbatch-sizes", args.microbatch_sizes, integer=True)),
         recompute=tuple(_list("--recompute", args.recompute, allowed=["off", "auto"], integer=True)),
         hp=tuple(h == "on" for h in _list("--hp", args.hp, allowed=["on", "off"])),
-        allow_uneven=not args.even_only)
+        allow_uneven=not args.even_only,
+        distributed_optimizer=tuple(z == "on" for z in _list("--distributed-optimizer", args.distributed_optimizer,
+                                                             allowed=["off", "on"])))
     check_inputs(cfg, args.gpus, G, space)
     from costmodel.tune import tune
 
@@ -107,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if result.best is None:
         raise ValueError(no_fit_message(result, memory))
     print(format_result(result, cfg, hw, args.gpus, memory, G, time.perf_counter() - t0))
+    if args.json:
+        print(f"wrote {write_json(result, args.json, memory)}")
     if out is not None:
         write_best(result, out, args)
         print(f"wrote {out}: mhcpipe predict --config {out}; mhcpipe run --config {out} "
@@ -177,19 +192,24 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
              f"{c['bounded out']} bounded out (busiest-rank lower bound >= a simulated layout with no more memory), "
              f"{c['simulated']} simulated; {seconds:.1f} s",
              "Pareto front, step time vs peak memory per GPU (* = the best runnable layout, written with -o):",
-             f"  {'step ms':>10} {'pipeline':>10} {'grad AR':>8} {'GiB':>6}  {'schedule':<9} {'pp':>3} {'dp':>3} "
-             f"{'ep':>3} {'mbs':>3} {'M/dp':>5} {'recompute':>9} {'L_r':>5}  hp  uneven"]
+             _header()]
     for e in result.front:
-        k = e.cand
-        mark = "*" if e is result.best else " "
-        lines.append(f"{mark} {e.step_us / 1e3:10,.1f} {e.pipeline_us / 1e3:10,.1f} {e.sync.exposed_us / 1e3:8,.1f} "
-                     f"{e.memory_gib:6.1f}  {k.schedule:<9} {k.pp:>3} {k.dp:>3} {k.ep:>3} {k.microbatch_size:>3} "
-                     f"{k.per_replica:>5} {k.recompute:>9} {_lr(result, e):>5}  {'on ' if k.hp else 'off'} "
-                     f"{'yes' if k.uneven else 'no'}")
+        lines.append(_row(result, e, "*" if e is result.best else " "))
     b = result.best
     lines.append(f"best: {b.cand.label()}: step {b.step_us / 1e3:,.1f} ms = pipeline {b.pipeline_us / 1e3:,.1f} + "
                  f"exposed gradient all-reduce {b.sync.exposed_us / 1e3:,.1f} ms (of {b.sync.busiest_us / 1e3:,.1f} "
                  f"ms on the busiest rank); {b.memory_gib:.1f} GiB per GPU")
+    from costmodel.tune import TIE_PCT
+
+    ties = [e for e in result.ties if e is not b]
+    if ties:
+        lines.append(f"tied within +-{TIE_PCT:g}% of the best (the model's error band, costmodel.md §1): "
+                     f"{len(result.ties)} layouts, most memory headroom first (headroom = {memory:g} GiB - peak):")
+        lines.append(_header())
+        for e in result.ties:
+            lines.append(_row(result, e, "*" if e is b else " ") + f"  {memory - e.memory_gib:5.1f} GiB free")
+    else:
+        lines.append(f"no other runnable layout within +-{TIE_PCT:g}% of the best (the model's error band)")
     fastest = result.front[0]
     if fastest is not b:
         lines.append(f"fastest overall needs MLP post+res off the high-priority stream ({fastest.cand.label()}, "
@@ -211,6 +231,41 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
     return "\n".join(lines)
 
 
+def _header() -> str:
+    return (f"  {'step ms':>10} {'pipeline':>10} {'grad AR':>8} {'GiB':>6}  {'schedule':<9} {'pp':>3} {'dp':>3} "
+            f"{'ep':>3} {'mbs':>3} {'M/dp':>5} {'recompute':>9} {'L_r':>5}  hp  uneven dist-opt")
+
+
+def _row(result, e, mark: str) -> str:
+    k = e.cand
+    return (f"{mark} {e.step_us / 1e3:10,.1f} {e.pipeline_us / 1e3:10,.1f} {e.sync.exposed_us / 1e3:8,.1f} "
+            f"{e.memory_gib:6.1f}  {k.schedule:<9} {k.pp:>3} {k.dp:>3} {k.ep:>3} {k.microbatch_size:>3} "
+            f"{k.per_replica:>5} {k.recompute:>9} {_lr(result, e):>5}  {'on ' if k.hp else 'off'} "
+            f"{'yes' if k.uneven else 'no ':<6} {'on' if k.distributed_optimizer else 'off'}")
+
+
+def _json_row(result, e, memory: float) -> dict:
+    return {"label": e.cand.label(), **dataclasses.asdict(e.cand), "step_ms": e.step_us / 1e3,
+            "pipeline_ms": e.pipeline_us / 1e3, "exposed_grad_allreduce_ms": e.sync.exposed_us / 1e3,
+            "memory_gib": e.memory_gib, "headroom_gib": memory - e.memory_gib, "recompute_blocks": _lr(result, e)}
+
+
+def write_json(result, path: str, memory: float) -> Path:
+    """The front (fastest first), the best runnable layout and the ties (tune.TIE_PCT, most headroom first)."""
+    import json
+
+    from costmodel.tune import TIE_PCT
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"memory_budget_gib": memory, "tie_pct": TIE_PCT, "counts": dict(result.counts),
+            "best": _json_row(result, result.best, memory),
+            "front": [_json_row(result, e, memory) for e in result.front],
+            "ties": [_json_row(result, e, memory) for e in result.ties]}
+    out.write_text(json.dumps(data, indent=1))
+    return out
+
+
 def write_best(result, out: Path, args: argparse.Namespace) -> None:
     import yaml
 
@@ -228,8 +283,8 @@ def write_best(result, out: Path, args: argparse.Namespace) -> None:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     out = []
-    for flag in ("preset", "config", "hardware", "gpus", "memory_gib", "global_batch"):
-        v = getattr(args, flag)
+    for flag in ("preset", "config", "hardware", "gpus", "memory_gib", "global_batch", "distributed_optimizer"):
+        v = getattr(args, flag, None)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", f"{v:g}" if isinstance(v, float) else str(v)]
     return out

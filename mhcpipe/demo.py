@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     pred = predict(cfg, hw, spec, profile_pricing=HostPricing())
     s = pred.summary
     print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
-          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['overhead_pct']:.1f}%", flush=True)
+          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['step_overhead_pct']:.1f}%", flush=True)
     timings["prediction"] = time.perf_counter() - t
     t = time.perf_counter()
     _say("4/5", "comparing predicted with measured")

@@ -287,7 +287,7 @@ def test_single_pass_carried_state_and_boundary_buffers(small_cfg):
 
 def test_single_pass_is_predicted_and_cheaper_than_mhc(small_cfg):
     s = {v: predict(small_cfg, "h800", ResidualSpec(v, 4), ladder=False).summary for v in ("mhc", "mhc-sp")}
-    assert 0 < s["mhc-sp"]["overhead_pct"] < s["mhc"]["overhead_pct"]
+    assert 0 < s["mhc-sp"]["step_overhead_pct"] < s["mhc"]["step_overhead_pct"]
     assert s["mhc-sp"]["residual"] == "mhc-sp (n=4)"
     assert s["mhc-sp"]["memory_gib"]["mhc"] >= s["mhc-sp"]["memory_gib"]["baseline"]
     for kind in ("F", "I", "FB"):

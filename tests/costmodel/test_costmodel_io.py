@@ -26,7 +26,7 @@ def test_uneven_layers_rejected_unless_allowed():
     with pytest.raises(ValueError, match="do not divide evenly.*--uneven.*uneven_stages"):
         predict(cfg, "h800")
     pred = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
-    assert pred.summary["overhead_pct"] > 0
+    assert pred.summary["step_overhead_pct"] > 0
 
 
 @pytest.mark.parametrize("preset", presets())
@@ -94,7 +94,7 @@ def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "mHC overhead" in text and "kernel traffic" in text and "recompute block" in text
     data = json.loads(out.read_text())
-    assert data["overhead_pct"] > 0 and "memory_per_rank" in data
+    assert data["step_overhead_pct"] > 0 and "memory_per_rank" in data
     assert trace.exists() and (tmp_path / "t.baseline.json").exists()
     png = tmp_path / "s.png"
     assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--sweep", "n=1..3",
@@ -181,7 +181,7 @@ def test_local_calibration_quick(tmp_path, monkeypatch):
     assert back == spec
     monkeypatch.setenv("MHCPIPE_LOCAL_PROFILE", str(tmp_path / "local.json"))
     pred = predict(load_config("tiny"), "local", ladder=False)
-    assert pred.baseline.makespan > 0 and pred.summary["overhead_pct"] > 0
+    assert pred.baseline.makespan > 0 and pred.summary["step_overhead_pct"] > 0
 
 
 def test_local_p2p_sweep():

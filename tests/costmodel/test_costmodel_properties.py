@@ -16,7 +16,7 @@ def test_n1_has_zero_overhead(small_cfg):
         spec = residual_spec_of(small_cfg, variant, 1, 1 if variant == "xhc" else None)
         assert spec.is_baseline, variant
         pred = predict(small_cfg, "h800", spec)
-        assert pred.summary["overhead_pct"] == 0.0
+        assert pred.summary["step_overhead_pct"] == 0.0
         assert pred.mhc.makespan == pred.baseline.makespan
         assert pred.summary["memory_gib"]["mhc"] == pred.summary["memory_gib"]["baseline"]
 
@@ -41,10 +41,10 @@ def test_full_backward_costs_at_least_its_parts(preset, overrides, variant):
 
 def test_mhc_costs_time_and_traffic(small_cfg):
     s = predict(small_cfg, "h800").summary
-    assert s["overhead_pct"] > 0
+    assert s["step_overhead_pct"] > 0
     assert s["boundary"]["bytes_mhc"] == 4 * s["boundary"]["bytes_baseline"]
     b = s["breakdown_pp"]
-    assert math.isclose(sum(b.values()), s["overhead_pct"], rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(sum(b.values()), s["step_overhead_pct"], rel_tol=1e-9, abs_tol=1e-9)
 
 
 def test_more_p2p_bandwidth_less_exposed_comm(small_cfg):
@@ -111,12 +111,12 @@ def test_xhc_is_priced(small_cfg):
     mhc = predict(small_cfg, "h800", ResidualSpec("mhc", 4), ladder=False).summary
     xhc = predict(small_cfg, "h800", ResidualSpec("xhc", 16, 4), ladder=False).summary
     assert xhc["boundary"]["bytes_mhc"] == 4 * mhc["boundary"]["bytes_mhc"]
-    assert xhc["overhead_pct"] > mhc["overhead_pct"] > 0
+    assert xhc["step_overhead_pct"] > mhc["step_overhead_pct"] > 0
     assert xhc["memory_gib"]["mhc"] > mhc["memory_gib"]["mhc"]
 
 
 def test_hc_and_lite_variants(small_cfg):
-    s = {v: predict(small_cfg, "h800", ResidualSpec(v, 4), ladder=False).summary["overhead_pct"]
+    s = {v: predict(small_cfg, "h800", ResidualSpec(v, 4), ladder=False).summary["step_overhead_pct"]
          for v in ("hc", "mhc", "mhc-lite")}
     assert s["hc"] > s["mhc"] > 0 and s["mhc-lite"] > 0
     assert abs(s["mhc-lite"] - s["mhc"]) < 0.5 * s["mhc"]
@@ -124,13 +124,13 @@ def test_hc_and_lite_variants(small_cfg):
 
 def test_wider_model_smaller_overhead():
     """mHC bytes grow with C, block FLOPs with C^2 (costmodel.md §5): the overhead falls with width."""
-    o = [predict(load_config(p), "h800", ladder=False).summary["fb_step_overhead_pct"]
+    o = [predict(load_config(p), "h800", ladder=False).summary["fb_stage_overhead_pct"]
          for p in ("paper-3b", "paper-27b")]
     assert o[0] > o[1] > 0
 
 
 def test_faster_hbm_lower_overhead():
     cfg = load_config("paper-27b")
-    h800 = predict(cfg, "h800", ladder=False).summary["fb_step_overhead_pct"]
-    h200 = predict(cfg, "h200", ladder=False).summary["fb_step_overhead_pct"]
+    h800 = predict(cfg, "h800", ladder=False).summary["fb_stage_overhead_pct"]
+    h200 = predict(cfg, "h200", ladder=False).summary["fb_stage_overhead_pct"]
     assert h200 < h800

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from costmodel.explain import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, TOLERANCE_PP, Variant, explain,
+from costmodel.explain import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, Variant, discriminators, explain,
                                honest_variants, honest_verdict, ladder_steps)
 from costmodel.hardware import get_hardware
 from costmodel.mhc_cost import ResidualSpec
@@ -40,21 +40,23 @@ def test_each_rung_switches_one_mechanism_and_ends_at_the_callers_options(small_
         a, b = _switches(s0, o0), _switches(s1, o1)
         changed = [k for k in a if a[k] != b[k]]
         assert len(changed) <= 1, (name, changed)
-    assert steps[-1][2] == spec and steps[-1][3] == opts
+    # the caller's options with the single actions' mode made explicit: the same prediction
+    assert steps[-1][2] == spec and steps[-1][3] == dataclasses.replace(opts, single_mode=opts.single_action_mode)
     # the switches the caller leaves at the naive value make their rung a no-op
-    assert len({(s, o) for _, _, s, o in steps}) == len(steps) - (opts.fb_mode == "serial") - (not opts.hp_stream)
+    assert len({(s, o) for _, _, s, o in steps}) == (len(steps) - (opts.fb_mode == "serial") - (not opts.hp_stream)
+                                                     - (opts.single_action_mode == "serial"))
 
 
 def test_last_rung_is_the_plain_prediction(small_cfg, ex):
     plain = predict(small_cfg, H800, residual_spec_of(small_cfg), Options(), ladder=False).summary
     last = ex.rungs[-1].summary
-    assert last["overhead_pct"] == plain["overhead_pct"]
-    assert last["fb_step_overhead_pct"] == plain["fb_step_overhead_pct"]
+    assert last["step_overhead_pct"] == plain["step_overhead_pct"]
+    assert last["fb_stage_overhead_pct"] == plain["fb_stage_overhead_pct"]
     assert last["iteration_us"] == plain["iteration_us"]
 
 
 def test_rungs_move_what_their_mechanism_moves(ex):
-    naive, fused, rc, ovl = ex.rungs[:4]
+    naive, fused, rc, singles, ovl = ex.rungs[:5]
     # fusing touches mHC's kernels only: fewer bytes, a cheaper mHC step, the same baseline
     assert fused.mhc["residual_bytes_per_rank"] < naive.mhc["residual_bytes_per_rank"]
     assert fused.baseline["residual_bytes_per_rank"] == naive.baseline["residual_bytes_per_rank"]
@@ -75,6 +77,48 @@ def test_rungs_move_what_their_mechanism_moves(ex):
     # the boundary is n C wide whatever the kernels do
     for r in ex.rungs:
         assert math.isclose(r.mhc["boundary_bytes_per_rank"], 4 * r.baseline["boundary_bytes_per_rank"], rel_tol=1e-12)
+
+
+def test_one_denominator_for_every_rung_and_one_change_per_rung(small_cfg, ex):
+    """Every rung's share is the ms mHC adds over its own baseline divided by the last rung's baseline F&B stage:
+    the last rung's share is the headline; stream pricing of single actions leaves every pair's price alone, and
+    the pair overlap leaves every single action's."""
+    final = ex.rungs[-1]
+    D = final.summary["fb_stage_us"]["baseline"]
+    assert ex.on_fb_stage and ex.denominator_us == D
+    for r in ex.rungs:
+        fb = r.summary["fb_stage_us"]
+        assert math.isclose(ex.share_pct(r), 100 * (fb["mhc"] - fb["baseline"]) / D, rel_tol=1e-12)
+    assert math.isclose(ex.share_pct(final), final.fb_pct, rel_tol=1e-9)
+    rc, singles, ovl = ex.rungs[2:5]
+    assert singles.change.startswith("F, I, W, B priced as single_mode='streams'")
+    for name in ("baseline", "mhc"):
+        alone = lambda r: [p["alone_us"][name] for p in r.summary["fb_pairs"]]  # noqa: E731
+        assert alone(singles) == alone(rc)  # pairs still serial
+        assert alone(ovl) != alone(singles)
+        for kind in ("F", "I", "W", "B"):
+            if kind in singles.summary["op_us"][name]:
+                assert ovl.summary["op_us"][name][kind] == singles.summary["op_us"][name][kind]
+    assert singles.summary["op_us"]["mhc"] != rc.summary["op_us"]["mhc"]
+
+
+def test_the_headline_is_the_fb_stage_as_the_step_runs_it(small_cfg):
+    """fb_stage_overhead_pct: every pair as often as the schedule runs it and as long as the simulation ran it
+    (late inputs included), per rank; the per-kind table adds up to it."""
+    pred = predict(small_cfg, H800, ladder=False)
+    s = pred.summary
+    for name, sim in (("baseline", pred.baseline), ("mhc", pred.mhc)):
+        spans = [sp for sp in sim.trace.spans if sp.kind == "FB"]
+        ranks = {sp.rank for sp in spans}
+        assert math.isclose(s["fb_stage_us"][name], sum(sp.duration for sp in spans) / len(ranks), rel_tol=1e-12)
+        from_table = sum(p["count"] * p["as_run_us"][name] for p in s["fb_pairs"]) / len(ranks)
+        assert math.isclose(from_table, s["fb_stage_us"][name], rel_tol=1e-9)
+        n_pairs = sum(a.kind.value == "FB" for acts in pred.schedule.actions for a in acts)
+        assert sum(p["count"] for p in s["fb_pairs"]) == n_pairs == len(spans) > 0
+        for p in s["fb_pairs"]:  # a pair as run waits for its later input: never shorter than alone
+            assert p["as_run_us"][name] >= p["alone_us"][name] * (1 - 1e-12)
+    assert math.isclose(s["fb_stage_overhead_pct"],
+                        100 * (s["fb_stage_us"]["mhc"] / s["fb_stage_us"]["baseline"] - 1), rel_tol=1e-12)
 
 
 def test_residual_bytes_count_every_microbatch_once_per_stage(small_cfg):
@@ -149,22 +193,29 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
         assert ref.ep_layout == "EP 8 inside one node" and ref.fb_pct != v.fb_pct
         hw = get_hardware(v.hardware).model_copy(update={"mhc_memory_eff": CUTILE_MHC_EFF})
         s = predict(small_cfg, hw, spec, Options(sigma=0.0), ladder=False).summary
-        assert (v.step_pct, v.fb_pct) == (s["overhead_pct"], s["fb_step_overhead_pct"])
+        assert (v.step_pct, v.fb_pct) == (s["step_overhead_pct"], s["fb_stage_overhead_pct"])
     # sigma slows the compute under the all-to-all for the baseline and mHC alike; the other switches move it too
     assert len({round(v.step_pct, 9) for v in vs}) > 1
     for v in vs:
-        assert v.within == (abs(v.fb_pct - PAPER_PCT) <= TOLERANCE_PP)
-    assert Variant("h800", "x", 0.0, 9.0, PAPER_PCT + TOLERANCE_PP + 0.01).within is False
-    assert Variant("h800", "x", 0.0, 9.0, PAPER_PCT - TOLERANCE_PP).within is True
+        assert v.gap_pp == v.fb_pct - PAPER_PCT
+    # every assumption of the sets separates some pair of them, and the answer says by how much
+    assert {d.assumption for d in discriminators(vs)} == {"hardware", "EP layout", "sigma", "mHC kernels"}
 
 
-def test_verdict_counts_and_names_the_smaller_group():
-    inside = [Variant("h200", "EP a", 0.0, 7.0, PAPER_PCT), Variant("h200", "EP b", 0.15, 7.0, PAPER_PCT + 1)]
-    outside = Variant("h800", "EP a", 0.0, 9.0, PAPER_PCT + TOLERANCE_PP + 1, CUTILE)
-    v = honest_verdict(inside + [outside])
-    assert v.startswith("2 of 3 land within") and "outside: h800, EP a, sigma 0, cuTile 0.80 (" in v
-    assert "EP b" not in v and "within: h200" in honest_verdict(inside[:1] + [outside, outside])
-    assert honest_verdict(inside).startswith("all 2") and honest_verdict([outside]).startswith("none of the 1")
+def test_verdict_reports_the_span_and_what_separates_the_sets():
+    sets = [Variant("h200", "EP a", 0.0, 7.0, 5.0), Variant("h200", "EP a", 0.15, 7.0, 6.0),
+            Variant("h200", "EP b", 0.0, 7.0, 9.0), Variant("h200", "EP b", 0.15, 7.0, 10.0),
+            Variant("h200", "EP a", 0.0, 9.0, 5.5, CUTILE)]
+    v = honest_verdict(sets)
+    assert v.startswith("the 5 assumption sets span 5.00-10.00% of the F&B stage") and "lies inside it" in v
+    assert "closest: h200, EP a, sigma 0.15, memory curve, -0.70 pp" in v
+    assert "pp below it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 8.0)])
+    assert "pp above it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 3.0)])
+    d = {x.assumption: x for x in discriminators(sets)}
+    assert math.isclose(d["EP layout"].mean_pp, 4.0) and d["EP layout"].pairs == 2  # (5, 9) and (6, 10)
+    assert math.isclose(d["sigma"].mean_pp, 1.0) and d["sigma"].pairs == 2
+    assert math.isclose(d["mHC kernels"].mean_pp, 0.5) and d["mHC kernels"].pairs == 1
+    assert "hardware" not in d and [x.assumption for x in discriminators(sets)][0] == "EP layout"
 
 
 def test_explain_refuses_the_baseline(small_cfg):

@@ -9,7 +9,7 @@ import pytest
 from costmodel.hardware import Curve, get_hardware
 from costmodel.predict import predict, residual_spec_of
 from costmodel.pricing import MHC_GROUPS, Options
-from costmodel.sensitivity import MEASURED, check_pct, moves, sensitivity
+from costmodel.sensitivity import ASSUMED, CHOICES, MEASURED, check_pct, moves, sensitivity
 from configs import load_config
 from mhcpipe.cli import main
 
@@ -23,7 +23,7 @@ def se(small_cfg):
 
 def test_base_is_the_plain_prediction(small_cfg, se):
     plain = predict(small_cfg, H800, residual_spec_of(small_cfg), Options(), ladder=False).summary
-    assert se.base.step_pct == plain["overhead_pct"] and se.base.fb_pct == plain["fb_step_overhead_pct"]
+    assert se.base.step_pct == plain["step_overhead_pct"] and se.base.fb_pct == plain["fb_stage_overhead_pct"]
 
 
 def test_faster_hbm_never_raises_the_overhead(se):
@@ -50,7 +50,7 @@ def test_faster_mhc_kernels_never_raise_the_overhead(small_cfg, se):
         for eff in (0.4, 0.6, 0.8, 1.0):
             hw = H800.model_copy(update={"mhc_memory_eff": Curve(unit="MB", points=[(0, eff)])})
             s = predict(small_cfg, hw, spec, opts, ladder=False).summary
-            now = (s["overhead_pct"], s["fb_step_overhead_pct"])
+            now = (s["step_overhead_pct"], s["fb_stage_overhead_pct"])
             if prev is not None:
                 assert now[0] < prev[0] and now[1] < prev[1], (opts, eff, prev, now)
             prev = now
@@ -147,4 +147,5 @@ def test_cli_sensitivity_writes_table_tornado_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "measure this first:" in out and png.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert data["pct"] == 10 and data["measure_first"] in MEASURED and len(data["rows"]) == 8
+    assert data["pct"] == 10 and data["measure_first"] in MEASURED 
+    assert {r["input"] for r in data["rows"]} == set(MEASURED + CHOICES + ASSUMED)

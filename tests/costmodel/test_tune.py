@@ -15,7 +15,7 @@ from configs import load_config, load_config_data
 from costmodel.data_parallel import ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
 from costmodel.hardware import Link, get_hardware
 from costmodel.predict import predict
-from costmodel.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, replica_config, tune
+from costmodel.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, tune
 from mhcpipe.cli import main
 
 HW = get_hardware("h800")
@@ -36,8 +36,10 @@ def tuned(p3b):
 
 
 def step_by_predict(cfg, cand: Candidate):
-    """A layout's step priced the plain way: predict() on one replica, plus data_parallel.grad_sync."""
-    pred = predict(replica_config(cfg), HW, options=options_of(cand, HW), ladder=False)
+    """A layout's step priced the plain way: predict() of the whole config (it simulates one replica's pipeline
+    of M / D micro-batches; D is the data-parallel ranks the distributed optimizer shards over), plus
+    data_parallel.grad_sync."""
+    pred = predict(cfg, HW, options=options_of(cand, HW), ladder=False)
     pr = pred.pricers["mhc"]
     sync = grad_sync(cfg, HW, pred.schedule, pred.mhc, pr.layout, {s: m.params for s, m in pr.stage_mem.items()})
     return pred, sync
