@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m mhcpipe demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests; rc=$$?; \
+	$(PY) -m pytest -q --durations=15 -n 2 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

@@ -87,6 +87,10 @@ class P2PWaiter:
         finally:
             self._signal(h)
 
+    def close(self) -> None:
+        """Let the idle waiter threads exit (a process that runs many runtimes, e.g. the tests' rank pool)."""
+        self._pool.shutdown(wait=False)
+
 
 class Comms:
     """Waits and polls for one rank, with its deadline, recorder and error messages."""

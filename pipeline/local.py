@@ -133,6 +133,7 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
                 if k == 0 and want_grads:
                     grads = rt.grads()
                 collect(k)
+        rt.close()
         out.append({"stats": [vars(h) for h in hist], "grads": grads, "rc_block": rt.rc_block,
                     "num_stages": rt.plan.schedule.num_stages})
     return out

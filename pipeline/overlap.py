@@ -108,6 +108,8 @@ class PairRunner:
             torch.cuda.set_device(self.device)
         while True:
             job = self._jobs.get()
+            if job is None:  # close()
+                return
             with self._cv:
                 while self._turn != "B" and self._error is None:
                     self._cv.wait()
@@ -120,6 +122,10 @@ class PairRunner:
                 self._fail(err)
             finally:
                 self._finish("B")
+
+    def close(self) -> None:
+        """End the helper thread (after the last pair; a process may build many runtimes)."""
+        self._jobs.put(None)
 
     # -- switch points -------------------------------------------------------------------------------------
     def switch(self, side: str) -> None:

@@ -190,6 +190,17 @@ class RankRuntime:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
 
     # -- whole run -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop this runtime's helper threads (the F&B pair's backward half, the strict transport's queues and
+        heads publisher, gloo P2P waiters): a process that runs several runtimes in turn (variants, the tests'
+        rank pool) must not keep every earlier one's threads waking up."""
+        if self.pair is not None:
+            self.pair.close()
+        if self.strict is not None:
+            self.strict.close()
+        if self.comms.waiter is not None:
+            self.comms.waiter.close()
+
     def align_clocks(self) -> int:
         """Common time zero of the ranks' spans: on one host the earliest rank's monotonic clock reading after a
         barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it.
@@ -331,6 +342,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
         diag.save(Path(diagnostics_dir))
         if rank == 0:
             log(f"diagnostics: {diagnostics_dir}/diagnostics_rank*.json (mhcpipe diagnose {diagnostics_dir})")
+    rt.close()
     return history
 
 
@@ -390,6 +402,8 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
     for diag, diag_dir in zip(diags, diagnostics_dirs or []):
         if diag is not None:
             diag.save(Path(diag_dir))
+    for rt in runtimes:
+        rt.close()
     return history
 
 

@@ -1,7 +1,61 @@
 """Suite-wide: every pipeline run the tests launch (mhcpipe run, torchrun -m pipeline, the demo) uses the strict
 transport unless a test says otherwise, so a posting order that would hang on NCCL fails here
 (pipeline.strict_transport). Workers that build configs in-process set train.comm_rules themselves
-(tests/pipeline/_pipeline_helpers.tiny_config)."""
+(tests/pipeline/_pipeline_helpers.tiny_config).
+
+`make test` runs two pytest-xdist workers. The modules in RANKS_MODULES start several processes that keep every
+core busy (the rank pool of tests/rank_pool.py, torchrun, `mhcpipe run`, the demo): their tests carry the marker
+`ranks` and xdist hands all of them to one worker, one at a time, while the other worker runs the single-process
+tests (tests/README.md). A module that uses the rank pool must be listed here; collection says so otherwise."""
 import os
 
+import pytest
+
 os.environ.setdefault("MHCPIPE_TRANSPORT", "strict")
+
+RANKS_MODULES = frozenset({
+    "tests/bench/test_bench_torch_dualpipev.py",
+    "tests/pipeline/test_pipeline_checkpoint.py",
+    "tests/pipeline/test_pipeline_cli.py",
+    "tests/pipeline/test_pipeline_collective.py",
+    "tests/pipeline/test_pipeline_demo.py",
+    "tests/pipeline/test_pipeline_equivalence.py",
+    "tests/pipeline/test_pipeline_faults.py",
+    "tests/pipeline/test_pipeline_interleaved.py",
+    "tests/pipeline/test_pipeline_layout.py",
+    "tests/pipeline/test_pipeline_nccl_rules.py",
+    "tests/pipeline/test_pipeline_overlap.py",
+    "tests/pipeline/test_pipeline_residual_cli.py",
+    "tests/pipeline/test_pipeline_wider_residuals.py",
+    "tests/traces/test_traces_path_measured.py",
+})
+
+
+def _module_path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = _module_path(item.nodeid)
+        if path in RANKS_MODULES:
+            item.add_marker(pytest.mark.ranks)
+        elif getattr(getattr(getattr(item, "module", None), "launch", None), "__module__", None) == "rank_pool":
+            raise pytest.UsageError(f"{path} launches rank processes (rank_pool.launch): add it to "
+                                    "RANKS_MODULES in tests/conftest.py")
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # plain pytest: nothing to schedule
+    pass
+else:
+    class _RanksOnOneWorker(LoadScopeScheduling):
+        """xdist's scope scheduling with one scope for every test of RANKS_MODULES (so one worker runs them, one
+        after another) and a scope of its own for every other test (spread over the workers)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "ranks" if _module_path(nodeid) in RANKS_MODULES else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _RanksOnOneWorker(config, log)

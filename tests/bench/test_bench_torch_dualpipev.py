@@ -18,7 +18,7 @@ for _p in (ROOT, ROOT / "tests" / "pipeline"):
 from _pipeline_helpers import assert_grads_match, check_ok, tiny_config  # noqa: E402
 from bench.torch_dualpipev import torch_dualpipev_worker  # noqa: E402  (importable by the spawned ranks)
 from configs import parse_config  # noqa: E402
-from pipeline.local import launch  # noqa: E402
+from rank_pool import launch  # noqa: E402
 from pipeline.single_process import train_single_process  # noqa: E402
 
 LOSS_TOL, GRAD_TOL, STEPS = 1e-9, 1e-9, 2

@@ -1,6 +1,10 @@
 """Shared helpers for tests/pipeline: tiny configs and comparisons (imported by the test modules)."""
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
+
 import torch
 
 
@@ -59,3 +63,19 @@ def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 def check_ok(results) -> None:
     bad = [(r.rank, r.exitcode, r.error) for r in results if r.exitcode != 0 or r.error]
     assert not bad, f"ranks failed: {bad}"
+
+
+def mhcpipe_refusal(*args: str) -> subprocess.CompletedProcess:
+    """`mhcpipe ARGS` in this process, for input the command must refuse before it starts anything (a bad flag,
+    config or layout): its exit code and what it printed, as subprocess.run would return them. Saves starting an
+    interpreter that imports torch per case; an exception that escapes `main` fails the test with its traceback,
+    as a traceback on a real stderr would."""
+    from mhcpipe.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as stop:  # argparse's own errors
+            rc = stop.code if isinstance(stop.code, int) else 2
+    return subprocess.CompletedProcess(["mhcpipe", *args], rc, out.getvalue(), err.getvalue())

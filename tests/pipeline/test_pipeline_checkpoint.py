@@ -26,7 +26,8 @@ import yaml
 from _pipeline_helpers import tiny_config
 from pipeline import checkpoint, checkpoint_files
 from configs import parse_config
-from pipeline.local import free_port, launch
+from pipeline.local import free_port
+from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 15.0

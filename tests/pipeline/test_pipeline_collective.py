@@ -15,7 +15,7 @@ from _pipeline_helpers import check_ok, rel_err, tiny_config
 from pipeline import collective as coll
 from pipeline.comm import Comms, Handle, PipelineError
 from configs import parse_config
-from pipeline.local import launch
+from rank_pool import launch
 from pipeline.recorder import Recorder
 
 
@@ -236,7 +236,11 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
     """One step of the runtime. With `mimic` (NCCL on gloo ranks): every group reports NCCL, whose device map
     refuses host tensors (a tensor the runtime made without placing it: `_HostMarkingTorch`), every collective's
     tensors are checked against it (blocking ones through `collective`, async ones through `Comms.post`), and the
-    rank's Comms is stream-ordered, so every wait takes NCCL's path (polled completion, untimed ordering wait)."""
+    rank's Comms is stream-ordered, so every wait takes NCCL's path (polled completion, untimed ordering wait).
+    The patches are undone when the step returns: the rank process serves later cases (tests/rank_pool.py)."""
+    from contextlib import ExitStack
+    from unittest import mock
+
     import pipeline.collective
     import pipeline.comm
     import pipeline.executor
@@ -249,27 +253,30 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
     device = torch.device("cpu")
     groups = make_groups(cfg, rank, world, device)
     seen = []
-    if mimic:
-        real_check = pipeline.collective.check_devices
-        pipeline.collective.group_backends = lambda group=None: {"cpu": "nccl"}
+    with ExitStack() as patches:
+        if mimic:
+            real_check = pipeline.collective.check_devices
 
-        def check(args, group, what, r):
-            seen.append(what)
-            for t in pipeline.collective._tensors(args):
-                if getattr(t, "_made_on_host", False):
-                    raise PipelineError(f"rank {r}: {what}: a host tensor on an NCCL process group")
-            return real_check(args, group, what, r)
+            def check(args, group, what, r):
+                seen.append(what)
+                for t in pipeline.collective._tensors(args):
+                    if getattr(t, "_made_on_host", False):
+                        raise PipelineError(f"rank {r}: {what}: a host tensor on an NCCL process group")
+                return real_check(args, group, what, r)
 
-        pipeline.collective.check_devices = check
-        pipeline.comm.check_devices = check
-        for mod in (pipeline.train, pipeline.executor, pipeline.grad_reduce, pipeline.expert):
-            mod.torch = _HostMarkingTorch()
-        real = pipeline.train.Comms
-        pipeline.train.Comms = lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True})
-    rt = RankRuntime(cfg, rank, device, groups=groups, record=True)
-    rt.align_clocks()
-    st = rt.step(0)
-    assert rt.comms.stream_ordered == mimic
+            real = pipeline.train.Comms
+            for target, name, value in [
+                    (pipeline.collective, "group_backends", lambda group=None: {"cpu": "nccl"}),
+                    (pipeline.collective, "check_devices", check), (pipeline.comm, "check_devices", check),
+                    (pipeline.train, "Comms", lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True}))] + [
+                    (mod, "torch", _HostMarkingTorch())
+                    for mod in (pipeline.train, pipeline.executor, pipeline.grad_reduce, pipeline.expert)]:
+                patches.enter_context(mock.patch.object(target, name, value))
+        rt = RankRuntime(cfg, rank, device, groups=groups, record=True)
+        rt.align_clocks()
+        st = rt.step(0)
+        assert rt.comms.stream_ordered == mimic
+        rt.close()
     return {"loss": st.loss, "grads": rt.grads(), "helper_calls": seen,
             "waits": sum(1 for s in rt.recorder.spans if s.kind == "WAIT")}
 

@@ -14,7 +14,8 @@ import pytest
 
 from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, tiny_config
 from configs import parse_config
-from pipeline.local import launch, variants_worker
+from pipeline.local import variants_worker
+from rank_pool import launch
 from pipeline.single_process import train_single_process
 
 TOL = 1e-9

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from _pipeline_helpers import check_ok, tiny_config
-from pipeline.local import interleaved_worker, launch, variants_worker
+from pipeline.local import interleaved_worker, variants_worker
+from rank_pool import launch
 from traces.trace import Trace
 
 

@@ -9,7 +9,7 @@ import torch
 from _pipeline_helpers import check_ok, tiny_config
 from configs import parse_config
 from pipeline.layout import Layout
-from pipeline.local import launch
+from rank_pool import launch
 
 
 def test_rank_coordinates_and_mesh_tensors():

@@ -4,7 +4,8 @@
   NCCL's rules in every schedule: the strict transport turns that into one line per rank that names every rank's
   blocked queue heads, within the timeout, in the group view and the pair view.
 * The new design (one group per direction of each pipeline link) runs every schedule x {pp4 tiny, pp2 dp2 ep2
-  tiny MoE} x n in {1, 4} x overlap on/off under the strict transport with the losses of plain gloo.
+  tiny MoE} x n in {1, 4} x overlap on/off on plain gloo with the single-process model's loss and gradients
+  (under the strict transport: test_pipeline_equivalence).
 * The strict transport itself: a receive order that differs from the send order is an error naming both
   messages; collectives that differ across the members of a group are an error at the end of the step.
 * Every comm span of a recorded run carries its group, batch and the peer's global rank, and
@@ -20,8 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from _pipeline_helpers import check_ok, tiny_config
-from pipeline.local import launch, variants_worker
+from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, tiny_config
+from configs import parse_config
+from pipeline.local import variants_worker
+from pipeline.single_process import train_single_process
+from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -85,31 +89,37 @@ def test_the_shared_p2p_group_deadlocks_in_the_pair_view_too():
     assert "[world|0-1] RECV_B/s1/mb0 waits for rank 1's send of B/s1/mb0" in errs, errs
 
 
-def _grid(layout: str) -> list[dict]:
+def _plain_gloo_grid(layout: str) -> list[dict]:
     out = []
     for kind in KINDS:
         overlaps = (True, False) if kind in ("dualpipe", "dualpipev") else (True,)  # only DualPipe has F&B pairs
         for n in (1, 4):
             for ov in overlaps:
-                for rules in ("nccl", "backend"):
-                    out.append(tiny_config(kind, n=n, overlap=ov, steps=1, comm_rules=rules, **LAYOUTS[layout]))
+                out.append(tiny_config(kind, n=n, overlap=ov, steps=1, comm_rules="backend", dtype="float64",
+                                       **LAYOUTS[layout]))
     return out
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_channel_groups_run_every_schedule_under_nccl_rules_with_plain_gloos_losses(layout):
-    """One group per direction of each pipeline link: every schedule, n in {1, 4}, overlap on and off, runs to
-    the end under NCCL's rules (group view), and its loss equals the plain gloo run's."""
-    variants = _grid(layout)
-    results = launch(variants_worker, 4, (variants, False), timeout_s=380)
+def test_plain_gloo_runs_every_schedule_with_the_single_process_results(layout):
+    """The channel groups on plain gloo (train.comm_rules 'backend', what a CPU run without the strict transport
+    does): every schedule, n in {1, 4}, overlap on and off, gives the single-process model's loss and gradients
+    (float64, 1e-9). The same grid under NCCL's rules is test_pipeline_equivalence's (3 steps, recompute too)."""
+    variants = _plain_gloo_grid(layout)
+    results = launch(variants_worker, 4, (variants, True), timeout_s=380)
     check_ok(results)
-    for i in range(0, len(variants), 2):
-        strict, plain = variants[i], variants[i + 1]
-        assert strict["train"]["comm_rules"] == "nccl" and plain["train"]["comm_rules"] == "backend"
+    refs = {}
+    for i, v in enumerate(variants):
+        n = v["model"]["residual"]["n"]
+        if n not in refs:
+            refs[n] = train_single_process(parse_config(v), steps=1)
+        want_losses, want_grads, params = refs[n]
+        what = f"{layout} {v['parallel']['schedule']} n={n} overlap={v['parallel']['overlap']}"
+        assert_grads_match(merged_grads(results, i), want_grads, params, 1e-9, what)
         for r in results:
-            a, b = r.value[i]["stats"][0]["loss"], r.value[i + 1]["stats"][0]["loss"]
-            assert abs(a - b) <= 1e-6 * abs(b), (layout, strict["parallel"], strict["model"]["residual"], a, b)
+            loss = r.value[i]["stats"][0]["loss"]
+            assert abs(loss - want_losses[0]) <= 1e-9 * abs(want_losses[0]), (what, r.rank, loss, want_losses)
 
 
 def _strict_transport(rank, world, p2p_groups="channel", timeout_s=10.0):

@@ -15,7 +15,8 @@ from collections import defaultdict
 import pytest
 
 from _pipeline_helpers import check_ok, tiny_config
-from pipeline.local import interleaved_worker, launch
+from pipeline.local import interleaved_worker
+from rank_pool import launch
 from traces.comm_overlap import comm_overlap, total
 from traces.trace import Trace
 

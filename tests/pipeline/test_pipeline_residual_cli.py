@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _pipeline_helpers import tiny_config
+from _pipeline_helpers import mhcpipe_refusal, tiny_config
 from configs import parse_config
 from pipeline.run_args import residual_flag, with_residual_flag
 
@@ -53,36 +53,42 @@ def test_bad_xhc_config_fields_are_one_line(tmp_path):
     cfg["model"]["residual"] = {"variant": "xhc", "n": 16, "active": 4, "augment": "attention"}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = _mhcpipe("run", "--config", str(path), "--steps", "1")
+    proc = mhcpipe_refusal("run", "--config", str(path), "--steps", "1")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "augment" in lines[0] and "MLP write-back only" in lines[0], proc.stderr
-    proc = _mhcpipe("run", "--config", "tiny", "--residual", "mhc:4", "--diagnostics-every", "5", "--steps", "1")
+    proc = mhcpipe_refusal("run", "--config", "tiny", "--residual", "mhc:4", "--diagnostics-every", "5",
+                           "--steps", "1")
     assert proc.returncode == 2 and "--diagnostics-dir" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("residual", ["xhc:16:4", "mhc-sp:4"])
-def test_run_logs_diagnostics_and_diagnose_draws_them(tmp_path, residual):
+def test_run_logs_diagnostics_and_diagnose_draws_them(tmp_path):
+    """One real launch trains xHC and single-pass mHC interleaved (`--interleave`), each logging its diagnostics
+    to its own folder; `mhcpipe diagnose` draws each one."""
+    from mhcpipe.cli import main
+
     cfg = tiny_config("dualpipev", 2, steps=3)
     path = tmp_path / "tiny2.yaml"
     path.write_text(yaml.safe_dump(cfg))
     diag = tmp_path / "diag"
-    proc = _mhcpipe("run", "--config", str(path), "--residual", residual, "--diagnostics-every", "2",
-                    "--diagnostics-dir", str(diag))
+    proc = _mhcpipe("run", "--config", str(path), "--residual", "xhc:16:4", "--interleave", "mhc-sp:4",
+                    "--diagnostics-every", "2", "--diagnostics-dir", str(diag))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in diag.iterdir()) == ["diagnostics_rank0.json", "diagnostics_rank1.json"]
-    png, out = tmp_path / "diag.png", tmp_path / "diag.json"
-    proc = _mhcpipe("diagnose", str(diag), "-o", str(png), "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert png.stat().st_size > 10_000
-    runs = json.loads(out.read_text())
-    run = runs[0] if isinstance(runs, list) else runs["runs"][0]
-    n = int(residual.split(":")[1])
-    assert run["streams"] == n and run["layers"] == 2 * cfg["model"]["num_blocks"]
-    assert run["steps_logged"] == [0, 2]  # step 0, every 2nd, and the last (2)
-    last = run["last"]
-    if residual.startswith("xhc"):
-        # k = 4 of 16 streams are written per token: some stream is never written by most tokens
-        assert last["write_share_min"] < 1.0 / n
-    assert 0.99 < last["gain_fwd"] < 1.01  # Sinkhorn-projected H_res (rows sum to 1): no gain forward
+    assert sorted(p.name for p in diag.iterdir()) == ["mhc-sp_4", "xhc_16_4"]
+    for residual in ("xhc:16:4", "mhc-sp:4"):
+        folder = diag / residual.replace(":", "_")
+        assert sorted(p.name for p in folder.iterdir()) == ["diagnostics_rank0.json", "diagnostics_rank1.json"]
+        png, out = tmp_path / f"{folder.name}.png", tmp_path / f"{folder.name}.json"
+        assert main(["diagnose", str(folder), "-o", str(png), "--json", str(out)]) == 0
+        assert png.stat().st_size > 10_000
+        runs = json.loads(out.read_text())
+        run = runs[0] if isinstance(runs, list) else runs["runs"][0]
+        n = int(residual.split(":")[1])
+        assert run["streams"] == n and run["layers"] == 2 * cfg["model"]["num_blocks"], (residual, run)
+        assert run["steps_logged"] == [0, 2]  # step 0, every 2nd, and the last (2)
+        last = run["last"]
+        if residual.startswith("xhc"):
+            # k = 4 of 16 streams are written per token: some stream is never written by most tokens
+            assert last["write_share_min"] < 1.0 / n
+        assert 0.99 < last["gain_fwd"] < 1.01  # Sinkhorn-projected H_res (rows sum to 1): no gain forward
