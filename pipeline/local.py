@@ -41,22 +41,17 @@ class RankResult:
     elapsed_s: float = 0.0
 
 
-def _entry(rank: int, world: int, port: int, init_timeout_s: float, worker, args, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    os.environ.pop("TRITON_INTERPRET", None)
-    torch.set_num_threads(1)
+def run_or_die(rank: int, world: int, worker, args, out: Path, init) -> None:
+    """`init()` (join the process group), `worker(rank, world, *args)`, its value saved to `out`, the group
+    destroyed. On failure the error is saved and printed (a `PipelineError` as its one line) and the process exits
+    1 at once: a group with a dead peer must not be torn down politely, that can hang. Shared with the tests'
+    persistent ranks (tests/rank_pool.py)."""
     import torch.distributed as dist
 
-    from .p2p import PipelineError
+    from .errors import PipelineError
 
-    out = Path(out_dir) / f"rank{rank}.pt"
     try:
-        # the parent hosts the store, so it outlives any rank (the strict transport's hang report reads it)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                              timeout=datetime.timedelta(seconds=init_timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=init_timeout_s))
+        init()
         value = worker(rank, world, *args)
         torch.save({"value": value}, out)
         dist.destroy_process_group()
@@ -68,6 +63,23 @@ def _entry(rank: int, world: int, port: int, init_timeout_s: float, worker, args
         torch.save({"error": f"rank {rank}: {type(err).__name__}: {err}", "traceback": traceback.format_exc()}, out)
         print(traceback.format_exc(), file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _entry(rank: int, world: int, port: int, init_timeout_s: float, worker, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    def init() -> None:
+        # the parent hosts the store, so it outlives any rank (the strict transport's hang report reads it)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=datetime.timedelta(seconds=init_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=init_timeout_s))
+
+    run_or_die(rank, world, worker, args, Path(out_dir) / f"rank{rank}.pt", init)
     sys.stdout.flush()
     os._exit(0)
 

@@ -24,13 +24,12 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pipeline.local import RankResult, free_port
+from pipeline.local import RankResult, free_port, run_or_die
 
 _INIT_TIMEOUT_S = 30.0
 
@@ -39,8 +38,6 @@ def _serve(rank: int, world: int, port: int, conn) -> None:
     """A rank's loop: one case per message until the parent closes the pipe."""
     os.environ.pop("TRITON_INTERPRET", None)
     torch.set_num_threads(1)
-    from pipeline.errors import PipelineError
-
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
     import pipeline.train  # noqa: F401 - the runtime's imports are paid once, before the first case
@@ -65,23 +62,12 @@ def _serve(rank: int, world: int, port: int, conn) -> None:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         torch.set_default_dtype(torch.float32)
-        out = Path(out_dir) / f"rank{rank}.pt"
-        try:
+
+        def init() -> None:  # a fresh world on this case's own store prefix
             dist.init_process_group("gloo", store=dist.PrefixStore(f"case{case}", store), rank=rank,
                                     world_size=world, timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
-            value = worker(rank, world, *args)
-            torch.save({"value": value}, out)
-            dist.destroy_process_group()
-        except PipelineError as err:
-            torch.save({"error": str(err)}, out)
-            print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
-            os._exit(1)
-        except BaseException as err:  # noqa: BLE001 - report anything, then die without teardown
-            torch.save({"error": f"rank {rank}: {type(err).__name__}: {err}", "traceback": traceback.format_exc()},
-                       out)
-            print(traceback.format_exc(), file=sys.stderr, flush=True)
-            os._exit(1)
-        del value
+
+        run_or_die(rank, world, worker, args, Path(out_dir) / f"rank{rank}.pt", init)
         gc.collect()
         sys.stdout.flush()
         conn.send(("done", case))
