@@ -13,6 +13,14 @@ import pytest
 
 os.environ.setdefault("MHCPIPE_TRANSPORT", "strict")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers (and the rank processes beside them) share the cores: one compute thread each, or torch's
+    # OpenMP threads spin on cores that other processes need
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 RANKS_MODULES = frozenset({
     "tests/bench/test_bench_torch_dualpipev.py",
     "tests/pipeline/test_pipeline_checkpoint.py",
