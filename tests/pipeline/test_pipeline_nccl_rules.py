@@ -146,9 +146,12 @@ def _send_first_worker(rank, world, p2p_groups):
     tr = _strict_transport(rank, world, p2p_groups, timeout_s=4.0)
     x = torch.randn(4, 2, 8)
     peer = 1 - rank
-    tr.post([(True, f"SEND_F/s{rank}/mb0", peer, x)])
+    (s,) = tr.post([(True, f"SEND_F/s{rank}/mb0", peer, x)])
     (h,) = tr.post([(False, f"RECV_F/s{peer}/mb0", peer, torch.empty_like(x))])
     tr.wait(h)
+    # the send too: a rank that returns with its send still queued tears its groups down under it (the peer then
+    # waits for a send that never runs), as a process leaving with NCCL work in flight would
+    tr.wait(s)
     return "completed"
 
 
