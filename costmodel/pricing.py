@@ -158,6 +158,15 @@ class Pricer:
                              "that profile (predict(..., profile_pricing=costmodel.local.host_pricing.HostPricing()))")
         self.profile_pricing = profile_pricing if self.runtime is not None else None
         self.curve_lookups = CurveLookups(hw)  # efficiency lookups outside a curve's points (summary warnings)
+        # what an action's kernels depend on besides the shape: which of the stage's blocks are dense, first or last
+        # of its pipeline, L_r (ops.block_work reads the block index only to tell dense from MoE). Stages with one
+        # key share their chains and stream simulations: a 16-stage pipeline prices 3 kinds of stage, not 16.
+        fd = 0 if cfg.model.moe is None else cfg.model.moe.first_dense_blocks
+        self.stage_key = {st: (tuple(b < fd for b in blocks), first, last, self.stage_mem[st].recompute_block)
+                          for st, (blocks, first, last) in layout.items()}
+        self._blocks: dict[bool, list[tuple]] = {}  # dense? -> _block
+        self._timed: dict[tuple[Kernel, bool], TimedOp] = {}  # (kernel, backward) -> its timed op
+        self._runs: dict[tuple, OverlapResult] = {}  # per shape key (_shape_key): the action's stream simulation
 
     # ---- kernels -> timed ops ---------------------------------------------------------------------------
     def kernel_us(self, k: Kernel, backward: bool) -> float:
@@ -200,18 +209,28 @@ class Pricer:
     def _ops(self, kernels: list[Kernel], backward: bool) -> list[TimedOp]:
         out = []
         for k in kernels:
-            t = self.kernel_us(k, backward)
-            sm, hbm = self.demand(k, t)
-            out.append(TimedOp(k.name, k.group, k.stream, t, k.deps, k.preemptible, sm, hbm))
+            op = self._timed.get((k, backward))
+            if op is None:  # every block of a stage (and every stage) repeats the same kernels: time each once
+                t = self.kernel_us(k, backward)
+                sm, hbm = self.demand(k, t)
+                op = self._timed[(k, backward)] = TimedOp(k.name, k.group, k.stream, t, k.deps, k.preemptible, sm, hbm)
+            out.append(op)
         return out
 
     def _sublayers(self, stage: int):
-        blocks, first, last = self.layout[stage]
-        s, spec, hp = self.shape, self.spec, self.opt.hp_stream
-        for b in blocks:
-            for work in block_work(s, b):
-                before, after, bwd = residual_kernels(spec, s.T, s.C, s.d, work.kind != "attn", hp)
-                yield work, before, after, bwd
+        for dense in self.stage_key[stage][0]:
+            yield from self._block(dense)
+
+    def _block(self, dense: bool) -> list[tuple]:
+        """(work, residual kernels before, after, backward) of a block's two sub-layers: block_work reads the block
+        index only to tell dense from MoE, so one of each kind serves every block."""
+        subs = self._blocks.get(dense)
+        if subs is None:
+            s, spec, hp = self.shape, self.spec, self.opt.hp_stream
+            subs = self._blocks[dense] = [
+                (work, *residual_kernels(spec, s.T, s.C, s.d, work.kind != "attn", hp))
+                for work in block_work(s, 0 if dense else self.cfg.model.num_blocks)]
+        return subs
 
     def forward_kernels(self, stage: int) -> list[Kernel]:
         return [k for seg in self._forward_segments(stage) for k in seg]
@@ -316,8 +335,8 @@ class Pricer:
                        comm_share=self.comm_share, lags=lags)
 
     def _chains(self, a: Action) -> list[list[TimedOp]]:
-        """The action's kernel chains (built once per kind and stage)."""
-        key = self._key(a)
+        """The action's kernel chains (built once per kind and stage key)."""
+        key = self._shape_key(a)
         chains = self._chain_cache.get(key)
         if chains is None:
             k = a.kind
@@ -340,6 +359,10 @@ class Pricer:
     def _key(a: Action) -> tuple:
         return (a.kind.value, a.stage) + ((a.b_stage,) if a.kind is Kind.FB else ())
 
+    def _shape_key(self, a: Action) -> tuple:
+        """What the action's price depends on: its kind and its stage's (and backward stage's) key."""
+        return (a.kind.value, self.stage_key[a.stage]) + ((self.stage_key[a.b_stage],) if a.kind is Kind.FB else ())
+
     def compute_time(self, a: Action) -> float:
         k = a.kind
         if self.opt.unit_costs:
@@ -348,7 +371,10 @@ class Pricer:
             t = self.profile_pricing.compute_us(self, a)
             self.results[self._key(a)] = OverlapResult(t, t, 0.0, 0.0, release=(t, t))
             return t
-        res = self._run(self._chains(a), k is Kind.FB)
+        skey = self._shape_key(a)
+        res = self._runs.get(skey)
+        if res is None:
+            res = self._runs[skey] = self._run(self._chains(a), k is Kind.FB)
         self.results[self._key(a)] = res
         return res.makespan * self.slowdown
 
@@ -366,7 +392,7 @@ class Pricer:
             # lags rounded *up* to 1 ns and priced at the rounded value: lags that differ by float noise share one
             # simulation, and rounding up never has a half start before its input
             lf, lb = math.ceil(lag_f * 1e3 - 1e-6) / 1e3, math.ceil(lag_b * 1e3 - 1e-6) / 1e3
-            lkey = key + (lf, lb)
+            lkey = self._shape_key(a) + (lf, lb)
             res = self._lagged.get(lkey)
             if res is None:
                 res = self._lagged[lkey] = self._run(self._chains(a), True, (lf, lb))

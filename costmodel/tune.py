@@ -48,7 +48,7 @@ from costmodel.pricing import Options, Pricer, resolve_layout
 from costmodel.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
-from schedules.ir import Action, Kind, Schedule
+from schedules.ir import Action, Schedule
 from schedules.simulate import peak_live_activations
 
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -183,22 +183,17 @@ def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=SCHEDULES
 
 class SharedPricer(Pricer):
     """A Pricer whose action prices are shared by every candidate's pricer: an action's duration depends on the
-    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (how many blocks, which of them
-    dense, first or last of its pipeline, L_r), not on which stage index or schedule it has (pricing.Pricer's
-    kernels come from ops.block_work(shape, block), which reads the block index only to tell dense from MoE)."""
+    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (Pricer.stage_key), not on which
+    stage index or schedule it has."""
 
     def __init__(self, *args, shared: dict, **kw):
         super().__init__(*args, **kw)
         self.shared = shared
         p = self.cfg.parallel
         self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream)
-        fd = 0 if self.cfg.model.moe is None else self.cfg.model.moe.first_dense_blocks
-        self.stage_key = {st: (tuple(b < fd for b in blocks), first, last, self.stage_mem[st].recompute_block)
-                          for st, (blocks, first, last) in self.layout.items()}
 
     def compute_time(self, a: Action) -> float:
-        key = self.common + (a.kind.value, self.stage_key[a.stage],
-                             self.stage_key[a.b_stage] if a.kind is Kind.FB else None)
+        key = self.common + self._shape_key(a)
         hit = self.shared.get(key)
         if hit is None:
             t = super().compute_time(a)
