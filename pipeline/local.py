@@ -132,22 +132,24 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
     from .train import RankRuntime, make_groups, manual_gc
 
     out = []
-    for cfg_dict in cfg_dicts:
-        cfg = parse_config(cfg_dict)
-        groups = make_groups(cfg, rank, world, torch.device("cpu"))
-        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, on_action=on_action, record=False,
-                         count_activations=count_activations)
-        hist, grads = [], None
-        with manual_gc(cfg.train.gc_interval) as collect:  # as pipeline.train.train runs
+    cfgs = [parse_config(d) for d in cfg_dicts]
+    # one collection regime for all variants, as pipeline.train.train_interleaved runs several configs: a full
+    # pass per variant would walk torch's and the runtime's imports again each time
+    with manual_gc(cfgs[0].train.gc_interval if cfgs else 0) as collect:
+        for cfg in cfgs:
+            groups = make_groups(cfg, rank, world, torch.device("cpu"))
+            rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, on_action=on_action, record=False,
+                             count_activations=count_activations)
+            hist, grads = [], None
             rt.align_clocks()
             for k in range(cfg.train.steps):
                 hist.append(rt.step(k))
                 if k == 0 and want_grads:
                     grads = rt.grads()
                 collect(k)
-        rt.close()
-        out.append({"stats": [vars(h) for h in hist], "grads": grads, "rc_block": rt.rc_block,
-                    "num_stages": rt.plan.schedule.num_stages})
+            rt.close()
+            out.append({"stats": [vars(h) for h in hist], "grads": grads, "rc_block": rt.rc_block,
+                        "num_stages": rt.plan.schedule.num_stages})
     return out
 
 

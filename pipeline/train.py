@@ -249,11 +249,14 @@ def manual_gc(interval: int):
     """Automatic garbage collection off for the run (a generation-2 pass inside an action stalls that rank and,
     through the pipeline, every rank); yields collect(step), a full pass every `interval` steps that only walks
     objects created since the start (the rest is frozen).
-    interval 0: automatic collection stays on. The previous setting is restored at the end."""
+    interval 0: automatic collection stays on. The previous setting is restored at the end, and the frozen objects
+    are unfrozen unless the process had frozen some before (one that runs many runs, such as the tests' rank
+    processes, freezes its imports once: unfreezing them would make every later pass walk them again)."""
     if interval <= 0:
         yield lambda step: None
         return
     was_enabled = gc.isenabled()
+    owner = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()  # what exists now (modules, the model) is never garbage: keep it out of every later pass
     gc.disable()
@@ -265,7 +268,8 @@ def manual_gc(interval: int):
     try:
         yield collect
     finally:
-        gc.unfreeze()
+        if owner:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 

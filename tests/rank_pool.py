@@ -1,6 +1,8 @@
 """Persistent rank processes for the multi-rank tests: `launch(worker, world, args, ...)` with the signature and the
 results of `pipeline.local.launch`, but the `world` processes (4 or 2 here) are started once and run case after
 case, so a test pays torch's import and the spawn of 4 interpreters once per session instead of once per launch.
+The processes are forked from a multiprocessing fork server that imported torch and the runtime once, so even a
+replacement set (below) starts in a fraction of a second; their imports are frozen out of garbage collection.
 
 Design (after torch's MultiProcContinuousTest, written small): the parent hosts the job's TCPStore for the whole
 session; each case is one message to every rank (the worker, its arguments, the parent's `sys.path` and
@@ -42,6 +44,10 @@ def _serve(rank: int, world: int, port: int, conn) -> None:
                           timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
     import pipeline.train  # noqa: F401 - the runtime's imports are paid once, before the first case
 
+    # what exists now lives for the whole session: out of every collection (the runtime's manual_gc then walks
+    # only what a case creates)
+    gc.collect()
+    gc.freeze()
     cores = os.sched_getaffinity(0)  # a case may bind this process to cores (train.cpu_bind): undone per case
     conn.send(("ready", None))
     while True:
@@ -84,7 +90,12 @@ class RankPool:
         # the parent hosts the store so it outlives any rank (the strict transport's hang report reads it)
         self.store = dist.TCPStore("127.0.0.1", self.port, world, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
-        ctx = mp.get_context("spawn")
+        # forked from a server that has imported torch and the runtime once, not spawned: each set of ranks, and
+        # each replacement after a failing case, starts in a fraction of a second instead of ~6 CPU-seconds a rank.
+        # torch._dynamo: what torch.optim imports on a process's first optimizer (2.5 s). (Python 3.11's fork
+        # server imports these before it applies the parent's sys.path: installed packages only.)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["pipeline.train", "torch._dynamo"])
         self.conns, self.procs = [], []
         for r in range(world):
             parent, child = ctx.Pipe()
