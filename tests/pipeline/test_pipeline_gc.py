@@ -33,6 +33,22 @@ def test_collects_between_steps_every_interval_and_restores():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_callers_frozen_objects_stay_frozen():
+    """A process that froze its long-lived objects itself (the tests' rank processes) keeps them frozen after a
+    run: unfreezing would make every later pass walk them again. Cycles made during the run are still freed."""
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with manual_gc(1) as collect:
+            ref = _cycle()
+            collect(0)
+            assert ref() is None
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_interval_zero_leaves_python_alone():
     with manual_gc(0) as collect:
         assert gc.isenabled()
