@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 -n 2 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(PY) bench/schedule_bench.py

@@ -226,7 +226,8 @@ def summary(name: str, out: Path, log: Path, failed: bool = False) -> str:
             p = _load(out / "parity.json")
             if not p or "_error" in (p or {}):
                 return _tail(log)
-            worst = max(p["cases"], key=lambda r: r["worst_err"] / r["tol"] if r["worst_err"] == r["worst_err"] else 1e9)
+            worst = max(p["cases"],
+                        key=lambda r: r["worst_err"] / r["tol"] if r["worst_err"] == r["worst_err"] else 1e9)
             return (f"{p['passed']} passed, {p['failed']} failed at T={worst['T']}; worst {worst['worst']} "
                     f"{worst['worst_err']:.1e} (tol {worst['tol']:.0e}, C={worst['C']} {worst['dtype']})")
         if name == "kernel_bench":

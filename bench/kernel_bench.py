@@ -26,7 +26,8 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
-    ap.add_argument("--hidden", type=int, nargs="*", default=None, help="C values (default 2560 4096 7168; 64 with --small)")
+    ap.add_argument("--hidden", type=int, nargs="*", default=None,
+                    help="C values (default 2560 4096 7168; 64 with --small)")
     ap.add_argument("--tokens", type=int, default=None, help="T (default 4096; 32 with --small)")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
@@ -176,7 +177,7 @@ def block_rows(t, n, c, dtype, device, reps, compile_too):
         x = torch.randn(t, cfg.n, c, device=device, dtype=dtype, requires_grad=True)
         g = torch.randn(t, cfg.n, c, device=device, dtype=dtype)
 
-        def step():
+        def step(fn_block=fn_block, x=x, g=g):  # bound now: the loop deletes them after timing
             fn_block(x).backward(g)
 
         row = dict(block=label, T=t, n=cfg.n, C=c, mlp_hidden=mlp_hidden, dtype=str(dtype).split(".")[-1])

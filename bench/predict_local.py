@@ -298,7 +298,8 @@ def main() -> int:
               "schedule": "dualpipev", "ranks": cfg.parallel.ranks, "steps": args.steps, "repeat": args.repeat,
               "calibration_first_repeat": cal,
               "predictions": [{"iteration_us": r["prediction"]["iteration_us"],
-                               "step_overhead_pct": r["prediction"]["step_overhead_pct"], "pricing": r["prediction"]["pricing"],
+                               "step_overhead_pct": r["prediction"]["step_overhead_pct"],
+                               "pricing": r["prediction"]["pricing"],
                                "op_us": r["prediction"]["op_us"]} for r in runs],
               "runs": result_runs, "summary": summary, "wall_s": time.time() - t_start}
     jp = Path(args.json)

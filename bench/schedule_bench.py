@@ -57,10 +57,12 @@ def main() -> int:
           f"{'total':>7} {'simulate()':>10}")
     for r in rows:
         print(f"{r['kind']:<10} {r['ranks']:>3} {r['microbatches']:>5} {r['actions']:>8} {r['generate_s']:>8.2f}s "
-              f"{r['validate_lower_s']:>8.2f}s {r['simulate_s']:>8.2f}s {r['total_s']:>6.2f}s {r['public_api_s']:>9.2f}s")
+              f"{r['validate_lower_s']:>8.2f}s {r['simulate_s']:>8.2f}s {r['total_s']:>6.2f}s "
+              f"{r['public_api_s']:>9.2f}s")
     head = rows[0]
     verdict = "meets" if head["total_s"] < TARGET_S else "misses"
-    print(f"DualPipe P=64, M=1024: {head['total_s']:.2f} s best of {args.repeat} ({verdict} the {TARGET_S:.0f} s target)")
+    print(f"DualPipe P=64, M=1024: {head['total_s']:.2f} s best of {args.repeat} "
+          f"({verdict} the {TARGET_S:.0f} s target)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),

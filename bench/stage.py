@@ -61,7 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--ranks", type=int, default=4, help="pipeline ranks P of the DualPipeV layout (default 4)")
     ap.add_argument("--rank", type=int, default=1, help="which rank's action list to run (default 1, a middle rank)")
     ap.add_argument("--microbatches", type=int, default=None, help="M (default 2P)")
-    ap.add_argument("--blocks-per-stage", type=int, default=None, help="Transformer blocks per stage (default 3; 1 small)")
+    ap.add_argument("--blocks-per-stage", type=int, default=None,
+                    help="Transformer blocks per stage (default 3; 1 small)")
     ap.add_argument("--tokens", type=int, default=None, help="T tokens per micro-batch (default 4096; 64 small)")
     ap.add_argument("--hidden", type=int, default=None, help="C (default 2560)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default 32)")
@@ -352,7 +353,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     variants = {"n1": bench_config(args, 1), f"n{args.n}": bench_config(args, args.n)}
-    out: dict = {"n": args.n, "hardware": args.hardware, "device_is_gpu": device.type == "cuda" and not args.predict_only,
+    out: dict = {"n": args.n, "hardware": args.hardware,
+                 "device_is_gpu": device.type == "cuda" and not args.predict_only,
                  "device": ("predict-only" if args.predict_only else
                             torch.cuda.get_device_name(device) if device.type == "cuda" else
                             f"cpu ({platform.processor() or platform.machine()})"),

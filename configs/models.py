@@ -232,7 +232,8 @@ def load_config_data(source: str | Path, overrides: dict | None = None) -> tuple
     if not path.suffix:
         path = CONFIG_DIR / f"{source}.yaml"
         if not path.exists():
-            raise ValueError(f"unknown preset {str(source)!r}; choose one of {', '.join(presets())} or give a YAML path")
+            raise ValueError(f"unknown preset {str(source)!r}; choose one of {', '.join(presets())} "
+                             "or give a YAML path")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:

@@ -1,6 +1,7 @@
 """Calibration: measure this machine (`local`) with short micro-benchmarks, or fit efficiencies from a trace.
 
-`python -m costmodel.calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with torch on CPU
+`python -m costmodel.calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with
+torch on CPU
 (or the current CUDA device with --device cuda):
 * matmul rate over sizes (square fp32 GEMMs, 2n^3 FLOPs; on CUDA also bf16, 256 .. 8192, whose curve is kept):
   peak = the best rate; the matrix curve is the measured efficiency per size after removing the per-op launch

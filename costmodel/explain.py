@@ -261,7 +261,8 @@ def format_explain(ex: Explanation) -> str:
              f"  {'':<20}{'ms':>10}{'ms':>11}{'last base':>10}{'base %':>9}{'%':>9}"]
     for i, r in enumerate(ex.rungs):
         own = r.fb_pct if ex.on_fb_stage else r.step_pct
-        lines.append(f"  {f'{i} {r.name}':<20}{_ms(ex.added_us(r)):>10}{_ms(r.measure_us('baseline', ex.on_fb_stage)):>11}"
+        base = r.measure_us("baseline", ex.on_fb_stage)
+        lines.append(f"  {f'{i} {r.name}':<20}{_ms(ex.added_us(r)):>10}{_ms(base):>11}"
                      f"{ex.share_pct(r):>9.2f}%{_pct(own):>9}{_pct(r.step_pct):>9}")
     lines += ["", f"  {'rung':<20}{'resid. HBM':>12}{'boundary':>10}{'exposed A2A':>13}{'exposed P2P':>13}"
               "  critical path (mHC)",
@@ -292,7 +293,8 @@ def format_explain(ex: Explanation) -> str:
                      f"{m['residual_bytes_per_rank'] / 1e9:.4g} GB/rank [{b['residual_bytes_per_rank'] / 1e9:.4g}]; "
                      f"exposed A2A {m['a2a_exposed_us'] / 1e3:.2f} of {m['a2a_total_us'] / 1e3:.2f} ms/rank "
                      f"[{b['a2a_exposed_us'] / 1e3:.2f} of {b['a2a_total_us'] / 1e3:.2f}]; "
-                     f"peak memory {r.summary['memory_gib']['mhc']:.1f} GiB [{r.summary['memory_gib']['baseline']:.1f}]")
+                     f"peak memory {r.summary['memory_gib']['mhc']:.1f} GiB "
+                     f"[{r.summary['memory_gib']['baseline']:.1f}]")
     if ex.variants:
         lines += ["", f"  honest answer: the paper's {PAPER_PCT}% is of the overlapped F&B stage, hardware and layout "
                   "unpublished; every mechanism on, nothing fitted. Each stated assumption set:",

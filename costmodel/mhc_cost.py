@@ -12,7 +12,8 @@ own pre-norm, 2C, is priced with F in ops.py for every variant):
 | --- | --- | --- | --- |
 | residual | 2C / C (the add) | 2C / C (gradient accumulation) | x_l (l >= 1) from x_l0 and y: C + (r-1)C / (r-1)C |
 | mhc fused (TK kernels) | (3n+1)C / (n+1)C = 18C at n=4 | (6n+2)C / (3n+1)C = 39C | nC + (r-1)C / (r-1)nC + rC |
-| mhc unfused, hc (mHC Table 2) | (5n+1)C / (3n+1)C = 34C | 2x the forward (each op's backward reads its inputs and the output-grad and writes the input-grads; derived) | the post/res/merge/pre ops again |
+| mhc unfused, hc (mHC Table 2) | (5n+1)C / (3n+1)C = 34C | 2x the forward (each op's backward reads its inputs and the
+output-grad and writes the input-grads; derived) | the post/res/merge/pre ops again |
 | mhc-lite | as mhc fused; no Sinkhorn; softmax over n! logits and a sum of n! permutation matrices | | |
 | mhc-sp (single pass) | (n+1)C / (n+1)C = 10C at n=4 | (2n+2)C / (n+1)C = 15C | as mhc fused |
 | xhc (N streams, k active) | a N + b k + 2 (C units, total) | 2x the forward | as mhc fused with n = N |
@@ -40,8 +41,10 @@ update, the next sub-layer's input mixing and the next coefficient prediction. D
 
 | kernel | reads | writes | total |
 | --- | --- | --- | --- |
-| mhc.sp.pass (after F_l) | X_l (nC), y_l = F_l's output (C), A_l B_l C_l (coef) | X_{l+1} (nC), u_{l+1} = A_l X_{l+1} (C), logits of X_{l+1} (coef) | (2n+2)C + 2 coef |
-| mhc.sp.pass.bwd (its adjoint) | dX_{l+1} (nC), du_{l+1} (C), X_l (nC), y_l (C), dlogits, coefficients | dX_l (nC), dy_l (C), their grads (coef) | (3n+3)C + 3 coef |
+| mhc.sp.pass (after F_l) | X_l (nC), y_l = F_l's output (C), A_l B_l C_l (coef) | X_{l+1} (nC), u_{l+1} = A_l X_{l+1}
+(C), logits of X_{l+1} (coef) | (2n+2)C + 2 coef |
+| mhc.sp.pass.bwd (its adjoint) | dX_{l+1} (nC), du_{l+1} (C), X_l (nC), y_l (C), dlogits, coefficients | dX_l (nC),
+dy_l (C), their grads (coef) | (3n+3)C + 3 coef |
 | split, Sinkhorn (and backward) | as mhc fused, on the logits the previous pass wrote | | O(n^2) fp32 |
 
 The adjoint rule (a backward reads the gradients of what its forward wrote plus the forward inputs it needs,
@@ -108,7 +111,8 @@ class ResidualSpec:
             raise ValueError("mhc-sp is one fused pass per sub-layer by definition; drop --unfused")
         if self.variant == "xhc":
             if self.k is None or not 1 <= self.k <= self.n:
-                raise ValueError(f"xhc needs 1 <= k <= n active streams (got n={self.n}, k={self.k}); e.g. --n 16 --k 4")
+                raise ValueError(f"xhc needs 1 <= k <= n active streams (got n={self.n}, k={self.k}); "
+                                 "e.g. --n 16 --k 4")
         elif self.k is not None and self.k != self.n:
             raise ValueError(f"--k (active streams) applies to xhc only; variant {self.variant!r} uses all n streams")
 
@@ -168,7 +172,8 @@ def _tf32(name: str, elems_per_token: float, T: int, d: int, flops: float, **kw)
     return Kernel(name, "matrix", flops, elems_per_token * T * d, "tf32", group="mhc", **kw)
 
 
-def residual_kernels(spec: ResidualSpec, T: int, C: int, d: int, mlp: bool, hp: bool) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+def residual_kernels(spec: ResidualSpec, T: int, C: int, d: int, mlp: bool,
+                     hp: bool) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
     """(before F, after F, backward) kernels of one sub-layer's residual side. `hp`: put the MLP-side post+res
     (and its backward, which feeds the combine/send) on the high-priority stream."""
     if spec.is_baseline:

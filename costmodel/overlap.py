@@ -77,7 +77,8 @@ class OverlapResult:
     exposed_comm: float
     group_time: dict[str, float] = field(default_factory=dict)  # summed kernel durations per group
     release: tuple[float, ...] = ()  # per chain: when its output is ready (the chain's end when unmarked)
-    timeline: list[tuple[int, str, str, float, float]] = field(default_factory=list)  # (chain, name, stream, start, end)
+    # (chain, name, stream, start, end)
+    timeline: list[tuple[int, str, str, float, float]] = field(default_factory=list)
 
 
 def _group_time(chains: list[list[TimedOp]]) -> dict[str, float]:
@@ -216,7 +217,8 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release), timeline)
 
 
-def _rates(ops: list[TimedOp], running: dict[str, list], sigma: float, corun: bool, comm_share: float) -> dict[str, float]:
+def _rates(ops: list[TimedOp], running: dict[str, list], sigma: float, corun: bool,
+           comm_share: float) -> dict[str, float]:
     """Rates of the running kernels (see the module docstring): carve-out, kernels that never yield (in start
     order), hp, compute; each min(1, SMs left / sm, HBM left / hbm)."""
     rates: dict[str, float] = {}

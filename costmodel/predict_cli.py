@@ -24,14 +24,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="predict mHC's time, memory and traffic overhead before launch",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="config preset in configs/ (tiny, paper-3b, paper-9b, paper-27b, v4-flash, v4-pro)")
+    src.add_argument("--preset",
+                     help="config preset in configs/ (tiny, paper-3b, paper-9b, paper-27b, v4-flash, v4-pro)")
     src.add_argument("--config", help="path to a RunConfig YAML")
     p.add_argument("--hardware", default="h800", help=f"one of {', '.join(hardware_names())}, or a profile .json")
     p.add_argument("--pp", type=int, help="pipeline ranks P")
     p.add_argument("--schedule", help="gpipe, 1f1b, zb1p, dualpipe, dualpipev")
     p.add_argument("--ep", type=int, help="expert-parallel degree")
     p.add_argument("--microbatches", type=int, help="micro-batches M per step")
-    p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"], help="residual variant to price")
+    p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"],
+                   help="residual variant to price")
     p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
     p.add_argument("--k", type=int, help="xhc: active streams k")
     p.add_argument("--unfused", action="store_true", help="price the unfused mHC kernels (mHC Table 2 I/O)")

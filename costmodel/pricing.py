@@ -151,7 +151,8 @@ class Pricer:
                              f"{hw.name}'s {hw.sms} SMs")
         self.comm_share = comm_sms / hw.sms
         self.stage_mem: dict[int, StageMemory] = {
-            st: stage_memory(cfg, spec, st, blocks, first, last, self.recompute) for st, (blocks, first, last) in layout.items()}
+            st: stage_memory(cfg, spec, st, blocks, first, last, self.recompute)
+            for st, (blocks, first, last) in layout.items()}
         self.runtime = profile_for(hw, cfg)
         if self.runtime is not None and profile_pricing is None:
             raise ValueError(f"hardware {hw.name!r} carries a runtime profile for this config: price it with "

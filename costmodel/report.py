@@ -51,9 +51,11 @@ def format_table(pred: Prediction) -> str:
     lines.append(f"  {'bubble (idle share of rank-time)':<34}{bub['baseline_pct']:>13.1f}%{bub['mhc_pct']:>13.1f}%")
     mem = s["memory_gib"]
     lines.append(f"  {'peak memory per rank':<34}{mem['baseline']:>10.1f} GiB{mem['mhc']:>10.1f} GiB"
-                 f"   (no recompute: {mem['mhc_no_recompute']:.1f} GiB; device {pred.hardware.memory_bytes / 2**30:.0f} GiB)")
+                 f"   (no recompute: {mem['mhc_no_recompute']:.1f} GiB; "
+                 f"device {pred.hardware.memory_bytes / 2**30:.0f} GiB)")
     t = s["memory_terms_gib"]
-    lines.append(f"    mHC rank {t['rank']} = states {t['model_states']:.1f} + activations {t['activations']:.1f} + transient "
+    lines.append(f"    mHC rank {t['rank']} = states {t['model_states']:.1f} + activations {t['activations']:.1f} "
+                 "+ transient "
                  f"and buffers {t['transient_and_buffers']:.1f} + reserve {t['reserve']:.1f} GiB"
                  f" ({'distributed' if pred.config.train.distributed_optimizer else 'replicated'} optimizer)")
     lr = s["recompute_block"]
@@ -67,7 +69,8 @@ def format_table(pred: Prediction) -> str:
         fb = s["fb_stage_us"]
         lines.append(f"  mHC overhead: {s['fb_stage_overhead_pct']:.2f}% of the overlapped F&B stage (the measure of "
                      f"DeepSeek's 6.7%); {s['step_overhead_pct']:.2f}% of the iteration")
-        lines.append(f"    F&B stage = every pair as the step runs it: {fb['baseline'] / 1e3:,.1f} ms per rank baseline, "
+        lines.append("    F&B stage = every pair as the step runs it: "
+                     f"{fb['baseline'] / 1e3:,.1f} ms per rank baseline, "
                      f"{fb['mhc'] / 1e3:,.1f} ms mHC")
     else:
         lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the iteration (no overlapped F&B stage in "

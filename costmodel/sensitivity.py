@@ -126,7 +126,8 @@ def _m_moves(cfg: RunConfig) -> tuple[int | None, int | None]:
     return lower, higher
 
 
-def moves(cfg: RunConfig, hw: HardwareSpec, pct: float) -> list[tuple[str, str, list[tuple[str, RunConfig, HardwareSpec]]]]:
+def moves(cfg: RunConfig, hw: HardwareSpec,
+          pct: float) -> list[tuple[str, str, list[tuple[str, RunConfig, HardwareSpec]]]]:
     """Per input: (name, note, [low side, high side]), a side (value label, config, hardware) or None where the
     input has no valid value on that side."""
     f = pct / 100.0
@@ -272,7 +273,8 @@ def format_sensitivity(se: Sensitivity) -> str:
     lines.append("")
     first, choice = se.measure_first(), se.top_choice()
     if first:
-        lines.append(f"  measure this first: {first.name} (moves the {what} overhead by {first.swing(se.metric, b):.2f} "
+        lines.append(f"  measure this first: {first.name} "
+                     f"(moves the {what} overhead by {first.swing(se.metric, b):.2f} "
                      f"pp over -+{se.pct:g}%)")
     assumption = se.top_assumption()
     if assumption:

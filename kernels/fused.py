@@ -67,8 +67,8 @@ def _project_fwd(a: torch.Tensor, w: torch.Tensor, launch: LaunchConfig | None =
     tiles = (launch or launch_config(a.device)).project_fwd(r, k, m, a.dtype)
     mix = torch.empty(tiles.split, r, m, device=a.device, dtype=torch.float32)
     ss = torch.empty(tiles.split, r, device=a.device, dtype=torch.float32)
-    project_fwd_kernel[tiles.grid](a, w, mix, ss, r, k, m, tiles.per_split, BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k,
-                                 BLOCK_M=tiles.block_m, PRECISION=tiles.precision)
+    project_fwd_kernel[tiles.grid](a, w, mix, ss, r, k, m, tiles.per_split, BLOCK_R=tiles.block_r,
+                                   BLOCK_K=tiles.block_k, BLOCK_M=tiles.block_m, PRECISION=tiles.precision)
     return (mix[0], ss[0]) if tiles.split == 1 else (mix.sum(0), ss.sum(0))
 
 

@@ -219,5 +219,6 @@ def checked_metadata(directory: Path, step_dir: Path):
         return read_metadata(step_dir)
     except Exception as err:  # noqa: BLE001 - unpickling errors have no common type
         raise ValueError(f"--resume: {step_dir / '.metadata'} cannot be read ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:160] if str(err) else ''}); {fix_hint(directory, step_dir.name)}") \
+                         f"{str(err).splitlines()[0][:160] if str(err) else ''}); "
+                         f"{fix_hint(directory, step_dir.name)}") \
             from None

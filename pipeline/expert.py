@@ -13,7 +13,8 @@ form one block, and calls `ExpertComm.routed`:
    expert-major (a stable argsort of each row's local expert), runs each local expert on a contiguous slice and
    restores the source-major order;
 4. `A2A_COMBINE`: the outputs go back with the reverse splits, one row per slot in the sender's order.
-Backward mirrors it (the autograd Function `_Exchange` below): the gradient of the combine is a dispatch-direction all-to-all
+Backward mirrors it (the autograd Function `_Exchange` below): the gradient of the combine is a dispatch-direction
+all-to-all
 (`A2A_COMBINE/.../L13.dgrad`) and that of the dispatch a combine-direction one (`A2A_DISPATCH/.../L13.dgrad`).
 
 Every exchange is posted asynchronously and waited right before its result is used. Between the two, when an
@@ -68,7 +69,8 @@ class ExpertComm:
         stage, mb = chunk
         name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
         h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
-                            group=self.groups[side], group_name=self.names[side], name=name, kind=op if part is None else f"{op}.{part}",
+                            group=self.groups[side], group_name=self.names[side], name=name,
+                            kind=op if part is None else f"{op}.{part}",
                             stage=stage, mb=mb, peer=self.peers)
         pair = self.pair
         if pair is None:

@@ -99,8 +99,8 @@ class GradReducer:
     def _post(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.handle = self.comms.post(dist.all_reduce, b.flat, group=b.group, group_name=b.group_name, name=b.label, kind="RG", stage=None,
-                                   mb=None, peer=b.peers)
+        b.handle = self.comms.post(dist.all_reduce, b.flat, group=b.group, group_name=b.group_name, name=b.label,
+                                   kind="RG", stage=None, mb=None, peer=b.peers)
 
     def finish(self) -> None:
         """Post what is left (chunk order), wait for every reduction, put the sums back as the gradients."""

@@ -1,7 +1,8 @@
 """Launch a pipeline on local CPU processes (gloo) without torchrun: for tests and benchmarks.
 
 `launch(worker, world, args, timeout_s)` spawns `world` processes, each joining a gloo process group through a
-TCPStore the parent hosts on a free port (bounded init timeout; it outlives any rank), with OMP_NUM_THREADS=1, and runs `worker(rank, world, *args)`. Results
+TCPStore the parent hosts on a free port (bounded init timeout; it outlives any rank), with OMP_NUM_THREADS=1, and runs
+`worker(rank, world, *args)`. Results
 come back through files; a `PipelineError` is reported as the rank's one-line error and the process exits 1
 at once (`os._exit`: a group with a dead peer must not be torn down politely, that can hang). The parent
 enforces a wall-clock deadline and kills stragglers, so nothing outlives the call.

@@ -96,7 +96,8 @@ class Transport:
             handles.append(Handle(is_send, name, to, stage, mb, tensor, wire))  # messages name the global rank
         if not handles:
             return handles
-        spans = [(name.split("/", 1)[0], h.stage, h.mb, h.peer, f"{name}~comm") for (_, name, _, _), h in zip(ops, handles)]
+        spans = [(name.split("/", 1)[0], h.stage, h.mb, h.peer, f"{name}~comm")
+                 for (_, name, _, _), h in zip(ops, handles)]
         if self.strict is not None:
             batch = [(h.is_send, h.name, h.peer, h.wire) for h in handles]
             post = lambda: [self.strict.post(group, gname, batch)]  # noqa: E731

@@ -72,7 +72,7 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store, comm=expert)
                                      for b in spec.blocks})
         self.head = build_head(mc, seed, store) if spec.has_head else None
-        subs = [(l, m, l % 2 == 1) for b in spec.blocks for l, m in self.blocks[str(b)].sublayers()]
+        subs = [(layer, m, layer % 2 == 1) for b in spec.blocks for layer, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
         self.expert = expert
         self.has_moe = expert is not None and any(
@@ -100,7 +100,7 @@ class Stage(nn.Module):
             return lambda x, y: x + y[:, None]
         return lambda x, y: m.apply_post_res(x, y, coeffs)
 
-    def _sublayer(self, i, l, m, is_mlp, x, a, routing, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
+    def _sublayer(self, i, layer, m, is_mlp, x, a, routing, rec: RecomputeBlock | None, env: "StageEnv", mb: int):
         """One sub-layer: returns (x_next, a_next, coeffs). `a`: mhc-sp's carried input-mixing coefficient;
         `routing`: xHC-Flash's attention coefficients for the MLP of the same block."""
         env.sync_hp()  # x may still be in the making on the hp stream
@@ -114,7 +114,7 @@ class Stage(nn.Module):
             coeffs = m.coefficients(x, routing) if routing is not None else m.coefficients(x)
             u = m.apply_pre(x, coeffs)
         if env.diagnostics is not None and coeffs is not None:
-            env.diagnostics.sublayer(self.spec.stage, mb, l, m, x, coeffs, a)
+            env.diagnostics.sublayer(self.spec.stage, mb, layer, m, x, coeffs, a)
         if rec is not None:
             rec.register(u, "u", i)
         h = f.norm(u)
@@ -123,7 +123,7 @@ class Stage(nn.Module):
         y = f.core(h)
         post = self._post_fn(m, coeffs)
         if is_mlp:
-            x_next = env.hp_post(post, x, y, coeffs, name=f"F/s{self.spec.stage}/mb{mb}/L{l}.post_res~hp",
+            x_next = env.hp_post(post, x, y, coeffs, name=f"F/s{self.spec.stage}/mb{mb}/L{layer}.post_res~hp",
                                  stage=self.spec.stage, mb=mb)
         else:
             x_next = post(x, y)
@@ -170,10 +170,10 @@ class Stage(nn.Module):
             rec = RecomputeBlock(y, group[0][0]) if self.recompute else None
             routing = None
             with env.saved.hooks(rec):
-                for i, (l, m, is_mlp) in enumerate(group):
+                for i, (layer, m, is_mlp) in enumerate(group):
                     if rec is not None and i > 0:
                         rec.register(y, "x", i)
-                    y, a, coeffs = self._sublayer(i, l, m, is_mlp, y, a, routing if is_mlp else None, rec, env, mb)
+                    y, a, coeffs = self._sublayer(i, layer, m, is_mlp, y, a, routing if is_mlp else None, rec, env, mb)
                     routing = coeffs if self.flash and not is_mlp else None
                 if a is not None:
                     env.sync_hp()  # the pack reads y, which the hp stream may still be writing

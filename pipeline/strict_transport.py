@@ -136,7 +136,8 @@ class StrictTransport:
             if tensor.device.type != "cpu":
                 raise PipelineError(f"rank {self.rank}: the strict transport runs gloo on host tensors; {name} is "
                                     f"on {tensor.device} (use it on CPU runs)")
-            queue = group_name if self.view == "group" else f"{group_name}|{min(self.rank, peer)}-{max(self.rank, peer)}"
+            pair = f"{min(self.rank, peer)}-{max(self.rank, peer)}"
+            queue = group_name if self.view == "group" else f"{group_name}|{pair}"
             parts.setdefault(queue, []).append(_Op(is_send, name, peer, tensor))
         batches = [_Batch(q, part, group, work if len(parts) == 1 else StrictWork()) for q, part in parts.items()]
         if len(batches) > 1:  # pair view split one batch over peers: the caller's work completes with all parts

@@ -9,13 +9,15 @@ session; each case is one message to every rank (the worker, its arguments, the 
 environment). A rank then joins a fresh default process group on a store prefix of its own (`case<k>/`), so the
 case's meshes and channel groups are created from that world exactly as under torchrun, runs the worker, and
 destroys the default group (every group of the case goes with it). Between cases a rank restores its environment,
-collects garbage and resets torch's global RNG, default dtype, thread count and the process's cores: nothing of one case is seen by the next.
+collects garbage and resets torch's global RNG, default dtype, thread count and the process's cores: nothing of one case
+is seen by the next.
 
 Failures keep `launch`'s semantics: a rank whose worker raises writes its error and exits at once (os._exit: a
 group with a dead peer must not be torn down politely), the others get `grace_s` to fail on their own, and ranks
 still running at the case's deadline are killed. After any case that did not end cleanly on every rank, the
 whole set of processes is discarded and a new one starts at once (its ranks import torch while the test checks
-the failed case's results): a failing case can never poison the cases after it. Results travel through files (tensors included) as with `launch`.
+the failed case's results): a failing case can never poison the cases after it. Results travel through files (tensors
+included) as with `launch`.
 """
 from __future__ import annotations
 

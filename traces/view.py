@@ -304,7 +304,8 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     per_step = any(schedule_spans(t) for t in traces)
     unit = traces[0].meta.get("time_unit", "us") if traces else "us"
     ax.set_xlabel((f"time per step ({unit}): busy by kind, exposed communication, idle (hatched); bar length = makespan"
-                   if per_step else f"time over the whole trace ({unit}): busy by kind (union per rank), idle (hatched)"))
+                   if per_step else
+                   f"time over the whole trace ({unit}): busy by kind (union per rank), idle (hatched)"))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 

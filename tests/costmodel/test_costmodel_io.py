@@ -78,7 +78,8 @@ def test_cli_bad_files_are_one_line(tmp_path, capsys):
                         (["--trace-out", str(tmp_path / "sub")], "is a directory"),
                         (["--hardware", str(zero)], "peak_flops"),
                         (["--hardware", str(tmp_path / "broken.json")], "not valid JSON"),
-                        (["--config", str(tmp_path / "cfg.yaml"), "--pp", "4"], "parallel.microbatches: Field required")):
+                        (["--config", str(tmp_path / "cfg.yaml"), "--pp", "4"],
+                         "parallel.microbatches: Field required")):
         if argv[0] != "--config":
             argv = ["--preset", "tiny"] + argv
         assert main(["predict"] + argv) == 2, argv

@@ -58,8 +58,11 @@ def test_more_p2p_bandwidth_less_exposed_comm(small_cfg):
 
 
 def test_recompute_saves_memory_and_costs_time(small_cfg):
-    on = predict(small_cfg.model_copy(update={"recompute": small_cfg.recompute.model_copy(update={"mode": "auto"})}), "h800")
-    off = predict(small_cfg.model_copy(update={"recompute": small_cfg.recompute.model_copy(update={"mode": "off"})}), "h800")
+    def with_recompute(mode: str):
+        return small_cfg.model_copy(update={"recompute": small_cfg.recompute.model_copy(update={"mode": mode})})
+
+    on = predict(with_recompute("auto"), "h800")
+    off = predict(with_recompute("off"), "h800")
     assert on.summary["memory_gib"]["mhc"] < off.summary["memory_gib"]["mhc"]
     assert on.mhc.makespan > off.mhc.makespan
     assert on.summary["breakdown_pp"]["recompute"] > 0 and off.summary["breakdown_pp"]["recompute"] == 0

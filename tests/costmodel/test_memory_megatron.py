@@ -148,7 +148,8 @@ def test_reserve_is_its_own_term_on_gpus_only():
     assert spread.reserve_bytes - inside.reserve_bytes == pytest.approx(M.DEEPEP_RDMA_BYTES)  # EP over 2 nodes
     cpu = HW.model_copy(update={"host_cores": 2})
     none = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3, hw=cpu)
-    assert none.reserve_bytes == 0.0 and M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3).reserve_bytes == 0
+    assert none.reserve_bytes == 0.0
+    assert M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3).reserve_bytes == 0
 
 
 @pytest.fixture(scope="module")

@@ -147,5 +147,5 @@ def test_cli_sensitivity_writes_table_tornado_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "measure this first:" in out and png.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert data["pct"] == 10 and data["measure_first"] in MEASURED 
+    assert data["pct"] == 10 and data["measure_first"] in MEASURED
     assert {r["input"] for r in data["rows"]} == set(MEASURED + CHOICES + ASSUMED)

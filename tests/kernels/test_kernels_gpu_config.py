@@ -290,7 +290,8 @@ def test_dispatch_warns_once_when_interpreting_on_a_cuda_machine(fused_device, m
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # count our once-flag, not Python's per-location dedup
             got = dispatch.resolve(backend, x)
-        return got, [w for w in caught if issubclass(w.category, RuntimeWarning) and "TRITON_INTERPRET" in str(w.message)]
+        return got, [w for w in caught
+                     if issubclass(w.category, RuntimeWarning) and "TRITON_INTERPRET" in str(w.message)]
 
     x = torch.randn(2, 2, 8)
     monkeypatch.setattr(dispatch, "_warned_interpret_on_cuda", False)

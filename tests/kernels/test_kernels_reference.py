@@ -129,7 +129,8 @@ def test_amax_gain_definition():
     m = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
     g = diagnostics.amax_gain(m)
     assert g.forward.item() == 3.0 and g.backward.item() == 2.25
-    p = diagnostics.composite(torch.stack([torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.diag(torch.tensor([2.0, 1.0]))]))
+    swap, scale = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.diag(torch.tensor([2.0, 1.0]))
+    p = diagnostics.composite(torch.stack([swap, scale]))
     assert torch.equal(p, torch.tensor([[0.0, 2.0], [1.0, 0.0]], dtype=F64))  # H_1 @ H_0, layer 0 applied first
 
 

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from mhcpipe.cli import main
 from traces.comm_replay import check_comm, replay
