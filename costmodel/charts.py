@@ -15,7 +15,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from costmodel.explain import PAPER_PCT, Explanation  # noqa: E402
 from costmodel.sensitivity import Sensitivity  # noqa: E402
-from traces.png import save_png  # noqa: E402  (re-exported: predict_cli's sweep picture uses it from here)
+from traces.png import save_png  # noqa: E402  (re-exported: mhcpipe.predict_cli's sweep picture uses it from here)
 
 UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"
 LOW, HIGH = "#1f77b4", "#ff7f0e"

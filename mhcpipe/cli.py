@@ -11,15 +11,15 @@ import importlib
 import sys
 
 SUBCOMMANDS = (
-    "schedules.schedule_cli",
+    "mhcpipe.schedule_cli",
     "mhcpipe.demo",
-    "pipeline.run_cli",
-    "traces.trace_cli",
-    "traces.analysis_cli",
-    "traces.diagnose_cli",
-    "traces.comm_cli",
-    "costmodel.predict_cli",
-    "costmodel.tune_cli",
+    "mhcpipe.run_cli",
+    "mhcpipe.trace_cli",
+    "mhcpipe.analysis_cli",
+    "mhcpipe.diagnose_cli",
+    "mhcpipe.comm_cli",
+    "mhcpipe.predict_cli",
+    "mhcpipe.tune_cli",
 )
 
 

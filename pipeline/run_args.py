@@ -1,5 +1,5 @@
 """The run's flags and the config they make, shared by `torchrun -m pipeline` (pipeline/__main__.py) and
-`mhcpipe run` (pipeline/run_cli.py, which checks them once before it launches torchrun).
+`mhcpipe run` (mhcpipe/run_cli.py, which checks them once before it launches torchrun).
 
 `add_run_arguments` declares the flags; `config_from_args` overlays them on the YAML config and checks the layout;
 `interleaved_configs` adds the --interleave variant; `check_resume` checks --resume against the checkpoint folder;

@@ -9,7 +9,7 @@ dependency; it only hides a circle until something runs it).
   nothing imports mhcpipe.
 * Inside costmodel the analytic core never imports the `local` host emulation: local plugs in through the
   interfaces the core defines (pricing.ProfilePricing, trace_fit.TraceFitter). Only the predict command's
-  wiring (predict_cli) names both.
+  wiring (mhcpipe.predict_cli, in the app layer) names both.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ALLOWED = {  # package -> the packages of ours it may import
     "mhcpipe": {"configs", "kernels", "traces", "schedules", "costmodel", "pipeline"},
 }
 LOCAL = "costmodel.local"
-LOCAL_WIRING = {"costmodel.predict_cli"}  # may import both rooms of costmodel
+LOCAL_WIRING = {"mhcpipe.predict_cli"}  # may import both rooms of costmodel
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -162,3 +162,28 @@ def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
     bad = forbidden_imports(g)
     assert any(b.startswith("traces.t -> costmodel.pricing") for b in bad)
     assert any(b.startswith("costmodel.pricing -> costmodel.local.host (the costmodel core") for b in bad)
+
+
+# Library modules that still parse a command line, each to move into the app layer (issue 35): the torchrun entry
+# stays; the run's flags (shared by `mhcpipe run` and that entry), `python -m costmodel.calibrate` and
+# `python -m pipeline.checkpoint convert` are still to move. Nothing may be added here.
+ARGV_OUTSIDE_APP = {"pipeline.__main__", "pipeline.run_args", "pipeline.checkpoint", "costmodel.calibrate"}
+
+
+def argv_parsers(root: Path = ROOT) -> set[str]:
+    """Modules of ours, outside the app layer (mhcpipe), that import argparse."""
+    out = set()
+    for name, path in module_files(root).items():
+        if name.split(".")[0] == "mhcpipe":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            if "argparse" in names:
+                out.add(name)
+    return out
+
+
+def test_the_command_line_is_parsed_in_the_app_layer():
+    extra = argv_parsers() - ARGV_OUTSIDE_APP
+    assert not extra, f"argparse outside mhcpipe/: {sorted(extra)} (put the command in the app layer)"

@@ -1,4 +1,4 @@
-"""`mhcpipe tune` (costmodel/tune.py, costmodel/tune_cli.py) and the data-parallel step terms it adds
+"""`mhcpipe tune` (costmodel/tune.py, mhcpipe/tune_cli.py) and the data-parallel step terms it adds
 (costmodel/data_parallel.py). Properties, never predicted numbers: the pruned search finds the front that
 simulating everything finds, its bounds are lower bounds, its shared pricing equals predict's, the best layout
 fits and is no slower than the preset's own, the written YAML loads, passes the runtime's layout rules and

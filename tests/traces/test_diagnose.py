@@ -258,7 +258,7 @@ def test_summary_deep_half_trend_and_missing(tmp_path):
 @pytest.fixture
 def mhcpipe(monkeypatch, capsys):
     """Run `mhcpipe ARGS` with only our subcommand registered (the others are written concurrently)."""
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("traces.diagnose_cli",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("mhcpipe.diagnose_cli",))
 
     def run(*args) -> tuple[int, str, str]:
         rc = cli.main([str(a) for a in args])

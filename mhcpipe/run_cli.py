@@ -11,7 +11,7 @@ import argparse
 import subprocess
 import sys
 
-from .run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
+from pipeline.run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
-    from .local import free_port
+    from pipeline.local import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
