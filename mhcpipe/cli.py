@@ -20,6 +20,7 @@ SUBCOMMANDS = (
     "mhcpipe.comm_cli",
     "mhcpipe.predict_cli",
     "mhcpipe.tune_cli",
+    "mhcpipe.checkpoint_cli",
 )
 
 

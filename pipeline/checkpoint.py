@@ -28,7 +28,7 @@ one line naming it and the fix, on every rank, before any training. `.metadata` 
 DCP's metadata classes (weights_only semantics); tensors are read by DCP with torch.load(weights_only=True).
 
 Old checkpoints (stage<s>.pt + latest.json) are refused with the command that converts them:
-    python -m pipeline.checkpoint convert OLD_DIR NEW_DIR --config CONFIG
+    mhcpipe checkpoint convert OLD_DIR NEW_DIR --config CONFIG
 
 Test hook: MHCPIPE_TEST_CRASH_IN_SAVE="<rank>:<step>[:write|publish]" makes that rank die (os._exit) during the
 save of that step: `write` (default) after writing half of its shard, `publish` (rank 0) after writing the manifest,
@@ -36,7 +36,6 @@ before the rename.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -328,28 +327,3 @@ def convert(old_dir: Path, new_dir: Path, cfg) -> Path:
     was = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=old_par)})
     _publish(new_dir, tmp, step, was)
     return new_dir / f"step_{step}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.checkpoint",
-                                     description="Checkpoint tools (pipeline/checkpoint.py).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="convert an old-format checkpoint (stage<s>.pt + latest.json) to DCP")
-    c.add_argument("old_dir", type=Path)
-    c.add_argument("new_dir", type=Path)
-    c.add_argument("--config", required=True, help="the config (YAML path or preset) the old run used")
-    args = parser.parse_args(argv)
-    try:
-        from configs import load_config
-
-        cfg = load_config(args.config)
-        out = convert(args.old_dir, args.new_dir, cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"python -m pipeline.checkpoint convert: error: {err}", file=sys.stderr)
-        return 2
-    print(f"converted {args.old_dir} -> {out} (resume with --checkpoint-dir {args.new_dir} --resume)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

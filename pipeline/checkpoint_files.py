@@ -20,7 +20,7 @@ VERSION = 1
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
-_CONVERT = "python -m pipeline.checkpoint convert {old} NEW_DIR --config CONFIG"
+_CONVERT = "mhcpipe checkpoint convert {old} NEW_DIR --config CONFIG"
 
 
 # -- small file helpers ----------------------------------------------------------------------------------------

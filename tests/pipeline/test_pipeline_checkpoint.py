@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from _pipeline_helpers import tiny_config
+from _pipeline_helpers import mhcpipe_refusal, tiny_config
 from pipeline import checkpoint, checkpoint_files
 from configs import parse_config
 from pipeline.local import free_port
@@ -157,7 +157,7 @@ def runs(tmp_path_factory):
     cfg_path = base / "model.yaml"
     cfg_path.write_text(yaml.safe_dump(refs["dualpipe"]))
     t = time.monotonic()
-    conv = subprocess.run([sys.executable, "-m", "pipeline.checkpoint", "convert", str(old), str(base / "converted"),
+    conv = subprocess.run([sys.executable, "-m", "mhcpipe", "checkpoint", "convert", str(old), str(base / "converted"),
                            "--config", str(cfg_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     timings["convert"] = time.monotonic() - t
     sources = {"dualpipe": base / "dualpipe", "1f1b": base / "1f1b", "converted": base / "converted"}
@@ -327,7 +327,7 @@ def test_old_format_is_refused_with_the_converter_command(runs):
     with pytest.raises(ValueError) as exc:
         checkpoint.resume_meta(runs["old"], parse_config(_cfg("dualpipe", 4)))
     msg = str(exc.value)
-    assert "old-format" in msg and f"python -m pipeline.checkpoint convert {runs['old']} NEW_DIR --config" in msg
+    assert "old-format" in msg and f"mhcpipe checkpoint convert {runs['old']} NEW_DIR --config" in msg
 
 
 def test_converter_refuses_another_model(runs, tmp_path):
@@ -340,6 +340,23 @@ def test_converter_refuses_another_model(runs, tmp_path):
     with pytest.raises(ValueError, match=r"has blocks\.6\..*which the model does not"):
         checkpoint.convert(runs["old"], tmp_path / "new", parse_config(cfg))
     assert not (tmp_path / "new").exists()
+
+
+def test_checkpoint_convert_refuses_bad_input_in_one_line(runs, tmp_path):
+    """`mhcpipe checkpoint convert` (the app layer's command over pipeline.checkpoint.convert): a folder that is not
+    an old checkpoint, a config that is not there, and another model are each one line naming what is wrong."""
+    cfg_path = tmp_path / "other.yaml"
+    other = _cfg("dualpipe", 4)
+    other["model"]["hidden"] = 48
+    cfg_path.write_text(yaml.safe_dump(other))
+    for args, words in (((str(tmp_path / "none"), str(tmp_path / "a"), "--config", "tiny"), "is not an old-format"),
+                        ((str(runs["old"]), str(tmp_path / "b"), "--config", str(tmp_path / "no.yaml")), "no.yaml"),
+                        ((str(runs["old"]), str(tmp_path / "c"), "--config", str(cfg_path)), "the config the old run")):
+        res = mhcpipe_refusal("checkpoint", "convert", *args)
+        err = res.stderr.strip()
+        assert res.returncode == 2 and "\n" not in err and err.startswith("mhcpipe checkpoint: error: "), err
+        assert words in err, err
+    assert not any((tmp_path / d).exists() for d in "abc")
 
 
 def _rank_env(rank: int, world: int) -> dict:
