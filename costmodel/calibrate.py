@@ -1,6 +1,6 @@
 """Calibration: measure this machine (`local`) with short micro-benchmarks, or fit efficiencies from a trace.
 
-`python -m costmodel.calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with
+`mhcpipe calibrate [--quick] [--threads N] [--no-p2p] [--device cpu|cuda] [-o PROFILE.json]` measures, with
 torch on CPU
 (or the current CUDA device with --device cuda):
 * matmul rate over sizes (square fp32 GEMMs, 2n^3 FLOPs; on CUDA also bf16, 256 .. 8192, whose curve is kept):
@@ -16,7 +16,7 @@ torch on CPU
 Warm-up runs are dropped; every point is the median of repeats. The result is a `HardwareSpec` named `local`,
 saved as JSON (default runs/hardware/local.json, or $MHCPIPE_LOCAL_PROFILE).
 
-`python -m costmodel.calibrate --from-trace TRACE --preset NAME|--config FILE [--hardware h200] [-o FILE.json]`
+`mhcpipe calibrate --from-trace TRACE --preset NAME|--config FILE [--hardware h200] [-o FILE.json]`
 instead fits a spec's efficiency curves and launch gap to a measured baseline run of that config on the target
 machine and saves the result as a hardware profile for `mhcpipe predict --hardware FILE.json`
 (costmodel.trace_fit.fit_trace with costmodel.roofline_fit.RooflineFit).
@@ -26,17 +26,15 @@ wrapper plus a baseline run) is `costmodel.local.calibration.calibrate_local_for
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from costmodel.hardware import Curve, HardwareSpec, Link, local_profile_path
+from costmodel.hardware import Curve, HardwareSpec, Link
 
 
 def _median_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -237,67 +235,3 @@ def calibrate_local(quick: bool = False, threads: int = 1, p2p: bool = True, dev
         meta={"calibrated": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
               "threads": threads, "quick": quick, "raw_dispatch_us": raw, "matmul": mrows, "copy": crows, "p2p": prows,
               "python": platform.python_version()})
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few sizes only (seconds)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    ap.add_argument("--no-p2p", action="store_true", help="skip the 2-process P2P sweep")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("-o", "--output", default=None, help=f"profile path (default {local_profile_path()}; with "
-                    "--from-trace runs/hardware/<hardware>-fitted.json)")
-    fit = ap.add_argument_group("fit a spec to a measured trace instead (costmodel.roofline_fit)")
-    fit.add_argument("--from-trace", metavar="TRACE", help="a measured baseline (n = 1) run of this runtime: "
-                     "trace.json of `mhcpipe run --trace-dir`, a Kineto JSON or an Nsight Systems .sqlite")
-    src = fit.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="the traced run's config preset")
-    src.add_argument("--config", help="the traced run's config YAML")
-    fit.add_argument("--hardware", default="h800", help="the spec to fit (a built-in name or a profile .json)")
-    args = ap.parse_args(argv)
-    if args.from_trace:
-        return _fit_main(args)
-    spec = calibrate_local(args.quick, args.threads, not args.no_p2p, args.device)
-    path = spec.save(args.output or local_profile_path())
-    print(f"matmul peak {spec.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, copy {spec.hbm_bandwidth / 1e9:.2f} GB/s, "
-          f"launch fwd {spec.launch_us:.1f} us / bwd {spec.backward_launch_us:.1f} us per op, "
-          f"P2P alpha {spec.intra.latency_us:.0f} us, bw {spec.intra.bandwidth / 1e9:.2f} GB/s, "
-          f"{spec.host_cores} cores -> {path}")
-    return 0
-
-
-def _fit_main(args: argparse.Namespace) -> int:
-    from costmodel.hardware import PROFILE_DIR, get_hardware
-    from costmodel.roofline_fit import RooflineFit, at_bound
-    from costmodel.trace_fit import fit_trace
-    from configs import load_config
-    from traces.io import load_trace
-
-    try:
-        source = args.config or args.preset
-        if source is None:
-            raise ValueError("--from-trace needs the traced run's config: --preset NAME or --config FILE.yaml")
-        cfg = load_config(source)
-        hw = get_hardware(args.hardware)
-        trace = load_trace(args.from_trace)
-        fit = fit_trace(trace, cfg, hw, RooflineFit())
-    except ValueError as err:
-        print(f"python -m costmodel.calibrate: error: {err}", file=sys.stderr)
-        return 2
-    path = fit.hardware.save(args.output or PROFILE_DIR / f"{fit.hardware.name}.json")
-    print(f"fitted {hw.name} to {len(fit.measured_us)} action keys of {args.from_trace}")
-    scales = fit.hardware.meta["fit_scales"]
-    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in scales.items())
-          + "  (efficiency curves x scale, capped at 1; launch gap x scale)")
-    print(f"{'kind':<6}{'median |error| before':>24}{'after':>10}")
-    for kind, (before, after) in fit.kind_errors().items():
-        print(f"{kind:<6}{before:>23.1f}%{after:>9.1f}%")
-    for k in at_bound(scales):
-        print(f"WARNING: the {k} scale sits at its bound ({scales[k]:.3f}): {hw.name} is far from the traced "
-              "machine there, or the trace is not of this config")
-    print(f"wrote {path}; use it with: mhcpipe predict --hardware {path} ...")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -288,7 +288,7 @@ def curve_warnings(lookups) -> list[str]:
                          f"its points cover, at its last efficiency {c.points[-1][1]:.2f} "
                          f"({', '.join(above[:6])}{', ...' if len(above) > 6 else ''})")
         lines.append(f"{hw.name} {curve} efficiency curve extrapolated flat: {'; '.join(parts)}; calibrate the curve "
-                     f"over these sizes (costmodel.calibrate) for a trustworthy price")
+                     f"over these sizes (`mhcpipe calibrate`) for a trustworthy price")
     return lines
 
 
@@ -356,7 +356,7 @@ def get_hardware(name: str | Path) -> HardwareSpec:
         path = local_profile_path()
         if not path.exists():
             raise ValueError(f"hardware 'local' is not calibrated yet ({path} missing); run "
-                             "`python -m costmodel.calibrate` (or bench/predict_local.py) first")
+                             "`mhcpipe calibrate` (or bench/predict_local.py) first")
         return HardwareSpec.load(path)
     path = Path(str(name))
     if path.suffix == ".json":

@@ -1,5 +1,5 @@
 """RooflineFit: a hardware spec's efficiencies fitted to a measured baseline run's action times (costmodel.md §3;
-the fitter behind `python -m costmodel.calibrate --from-trace`, used through costmodel.trace_fit.fit_trace).
+the fitter behind `mhcpipe calibrate --from-trace`, used through costmodel.trace_fit.fit_trace).
 
 The cost model prices the trace's actions from kernels whose times are a roofline of three efficiency curves
 (matrix, vector, memory) plus a per-kernel launch gap (costmodel.hardware). The fit scales those four - each

@@ -5,7 +5,7 @@ F, I, W, B and F&B action, named as in traces.md §5. It must be a BASELINE (n =
 layout: the mHC run is what the fitted spec then predicts, never an input (costmodel.md §3). A fitter turns the
 measured action times into a fitted spec:
 * costmodel.roofline_fit.RooflineFit scales a spec's efficiency curves and launch gap (any hardware,
-  `python -m costmodel.calibrate --from-trace`);
+  `mhcpipe calibrate --from-trace`);
 * costmodel.local.runtime_fit.RuntimeProfileFit fits a runtime profile for `local` (full-speed work per
   action on ranks sharing the host's cores), from the host measurements it is built with.
 Both read the trace with the helpers here: action keys 'F/s3' and 'FB/s3+s4', F/B halves inside an F&B left out.

@@ -21,6 +21,7 @@ SUBCOMMANDS = (
     "mhcpipe.predict_cli",
     "mhcpipe.tune_cli",
     "mhcpipe.checkpoint_cli",
+    "mhcpipe.calibrate_cli",
 )
 
 

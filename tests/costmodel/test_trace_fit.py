@@ -1,16 +1,19 @@
 """Fitting a hardware spec's efficiencies to a measured trace (costmodel.roofline_fit through trace_fit.fit_trace,
-`python -m costmodel.calibrate --from-trace`)."""
+`mhcpipe calibrate --from-trace`)."""
 import json
 
 import yaml
 
-from costmodel.calibrate import main as calibrate_main
 from costmodel.hardware import HardwareSpec, get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
 from costmodel.roofline_fit import priced_action_us, scaled_hardware
 from costmodel.trace_fit import measured_action_us
 from mhcpipe.cli import main as mhcpipe_main
+
+
+def calibrate_main(argv: list[str]) -> int:
+    return mhcpipe_main(["calibrate", *argv])
 
 
 def _traced_run(cfg, hw, spec):
