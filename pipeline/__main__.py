@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .p2p import PipelineError, init_distributed
+    from .errors import PipelineError
+    from .p2p import init_distributed
     from .train import pick_device, train, train_interleaved
 
     try:

@@ -137,7 +137,7 @@ def save(directory: Path, rt, step: int) -> None:
     """Save step `step` (collective: every rank of the world calls it after the step)."""
     import torch.distributed.checkpoint as dcp
 
-    from .comm import PipelineError, describe
+    from .errors import PipelineError, describe
 
     directory = Path(directory)
     tmp = directory / f"step_{step}.tmp"

@@ -33,7 +33,7 @@ import torch
 from .collective import check_devices, wait_work
 from .errors import PipelineError, describe, poll
 
-__all__ = ["Comms", "Handle", "P2PWaiter", "PipelineError", "describe", "poll", "wait_work"]
+__all__ = ["Comms", "Handle", "P2PWaiter", "wait_work"]
 
 
 @dataclass

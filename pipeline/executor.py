@@ -36,7 +36,8 @@ from schedules import Kind, lower_comms
 from schedules.ir import COMM_KINDS
 
 from .data import Batch
-from .p2p import Pending, PipelineError
+from .errors import PipelineError
+from .p2p import Pending
 from .partition import RankPlan, global_microbatch
 from .stage import ChunkRun, Stage, StageEnv
 from .weight_grad import WeightGradStore

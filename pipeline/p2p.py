@@ -20,9 +20,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .comm import Comms, Handle, PipelineError, describe
+from .comm import Comms, Handle
+from .errors import PipelineError, describe
 
-__all__ = ["Transport", "PipelineError", "Pending", "init_distributed"]
+__all__ = ["Transport", "Pending", "init_distributed"]
 
 Pending = Handle  # the name the executor and the loopback transport use for a P2P handle
 

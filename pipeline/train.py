@@ -39,7 +39,7 @@ from .overlap import PairRunner
 from .collective import collective, group_device, synchronize
 from .diagnostics_log import DiagnosticsLog
 from .diagnostics_probe import StepProbe, first_microbatches
-from .p2p import PipelineError, Transport
+from .p2p import Transport
 from .partition import plan_rank
 from .recorder import Recorder, merge_rank_traces, rank_trace_path
 from .run_args import residual_flag as residual_label  # 'mhc:4', 'xhc:16:4': how --residual names a residual
@@ -415,5 +415,5 @@ def stats_dicts(history: list[StepStats]) -> list[dict]:
     return [asdict(s) for s in history]
 
 
-__all__ = ["PipelineError", "RankRuntime", "StepStats", "make_groups", "pick_device", "residual_label", "train",
+__all__ = ["RankRuntime", "StepStats", "make_groups", "pick_device", "residual_label", "train",
            "train_interleaved", "stats_dicts"]

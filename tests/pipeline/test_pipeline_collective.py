@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from _pipeline_helpers import check_ok, rel_err, tiny_config
 from pipeline import collective as coll
-from pipeline.comm import Comms, Handle, PipelineError
+from pipeline.comm import Comms, Handle
+from pipeline.errors import PipelineError
 from configs import parse_config
 from rank_pool import launch
 from pipeline.recorder import Recorder

@@ -123,7 +123,7 @@ class _LateGradients:
         return h.done or self.gates[h.name].is_set()
 
     def wait(self, h, deadline_s=None):
-        from pipeline.comm import PipelineError
+        from pipeline.errors import PipelineError
 
         if not h.done and not self.gates[h.name].wait(5.0):
             raise PipelineError(f"{h.name} was waited for before its pair's forward half began")
