@@ -187,7 +187,9 @@ def work_of(span, free):
 
 @pytest.mark.timeout(180)
 def test_measure_core_sharing_runs_the_block():
-    cores = measure_core_sharing(load_config("tiny"), 2, block_round, seconds=0.2, cycles=1)
+    # the median of 3 cycles: one cycle's cores(1) is 2a/(a+b) for its solo rates a, b, which a burst of the other
+    # test worker's ranks pushes towards 2 (CI saw 1.59 with one cycle)
+    cores = measure_core_sharing(load_config("tiny"), 2, block_round, seconds=0.2, cycles=3)
     assert len(cores) == 2
     assert 0.5 < cores[0] < 1.5  # one process against itself
     assert 0.3 < cores[1] < 2.6  # two processes on a shared CI machine: anything but nonsense
