@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=8, help="training steps per run; the first is warm-up (a shared "
                    "VM changes speed within seconds: more steps average it out)")
     p.add_argument("--timeout", type=int, default=300, help="seconds allowed per torchrun launch")
+    p.add_argument("--quick", action="store_true",
+                   help="shorter host measurements (3 core-sharing cycles instead of 12, 10 stage rounds instead "
+                        "of 40) for a quick check that the demo works on a machine; the prediction "
+                        "is noisier")
     p.add_argument("--schedule-only", action="store_true",
                    help="only draw DualPipe P=8, M=20 at unit costs (seconds, no training)")
     p.set_defaults(func=run)
@@ -200,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         return schedule_picture(Path(args.out))
     from costmodel.calibrate import calibrate_local
     from costmodel.local.calibration import calibrate_local_for
+    from costmodel.local.core_sharing import measure_core_sharing
     from costmodel.local.host_pricing import HostPricing
     from costmodel.predict import predict, residual_spec_of
     from pipeline.host_measurements import block_round, time_stage_pieces
@@ -247,8 +252,10 @@ def run(args: argparse.Namespace) -> int:
     _say("3/5", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
                 f"share the cores and the OS time slice, fitting on the baseline trace, predicting baseline and "
                 f"mHC (n={n})")
-    stage_us = time_stage_pieces(cfg, [(cfg.model.residual.variant, n)])
-    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round)
+    stage_us = time_stage_pieces(cfg, [(cfg.model.residual.variant, n)], rounds=10 if args.quick else 40)
+    cores = measure_core_sharing(cfg, ranks, block_round, cycles=3 if args.quick else 12)
+    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round,
+                             cores=cores)
     res = cfg.model.residual
     # CPU runs the reference ops: unfused, except what has no unfused form (mhc-sp; xHC-Flash is xHC's fused form)
     spec = residual_spec_of(cfg, fused=res.variant == "mhc-sp" or (res.variant == "xhc" and res.flash))

@@ -1,14 +1,15 @@
-"""`mhcpipe run`: validate the config here, then launch torchrun (`python -m torch.distributed.run`) on this host.
+"""`mhcpipe run`: validate the config here, then launch torchrun's agent (torch.distributed.run) on this host.
 
     mhcpipe run --nproc 4 --config configs/tiny.yaml --schedule dualpipev --trace-dir runs/x
 
 Every flag except --nproc is passed through to `python -m pipeline` (flags: pipeline/run_args.py). A bad config is
-reported here as one line (exit 2) before any process starts; the ranks' exit code is returned as is.
+reported here as one line (exit 2) before any process starts. The agent runs in this process (torch is imported
+already: a `torchrun` process would import it again before the ranks start); when a rank fails, its own message
+is on stderr, then one line here names the first failed rank, and its exit code is returned.
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from pipeline.run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
@@ -22,11 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
+def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
+    """torchrun's command line (after `torchrun`) for these `mhcpipe run` flags."""
     from pipeline.local import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline",
+    cmd = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
     for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
                  "interleave", "diagnostics_every", "expand", "p2p_groups"):
@@ -53,4 +55,15 @@ def run(args: argparse.Namespace) -> int:
     interleaved_configs(cfg, args)
     check_resume(cfg, args)
     nproc = args.nproc or cfg.parallel.world_size
-    return subprocess.call(torchrun_command(args, nproc))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run as torchrun
+
+    try:
+        torchrun(parse_args(torchrun_args(args, nproc)))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode
+        how = f"exit code {code}" if code > 0 else f"signal {-code}"
+        print(f"mhcpipe run: rank {rank} failed first ({how}; its message is above)", file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code  # a signal: the shell's 128 + signal number
+    return 0

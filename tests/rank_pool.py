@@ -126,9 +126,11 @@ class RankPool:
                                    "stderr above says why)") from None
         self.ready = True
 
-    def run(self, worker, args: tuple, timeout_s: float, grace_s: float) -> tuple[list[RankResult], bool]:
+    def run(self, worker, args: tuple, timeout_s: float, grace_s: float,
+            hung: frozenset[int] = frozenset()) -> tuple[list[RankResult], bool]:
         """One case on every rank; returns the results and whether every rank ended it cleanly (else the pool
-        must be discarded)."""
+        must be discarded). Ranks in `hung` are the case's own hung ranks: once every other rank has ended and one
+        of them failed, the case ends (the hung ones are killed) instead of waiting out the grace."""
         if not self.ready:
             self.wait_ready()
         self.cases += 1
@@ -140,7 +142,12 @@ class RankPool:
             ended: dict[int, float] = {}
             codes: dict[int, int] = {}
             deadline = started + timeout_s
-            while len(ended) < self.world and time.monotonic() < deadline:
+            def over() -> bool:
+                if len(ended) == self.world:
+                    return True
+                return bool(hung) and set(ended) | hung == set(range(self.world)) and any(codes.values())
+
+            while not over() and time.monotonic() < deadline:
                 for r in range(self.world):
                     if r in ended:
                         continue
@@ -187,19 +194,20 @@ _spares: dict[int, RankPool] = {}
 
 
 def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, init_timeout_s: float = 30.0,
-           grace_s: float = 30.0) -> list[RankResult]:
+           grace_s: float = 30.0, hung: frozenset[int] = frozenset()) -> list[RankResult]:
     """`pipeline.local.launch` on the session's persistent ranks (started on first use, replaced after a case
     that did not end cleanly). `init_timeout_s` is accepted for the same signature; the pool's start has its
     own bound.
 
     Failing cases come in runs (the deadlock, fault and crash tests), and each one costs a new set of ranks:
     once a case of this world size has failed, a spare set is kept starting in the background, so the next
-    replacement is ready (its start overlapped the failing case's timeout wait) instead of starting then."""
+    replacement is ready (its start overlapped the failing case's timeout wait) instead of starting then.
+    `hung`: ranks the case makes hang on purpose (fault tests), not waited for once the others have failed."""
     del init_timeout_s
     pool = _pools.get(world)
     if pool is None:
         pool = _pools[world] = RankPool(world)
-    results, clean = pool.run(worker, args, timeout_s, grace_s)
+    results, clean = pool.run(worker, args, timeout_s, grace_s, frozenset(hung))
     if not clean:
         _pools[world] = _spares.pop(world, None) or RankPool(world)
         _spares[world] = RankPool(world)

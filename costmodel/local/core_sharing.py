@@ -1,7 +1,7 @@
 """How k concurrent ranks share this host's CPU cores: cores(k), the time slice and the protection after a
 wake-up, the inputs of costmodel.local.shared_cores.
 
-measure_core_sharing(cfg, k_max, workload) spawns k_max single-thread processes that each build one round of
+measure_core_sharing(cfg, k_max, workload) starts k_max single-thread processes that each build one round of
 the workload (the runtime's own Transformer block of cfg's shape, pipeline.host_measurements.block_round) and,
 for k = 1 .. k_max in turn, let k of them run rounds for `seconds` while the rest wait. cores(k) = the k
 processes' summed rounds per second / one process's rate alone. On a dedicated host with c cores this is about
@@ -66,7 +66,7 @@ def _gather(procs, results, count: int, timeout_s: float, what: str) -> list:
 def measure_core_sharing(cfg, k_max: int, workload: Callable[[dict], Callable[[], None]], seconds: float = 0.25,
                          cycles: int = 12, timeout_s: float = 120.0) -> list[float]:
     """[cores(1), ..., cores(k_max)] for cfg's block on this host (see the module docstring). `workload(cfg_dict)`
-    builds one round of the work (pipeline.host_measurements.block_round); it runs in spawned processes, so it
+    builds one round of the work (pipeline.host_measurements.block_round); it runs in other processes, so it
     must be a module-level function. The sweep k = 1 .. k_max runs `cycles` times, each closed by a solo phase;
     a cycle's cores(k) is its rate at k over the mean of the solo rates at both of its ends, and the result is
     the median over cycles (shared VMs drift and stall, so single phases are noisy). Many short cycles rather
@@ -76,7 +76,11 @@ def measure_core_sharing(cfg, k_max: int, workload: Callable[[dict], Callable[[]
         raise ValueError(f"k_max and cycles must be >= 1, got k_max={k_max}, cycles={cycles}")
     sweep = list(range(1, k_max + 1))
     plan = [1] + sweep * cycles + [1]  # the first phase only warms the machine up
-    ctx = mp.get_context("spawn")
+    # forked from a fork server that imported the workload's module (torch and the runtime) once: spawned
+    # processes each imported them again, seconds of CPU per process on the cores being measured. (A fork server
+    # that already runs keeps its own preload; the workers then import what it lacks.)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, workload.__module__])
     start = ctx.Barrier(k_max, timeout=timeout_s)
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(i, workload, cfg.model_dump(), plan, seconds, start, results),

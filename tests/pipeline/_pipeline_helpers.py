@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import json
 import subprocess
 
 import torch
@@ -25,6 +27,35 @@ def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None
             "recompute": recompute or {"mode": "off"},
             "train": {"steps": steps, "lr": 1e-2, "seed": seed, "device": "cpu", "timeout_s": timeout_s,
                       "dtype": dtype, "comm_rules": comm_rules}}
+
+
+# what the single-process model does not read: the schedule and its F&B overlap, recompute (the single-process
+# model has none), the transport's rules and deadline, and the step count (served from a longer run)
+_NOT_READ = {"parallel": ("schedule", "overlap"), "train": ("comm_rules", "timeout_s", "steps")}
+_REF_STEPS = 3
+_references: dict[str, tuple] = {}
+
+
+def single_process_reference(cfg_dict: dict, steps: int) -> tuple[list[float], dict, dict]:
+    """pipeline.single_process.train_single_process of `cfg_dict` for `steps` (<= 3) steps: (losses, step-0 grads,
+    params after 3 steps: callers use their names). One run per model, data and optimizer config in this process:
+    the schedules, overlaps and recompute modes of one grid share it instead of training it again each."""
+    from configs import parse_config
+    from pipeline.single_process import train_single_process
+
+    if steps > _REF_STEPS:
+        raise ValueError(f"single_process_reference serves at most {_REF_STEPS} steps, not {steps}")
+    key_dict = copy.deepcopy(cfg_dict)
+    key_dict.pop("recompute", None)
+    for section, fields in _NOT_READ.items():
+        for f in fields:
+            key_dict.get(section, {}).pop(f, None)
+    key = json.dumps(key_dict, sort_keys=True)
+    if key not in _references:
+        cfg = parse_config(cfg_dict)
+        _references[key] = train_single_process(cfg, steps=_REF_STEPS)
+    losses, grads, params = _references[key]
+    return losses[:steps], grads, params
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

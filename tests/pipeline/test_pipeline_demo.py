@@ -35,7 +35,7 @@ def _row(report: str, label: str) -> list[str]:
 
 def test_demo_writes_report_pictures_and_perfetto_trace(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "mhcpipe", "demo", "--out", str(out), "--steps", "2"],
+    proc = subprocess.run([sys.executable, "-m", "mhcpipe", "demo", "--out", str(out), "--steps", "2", "--quick"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):

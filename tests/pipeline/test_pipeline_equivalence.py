@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, tiny_config
-from configs import parse_config
+from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
 from pipeline.local import variants_worker
 from rank_pool import launch
-from pipeline.single_process import train_single_process
 
 TOL = 1e-9
 KINDS = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -38,13 +36,9 @@ def test_schedule_matches_single_process(kind, layout):
     results = launch(variants_worker, 4, (variants, True), timeout_s=280)
     check_ok(results)
     by_key = {}
-    references = {}
     for vi, v in enumerate(variants):
-        cfg = parse_config(v)
         ref_key = (v["model"]["residual"]["n"], v["recompute"]["mode"])
-        if ref_key not in references:  # overlap does not change the single-process model
-            references[ref_key] = train_single_process(cfg, steps=cfg.train.steps)
-        want_losses, want_grads, params = references[ref_key]
+        want_losses, want_grads, params = single_process_reference(v, v["train"]["steps"])
         got = merged_grads(results, vi)
         assert_grads_match(got, want_grads, params, TOL, f"{kind} {layout} variant {vi}")
         for r in results:  # every rank reports the global loss
@@ -69,7 +63,7 @@ def test_expert_parallel_pair_on_one_pipeline_rank_matches_single_process():
                 for ov in (True, False)]
     results = launch(variants_worker, 2, (variants, True), timeout_s=180)
     check_ok(results)
-    want_losses, want_grads, params = train_single_process(parse_config(variants[0]), steps=3)
+    want_losses, want_grads, params = single_process_reference(variants[0], 3)
     for vi in range(len(variants)):
         assert_grads_match(merged_grads(results, vi), want_grads, params, TOL, f"variant {vi}")
         losses = [s["loss"] for s in results[0].value[vi]["stats"]]

@@ -43,7 +43,7 @@ def test_failed_rank_stops_the_others(kind, mode, layout):
         cfg = tiny_config(kind, 2, moe=True, dp=2, ep=2, timeout_s=TIMEOUT_S, steps=1)
     started = time.monotonic()
     results = launch(variants_worker, 4, ([cfg], False, StopAt(1, 6, mode)), timeout_s=60,
-                     grace_s=3 * TIMEOUT_S + 5)
+                     grace_s=3 * TIMEOUT_S + 5, hung=frozenset({1} if mode == "hang" else ()))
     wall = time.monotonic() - started
     others = [r for r in results if r.rank != 1]
     for r in others:

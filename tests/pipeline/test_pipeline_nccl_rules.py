@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, tiny_config
-from configs import parse_config
+from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
 from pipeline.local import variants_worker
-from pipeline.single_process import train_single_process
 from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,12 +107,9 @@ def test_plain_gloo_runs_every_schedule_with_the_single_process_results(layout):
     variants = _plain_gloo_grid(layout)
     results = launch(variants_worker, 4, (variants, True), timeout_s=380)
     check_ok(results)
-    refs = {}
     for i, v in enumerate(variants):
         n = v["model"]["residual"]["n"]
-        if n not in refs:
-            refs[n] = train_single_process(parse_config(v), steps=1)
-        want_losses, want_grads, params = refs[n]
+        want_losses, want_grads, params = single_process_reference(v, 1)
         what = f"{layout} {v['parallel']['schedule']} n={n} overlap={v['parallel']['overlap']}"
         assert_grads_match(merged_grads(results, i), want_grads, params, 1e-9, what)
         for r in results:

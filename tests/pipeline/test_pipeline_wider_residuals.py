@@ -15,11 +15,10 @@ import copy
 
 import pytest
 
-from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, tiny_config
+from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
 from configs import parse_config
 from pipeline.local import variants_worker
 from rank_pool import launch
-from pipeline.single_process import train_single_process
 
 TOL = 1e-9
 RESIDUALS = {
@@ -48,8 +47,7 @@ def test_wider_residual_matches_single_process(kind, name):
                 for ov in overlaps]
     results = launch(variants_worker, 4, (variants, True), timeout_s=280)
     check_ok(results)
-    cfg = parse_config(variants[0])
-    want_losses, want_grads, params = train_single_process(cfg, steps=cfg.train.steps)
+    want_losses, want_grads, params = single_process_reference(variants[0], variants[0]["train"]["steps"])
     got_all = []
     for vi in range(len(variants)):
         got = merged_grads(results, vi)
@@ -115,8 +113,7 @@ def test_every_other_schedule_carries_the_wider_state(kind):
         variants = [_config(kind, RESIDUALS[name], rc, True)]
         results = launch(variants_worker, 4, (variants, True), timeout_s=280)
         check_ok(results)
-        cfg = parse_config(variants[0])
-        want_losses, want_grads, params = train_single_process(cfg, steps=cfg.train.steps)
+        want_losses, want_grads, params = single_process_reference(variants[0], variants[0]["train"]["steps"])
         assert_grads_match(merged_grads(results, 0), want_grads, params, TOL, f"{kind} {name}")
         losses = [s["loss"] for s in results[0].value[0]["stats"]]
         assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses, want_losses)), (kind, name, losses, want_losses)

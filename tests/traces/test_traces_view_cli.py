@@ -1,10 +1,9 @@
-"""`mhcpipe view` / `mhcpipe compare` end to end (through mhcpipe.cli's error handling), the pictures, and
-the 10^5-span render time."""
+"""`mhcpipe view` / `mhcpipe compare` end to end (through mhcpipe.cli's error handling), the pictures, and a
+10^4-span render (the time at 10^5 spans: bench/trace_scale.py)."""
 from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 from matplotlib.image import imread
@@ -113,14 +112,13 @@ def test_cli_errors_are_one_line_exit_2(mhcpipe, pair, tmp_path, args, message):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
-def test_hundred_thousand_spans_render_quickly(tmp_path):
-    big = one_f_one_b(8, 2300)  # 8 ranks x 2300 micro-batches: 101,200 spans
-    assert len(big.spans) > 100_000
-    t0 = time.perf_counter()
+def test_many_spans_render_to_png_and_html(tmp_path):
+    """A long run draws: 8 ranks x 230 micro-batches (10,120 spans). The time at 10^5 spans is
+    bench/trace_scale.py's (bench/results/trace_scale.json)."""
+    big = one_f_one_b(8, 230)
+    assert len(big.spans) > 10_000
     write_picture(tmp_path / "big.png", [big])
-    t_png = time.perf_counter() - t0
-    t0 = time.perf_counter()
     write_html(tmp_path / "big.html", [big])
-    t_html = time.perf_counter() - t0
-    assert t_png < 20 and t_html < 20, (t_png, t_html)
     assert imread(tmp_path / "big.png").shape[1] >= 1400
+    html = (tmp_path / "big.html").read_text()
+    assert html.count("F/s7/mb229") >= 1 and html.count("B/s0/mb229") >= 1
