@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of mhc-pipe on one H200 (docs: shared/docs/gpu.md), in under 8 minutes, then a short table.
+# GPU check of mhc-pipe on one H200 (docs: docs/gpu.md), in under 8 minutes, then a short table.
 #
 #   bash bench/gpu_check.sh              # on the GPU machine (device tool), outputs in ${OUT:-runs/gpu_check}
 #   bash bench/gpu_check.sh --cpu        # the same steps with the device set to CPU at small shapes (or GPU_CHECK_CPU=1)

@@ -6,14 +6,16 @@
 Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, M micro-batches.
 
 On CUDA the runtime runs every MLP sub-layer's post+res on a priority -1 stream (`RankRuntime` creates
-`torch.cuda.Stream(priority=-1)` and hands it to `pipeline.stage.StageEnv` as `hp`); the compute stream waits for
+`torch.cuda.Stream(priority=-1)` and hands it to `pipeline.runtime.stage.StageEnv` as `hp`); the compute stream waits
+for
 it only where the result is consumed (`StageEnv.sync_hp`). A missing wait or a tensor freed too early
 (`record_stream`) is a race: it changes bits, or only sometimes. For each residual variant (default mhc:4 and
 mhc-sp:4) and each rank of a DualPipeV pipeline of P = 2 (rank 0: embedding and head stages; rank 1: two middle
 stages), two `RankRuntime`s of the same seed are built, one as the runtime builds it and one with `env.hp = None`
 (post+res inline on the compute stream, the placement's only difference). Each runs the rank's full action list
 (`Executor.run_step`: F, B, W and F&B pairs of M = 4 micro-batches; no process group: the P2P transport is a
-`pipeline.loopback.LoopbackTransport` whose sends are captured) on fresh random inputs per check (a new loopback
+`pipeline.distributed.loopback.LoopbackTransport` whose sends are captured) on fresh random inputs per check (a new
+loopback
 seed for the received activations and gradients, a new synthetic batch; never zeros), in the order no-hp, hp,
 no-hp. Compared with `torch.equal`: the loss, every tensor the rank sends (stage outputs and input-grads) and every
 parameter gradient. hp vs no-hp must be bitwise equal; no-hp vs no-hp is the determinism baseline (if it differs,
@@ -72,7 +74,7 @@ def parse_args(argv=None):
 
 def config(args, residual: str):
     from configs import parse_config
-    from pipeline.run_args import with_residual_flag
+    from pipeline.launch.run_args import with_residual_flag
 
     s = SMALL if args.small else FULL
     data = {
@@ -90,7 +92,7 @@ def config(args, residual: str):
 
 def capturing_loopback(rank, device, shape, dtype, seed):
     """A loopback transport that keeps a copy of every tensor the rank sends (by its trace name)."""
-    from pipeline.loopback import LoopbackTransport
+    from pipeline.distributed.loopback import LoopbackTransport
 
     class Capturing(LoopbackTransport):
         def __init__(self):
@@ -141,7 +143,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def check_rank(cfg, rank: int, device, checks: int) -> dict:
     from pipeline.data import Batch, make_batch
-    from pipeline.train import RankRuntime, boundary_width
+    from pipeline.runtime.train import RankRuntime, boundary_width
 
     hp_rt = RankRuntime(cfg, rank, device, record=True)
     none_rt = RankRuntime(cfg, rank, device, record=True)

@@ -12,7 +12,8 @@ For each schedule (gpipe 1f1b zb1p dualpipe dualpipev) and layout
   the experts of every stage split over the 2 replicas (all-to-all token exchange inside dp);
 the same job runs twice with torchrun (`--nproc-per-node N -m pipeline ... --steps 3`): `--device cuda` (one GPU
 per rank, NCCL) and `--device cpu` (gloo). Rank 0 prints one line per step (`step 1/3  loss 4.123456 ...`,
-pipeline/train.py StepStats.line); the losses of the two runs must agree step by step to |a - b| <= 1e-4 |b|. Why
+pipeline/runtime/train.py StepStats.line); the losses of the two runs must agree step by step to |a - b| <= 1e-4 |b|.
+Why
 that tolerance: the CUDA run computes with other kernels (cuBLAS, the fused Triton mHC kernels) than the CPU run
 (CPU BLAS, the eager ops), which sum in other orders, and reductions over NCCL and gloo also differ in order; in
 float32 that moves a loss by ~1e-6 relative after 3 AdamW steps (the line prints 6 decimals, ~2e-7 relative), so
@@ -107,7 +108,7 @@ def skip_reason(schedule: str, lay: dict, cfg_path: Path, n: int) -> str | None:
         return f"pp = N/2 = {lay['pp']} < 1"
     if schedule == "dualpipe" and lay["pp"] % 2:
         return f"dualpipe needs an even pp (pp={lay['pp']} at N={n})"
-    from pipeline.run_args import add_run_arguments, config_from_args
+    from pipeline.launch.run_args import add_run_arguments, config_from_args
 
     p = argparse.ArgumentParser()
     add_run_arguments(p)

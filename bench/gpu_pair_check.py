@@ -5,19 +5,21 @@
 
 Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, M micro-batches, E experts.
 
-What runs: `pipeline.train.RankRuntime` builds rank 0 of a DualPipeV pipeline (P = 2: stages 0 and 3, i.e. the
+What runs: `pipeline.runtime.train.RankRuntime` builds rank 0 of a DualPipeV pipeline (P = 2: stages 0 and 3, i.e. the
 embedding and the head, 2 MoE-carrying blocks each; M = 8, so 11 of its actions are F&B pairs) of a MoE config,
 with a process group of one rank (NCCL on CUDA, gloo with --device cpu; MASTER_ADDR 127.0.0.1, a free port) as
 the world group and two 1-rank expert-parallel groups (`dist.new_group([0])` twice: "F" for the forward's
-all-to-alls, "B" for the backward's) handed in through `pipeline.layout.ParallelGroups`. The pipeline P2P
-transport is swapped for `pipeline.loopback.LoopbackTransport` (as bench/stage.py does): every RECV is a device
+all-to-alls, "B" for the backward's) handed in through `pipeline.distributed.layout.ParallelGroups`. The pipeline P2P
+transport is swapped for `pipeline.distributed.loopback.LoopbackTransport` (as bench/stage.py does): every RECV is a
+device
 copy of a pre-made random tensor, every SEND completes at once.
 
 On a 1-rank EP group the runtime runs the experts locally (`ExpertComm.exchanging` is False for one rank), so
 nothing would run on the pair's helper thread. This script sets `rt.expert.exchanging = True`: then the counts,
 dispatch and combine all-to-alls (and their .dgrad backward exchanges) really go through the 1-rank groups, and
 every F&B pair takes
-`pipeline.overlap.PairRunner`'s threaded path (forward half here, backward half on the helper thread, turns handed
+`pipeline.runtime.overlap.PairRunner`'s threaded path (forward half here, backward half on the helper thread, turns
+handed
 over at every all-to-all and block boundary; on CUDA both threads issue to the compute stream and NCCL runs on its
 own streams).
 
@@ -98,7 +100,7 @@ def parse_args(argv=None):
 
 def config(args):
     from configs import parse_config
-    from pipeline.run_args import with_residual_flag
+    from pipeline.launch.run_args import with_residual_flag
 
     s = SMALL if args.small else FULL
     data = {
@@ -147,8 +149,8 @@ class Side:
     """One runtime (overlap on or off) on the shared groups, with its loopback transport."""
 
     def __init__(self, cfg, args, device, groups):
-        from pipeline.loopback import LoopbackTransport
-        from pipeline.train import RankRuntime, boundary_width
+        from pipeline.distributed.loopback import LoopbackTransport
+        from pipeline.runtime.train import RankRuntime, boundary_width
 
         t0 = time.perf_counter()
         self.rt = RankRuntime(cfg, args.rank, device, groups=groups, record=True)
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
         return 2
     backend = "nccl" if device.type == "cuda" else "gloo"
     cfg = config(args)
-    from pipeline.layout import Layout, ParallelGroups
+    from pipeline.distributed.layout import Layout, ParallelGroups
 
     t_start = time.perf_counter()
     init_world1(backend, device, args.timeout)

@@ -60,7 +60,7 @@ def probe_env() -> dict:
         except Exception as err:  # noqa: BLE001
             out["torch_cuda_nvtx"] = f"failed: {err}"
     try:
-        from pipeline import recorder
+        from pipeline.observability import recorder
 
         out["recorder_nvtx"] = recorder._nvtx is not None  # the recorder emits NVTX ranges only with the package
     except Exception as err:  # noqa: BLE001

@@ -5,7 +5,7 @@
 
 One job trains the same model twice, F&B pairs overlapped (the default) and serial (`--no-overlap`: forward,
 then backward, every all-to-all waited right after its post, the pair's sends after it), one step of each in turn
-(`pipeline.train.train_interleaved`), so both see the same machine state; both traces are recorded. From the
+(`pipeline.runtime.train.train_interleaved`), so both see the same machine state; both traces are recorded. From the
 traces (`traces.comm_overlap`, steps after the warm-up): the share of communication time the compute thread did
 not block on, for the ops posted inside F&B pairs (the expert-parallel all-to-alls and the pair's sends), split
 by kind, and over the whole step; the time blocked per step; and the step time (slowest rank, median) with the
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
-from pipeline.local import interleaved_worker, launch  # noqa: E402
+from pipeline.launch.local import interleaved_worker, launch  # noqa: E402
 from traces.comm_overlap import comm_overlap, total  # noqa: E402
 from traces.trace import Trace  # noqa: E402
 

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
-from pipeline.local import launch  # noqa: E402
+from pipeline.launch.local import launch  # noqa: E402
 
 VARIANTS = ("channel", "shared")
 
@@ -31,7 +31,7 @@ def worker(rank: int, world: int, cfg_dicts: list[dict]) -> list[list[float]]:
     import torch
 
     from configs import parse_config
-    from pipeline.train import RankRuntime, make_groups, manual_gc
+    from pipeline.runtime.train import RankRuntime, make_groups, manual_gc
 
     cfgs = [parse_config(d) for d in cfg_dicts]
     runtimes = [RankRuntime(c, rank, torch.device("cpu"), groups=make_groups(c, rank, world, torch.device("cpu")),

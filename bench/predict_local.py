@@ -9,7 +9,7 @@
    step in one launch (A B B A ...: on a shared host whose speed drifts within seconds, both see the same drift;
    `--sequential`: the baseline run, then the mHC run after the prediction); runtime calibration on the baseline
    trace alone (costmodel.local.calibration.calibrate_local_for: micro-benchmarks of a one-block middle stage
-   through the runtime's Stage code, baseline and mHC (pipeline.host_measurements), cores(k), plus the baseline
+   through the runtime's Stage code, baseline and mHC (pipeline.launch.host_measurements), cores(k), plus the baseline
    run); predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; compare. The mHC
    run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
    run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
@@ -119,8 +119,8 @@ def main() -> int:
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.host_pricing import HostPricing
     from costmodel.predict import predict, residual_spec_of
-    from pipeline.run_args import with_residual_flag
-    from pipeline.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
+    from pipeline.launch.run_args import with_residual_flag
+    from pipeline.launch.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config
     from traces.compare import compare
     from traces.matching import drop_warmup_step

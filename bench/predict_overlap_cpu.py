@@ -6,14 +6,14 @@
         [--out bench/results/predict_overlap_cpu.json]
 
 One job trains the same model twice, overlapped and serial, one step of each in turn (as bench/overlap_cpu.py:
-`pipeline.train.train_interleaved`, so both see the same machine state), and keeps both traces under
+`pipeline.runtime.train.train_interleaved`, so both see the same machine state), and keeps both traces under
 `--traces` (`overlap/trace.json`, `serial/trace.json`); `--reuse` reads them from there instead of running.
 From the steps after the warm-up (costmodel.measured_pair; `cores_taken_pct` says how much of the serial pairs'
 all-to-all waiting had every core of this host busy with other ranks):
 * calibration (serial trace): per pair kind (forward stage, backward stage) the two chains, op medians;
 * prediction: the F&B duration serial and overlapped, the all-to-all hidden %, overlapped two ways: "streams"
   (costmodel.overlap: CUDA semantics, the halves' segments in a fixed alternating issue order on one compute
-  stream) and "turns" (costmodel.measured_pair.turns: the CPU runtime's hand-over policy, pipeline/overlap.py);
+  stream) and "turns" (costmodel.measured_pair.turns: the CPU runtime's hand-over policy, pipeline/runtime/overlap.py);
 * measured (both traces): the F&B span durations (median per kind), the all-to-all hidden % inside the pairs
   (traces.comm_overlap's definition), and the step time (slowest rank per step, median).
 The overlap gain is serial / overlapped: per kind (F&B medians), for the F&B time per step (all pairs of a rank,
@@ -45,7 +45,7 @@ HIDDEN_TOL_PP = 10.0  # percentage points
 
 
 def run_both(args, dirs: list[Path]) -> None:
-    from pipeline.local import interleaved_worker, launch
+    from pipeline.launch.local import interleaved_worker, launch
 
     over = {"parallel": {"ranks": args.pp, "data_parallel": args.dp, "expert_parallel": args.ep,
                          "microbatches": args.microbatches}, "train": {"steps": args.steps}}

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _ONE_LAUNCH = r"""
 import json, statistics, sys
 from configs import load_config
-from pipeline.local import launch, variants_worker
+from pipeline.launch.local import launch, variants_worker
 cfg = load_config(sys.argv[1]).model_dump()
 cfg["train"]["steps"] = int(sys.argv[2])
 if "comm_rules" in cfg["train"]:

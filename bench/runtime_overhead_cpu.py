@@ -34,15 +34,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config, parse_config  # noqa: E402
-from pipeline.local import free_port  # noqa: E402
+from pipeline.launch.local import free_port  # noqa: E402
 
 
 def rank_costs(cfg, rank: int, reps: int) -> dict:
     """CPU ms per step of rank `rank`: modules alone, and the executor over a loopback transport."""
     from pipeline.data import make_batch
-    from pipeline.loopback import LoopbackTransport
-    from pipeline.stage import ChunkRun
-    from pipeline.train import RankRuntime
+    from pipeline.distributed.loopback import LoopbackTransport
+    from pipeline.runtime.stage import ChunkRun
+    from pipeline.runtime.train import RankRuntime
 
     rt = RankRuntime(cfg, rank, torch.device("cpu"), record=False)
     t, n, c = cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden

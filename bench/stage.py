@@ -8,9 +8,10 @@ measured with the runtime's recorder and predicted by the cost model.
 
 Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, M micro-batches.
 
-What runs: `pipeline.train.RankRuntime` builds rank r of a DualPipeV pipeline (default P = 4, rank 1: a middle
+What runs: `pipeline.runtime.train.RankRuntime` builds rank r of a DualPipeV pipeline (default P = 4, rank 1: a middle
 rank holding two stages of the V, no embedding or head) with M = 2P micro-batches; its transport is swapped
-for `pipeline.loopback.LoopbackTransport`, so every RECV is a device copy of a pre-made tensor and every SEND
+for `pipeline.distributed.loopback.LoopbackTransport`, so every RECV is a device copy of a pre-made tensor and every
+SEND
 completes at once. The executor then runs the rank's lowered action list unchanged: both chunks, overlapped
 F&B, the B/W split (I and W), mHC recompute (mode 'auto' for n = 4, off for n = 1) and, on CUDA, the MLP
 post+res on the high-priority stream. The FFN is a dense SwiGLU of the 27B model's active FLOPs (8 x 1536 =
@@ -178,7 +179,7 @@ def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
 
 
 def runtime_block(cfg, rank: int) -> int | None:
-    """The recompute block the runtime uses on this rank (pipeline.train.RankRuntime.rc_block): per local stage
+    """The recompute block the runtime uses on this rank (pipeline.runtime.train.RankRuntime.rc_block): per local stage
     `configs.recompute_block_size` over that stage's sub-layers, the largest of them."""
     from configs import recompute_block_size
     from pipeline.partition import plan_rank
@@ -206,8 +207,8 @@ class RankBench:
 
     def __init__(self, cfg, args, device):
         from pipeline.data import make_batch
-        from pipeline.loopback import LoopbackTransport
-        from pipeline.train import RankRuntime
+        from pipeline.distributed.loopback import LoopbackTransport
+        from pipeline.runtime.train import RankRuntime
 
         t0 = time.perf_counter()
         self.device, self.cuda = device, device.type == "cuda"
@@ -398,8 +399,8 @@ def main(argv=None) -> int:
     out["targets"] = {"overhead_pct_max": TARGET_OVERHEAD_PCT, "diff_pp_max": TARGET_DIFF_PP,
                       "overhead_ok": (meas <= TARGET_OVERHEAD_PCT) if gpu else "n/a (not a GPU run)",
                       "diff_ok": (abs(diff) <= TARGET_DIFF_PP) if gpu else "n/a (not a GPU run)"}
-    out["notes"].append("stage boundaries are local hand-offs (pipeline.loopback): no P2P time in the step; "
-                        "the optimizer step is excluded")
+    out["notes"].append("stage boundaries are local hand-offs (pipeline.distributed.loopback): no P2P time in the "
+                        "step; the optimizer step is excluded")
     print(table(out))
     for note in out["notes"]:
         print(f"note: {note}")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/torch_dualpipev.py [--config tiny] [--steps 30] [--warmup 3] [--launches 3] [--ranks R]
                                               [--out bench/results/torch_dualpipev.json]
 
-`torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.local.launch`) builds this
+`torch_dualpipev_worker(rank, world, cfg_dict, steps, want_grads)` (for `pipeline.launch.local.launch`) builds this
 rank's two DualPipeV stages (r and 2P-1-r) from the project's builders and seeds, so every parameter equals the
 single-process model's (`pipeline.single_process`), wraps them in `PipelineStage` and trains with `ScheduleDualPipeV`
 on the same batches (`make_batch`), loss and AdamW (`make_optimizer`).
@@ -24,11 +24,11 @@ dW together. torch's I pass runs each such node in full (dW discarded) and its W
 saved grad_outputs, so those micro-batches pay the node's whole backward twice (tiny, P=4: 80-88 linear backward
 calls per rank and step for 64-72 forwards). Gradients stay exact; torch's step time carries that extra work.
 
-Timing (as `pipeline.train.RankRuntime.step`): zero_grad; t0; schedule.step; loss all-reduce; AdamW step; t1;
+Timing (as `pipeline.runtime.train.RankRuntime.step`): zero_grad; t0; schedule.step; loss all-reduce; AdamW step; t1;
 then max over ranks of t1 - t0, outside the timed region. The CLI (`ab_worker`) runs torch's schedule and the
 project's runtime (`RankRuntime`, recording off) in one process group, one step of each in turn with the order
 reversed every step, so both see the same machine state, under the same garbage-collection policy
-(`pipeline.train.manual_gc`); for n = 1 (residual) and n = 4 (mHC) it reports the median step times, the median
+(`pipeline.runtime.train.manual_gc`); for n = 1 (residual) and n = 4 (mHC) it reports the median step times, the median
 of ours / torch per step pair (and its quartiles) and whether the losses agree (1e-5 relative, fp32). It also
 reports each framework's CPU time per step (process time of every thread, gloo's included, summed over the
 ranks): with more ranks than cores the step is bound by it, so it says how much work each one does.
@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config, parse_config, stage_blocks  # noqa: E402
 from pipeline.data import make_batch  # noqa: E402
-from pipeline.local import launch  # noqa: E402
+from pipeline.launch.local import launch  # noqa: E402
 from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402
-from pipeline.train import manual_gc  # noqa: E402
+from pipeline.runtime.train import manual_gc  # noqa: E402
 
 LOSS_TOL = 1e-5
 
@@ -119,7 +119,7 @@ class TorchPeer:
         self.optimizer = make_optimizer(self.params.values(), cfg.train)
 
     def step(self, step: int, want_grads: bool = False) -> dict:
-        """One step, timed as pipeline.train.RankRuntime.step: zero_grad; t0; schedule, loss all-reduce, AdamW;
+        """One step, timed as pipeline.runtime.train.RankRuntime.step: zero_grad; t0; schedule, loss all-reduce, AdamW;
         t1; max over ranks outside the timed region."""
         import torch.distributed as dist
 
@@ -167,7 +167,7 @@ def ab_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
     reversed every step), so both see the same machine state; the same model, data, loss and optimizer."""
     import torch.distributed as dist
 
-    from pipeline.train import RankRuntime, make_groups
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     cfg = parse_config(cfg_dict)
     peer = TorchPeer(cfg, rank, world, dist.group.WORLD)

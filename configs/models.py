@@ -72,7 +72,7 @@ class ParallelConfig(BaseModel):
                                  "The runtime needs EP to divide data_parallel")
     overlap: bool = Field(True, description="run each F&B pair overlapped: the forward of one micro-batch "
                           "interleaved with the backward of another, each one's communication under the other's "
-                          "compute (pipeline.overlap); false = forward then backward (--no-overlap, for A/B)")
+                          "compute (pipeline.runtime.overlap); false = forward then backward (--no-overlap, for A/B)")
     p2p_groups: Literal["channel", "shared"] = Field(
         "channel", description="process groups of the pipeline's P2P: 'channel' = one per direction of each "
         "pipeline link (deadlock-free under NCCL's rules, docs/communication.md); 'shared' = one group for all of a "
@@ -138,9 +138,10 @@ class TrainConfig(BaseModel):
         "backend", description="'backend' = the backend's own semantics; 'nccl' = gloo P2P run under NCCL's rules "
         "(per communicator one batch at a time in posting order, a send completes only while its receive runs; "
         "collectives compared across members every step), one queue per process group; 'nccl-pair' = the same "
-        "with one queue per (group, peer). CPU only (pipeline.strict_transport; --transport strict|strict-pair)")
+        "with one queue per (group, peer). CPU only (pipeline.distributed.strict_transport; --transport "
+        "strict|strict-pair)")
     cpu_bind: bool = Field(False, description="CPU runs: bind local rank i to core i mod cores (consecutive ranks, "
-                           "e.g. expert-parallel peers, on different cores; pipeline.cpu_binding), --cpu-bind")
+                           "e.g. expert-parallel peers, on different cores; pipeline.runtime.cpu_binding), --cpu-bind")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "
                              "training and a collection runs between steps every gc_interval steps, outside the "
                              "step's timing (torchtitan's gc_freq, Megatron's --manual-gc); 0 = leave Python's "

@@ -1,4 +1,4 @@
-"""The recompute block length L_r (mhc.md Eq. 20), shared by the runtime (pipeline.recompute) and the cost
+"""The recompute block length L_r (mhc.md Eq. 20), shared by the runtime (pipeline.runtime.recompute) and the cost
 model (costmodel.memory) so both cut a stage into the same blocks.
 
 Eq. 20, per token in units of C, for a stage of L sub-layers and n residual streams:

@@ -1,4 +1,4 @@
-"""Cost model (see ../shared/docs/costmodel.md), in two rooms.
+"""Cost model (see docs/costmodel.md), in two rooms.
 
 The analytic core: hardware specs (hardware.py) and the runtime-profile data a `local` spec may carry
 (runtime_profile.py); per-op work (ops.py, mhc_cost.py), communication (comm.py), overlap inside an action

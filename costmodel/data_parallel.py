@@ -8,7 +8,7 @@ the step exposes. `mhcpipe tune` adds it to its objective.
 Shape letters: P pipeline ranks, D data-parallel replicas, EP expert-parallel degree (divides D), g GPUs per
 node, k ranks in one all-reduce group, S bytes one rank reduces.
 
-The runtime's rules (pipeline/layout.py, pipeline/grad_reduce.py), followed here:
+The runtime's rules (pipeline/distributed/layout.py, pipeline/distributed/grad_reduce.py), followed here:
 * Placement: global rank = pipeline rank x D + dp rank, g consecutive global ranks per node; an EP group is EP
   consecutive dp ranks.
 * Groups: a model chunk's dense parameters are summed over its D replicas, its routed experts over the D / EP

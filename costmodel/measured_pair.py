@@ -1,7 +1,7 @@
 """The F&B cost model checked against runs: calibrate a pair's chains on a serial run's trace, predict the
 overlapped run (costmodel.md §3: calibrated on a run that is not the quantity predicted).
 
-A serial F&B pair (`--no-overlap`, pipeline/executor.py) runs the forward half, then the backward half, each
+A serial F&B pair (`--no-overlap`, pipeline/runtime/executor.py) runs the forward half, then the backward half, each
 expert-parallel all-to-all waited right after its post. Its trace therefore shows every piece of the pair one
 after the other: compute, an all-to-all from post to completion (`~comm` span, fully exposed), compute, ...
 From one serial pair (`FB/s<f>/mb<i>+s<b>/mb<j>` span on a rank, with its `F/...` and `B/...` half spans):
@@ -10,7 +10,7 @@ From one serial pair (`FB/s<f>/mb<i>+s<b>/mb<j>` span on a rank, with its `F/...
 * a chain is cut at every all-to-all posted in it: compute (the time between, on the host thread) and the
   all-to-all (post to completion, clipped to the chain); in the forward also at every MLP sub-layer's end (its
   `post_res~hp` span, recorded inline on CPU): the block boundaries where the runtime's halves switch too
-  (pipeline/overlap.py). The backward's block boundaries are not in a serial trace (its weight-gradients run
+  (pipeline/runtime/overlap.py). The backward's block boundaries are not in a serial trace (its weight-gradients run
   inline, not deferred): its chain is cut only at its all-to-alls, and none of its work is `deferrable`.
 * pair kind = (forward stage, backward stage); per kind the chains are the medians, op by op, over the steady
   steps' pairs of every rank that share the kind's most common structure (the same ops in the same order),
@@ -22,7 +22,7 @@ Prediction (`predict`), the pair serial (`costmodel.overlap` "serial") and overl
 * "streams": `costmodel.overlap.overlap(chains, "streams")`, the cost model as it prices GPU pairs (compute on
   one "compute" stream with sm=1, hbm=0: a CPU rank has one host thread and no bandwidth model; all-to-alls on
   the one "comm" stream; the halves' segments in their fixed alternating issue order);
-* "turns": `turns`, the CPU runtime's own hand-over policy (pipeline/overlap.py, `dynamic` on CPU): the thread
+* "turns": `turns`, the CPU runtime's own hand-over policy (pipeline/runtime/overlap.py, `dynamic` on CPU): the thread
   goes to whichever half can compute, and the two halves' all-to-alls fly at the same time.
 Predicted comm hidden % = 100 * (1 - exposed / comm): the share of all-to-all time with compute running, which
 is what the measured definition (traces.comm_overlap: an op's time not covered by the compute thread's WAIT
@@ -218,7 +218,7 @@ def predict(pair_chains: list[list[TimedOp]], mode: str = "streams") -> PairPred
 
 
 def turns(pair_chains: list[list[TimedOp]]) -> tuple[float, float, float]:
-    """(makespan, exposed comm, comm) of a pair run by pipeline/overlap.py's PairRunner on a CPU rank: one host
+    """(makespan, exposed comm, comm) of a pair run by pipeline/runtime/overlap.py's PairRunner on a CPU rank: one host
     thread computes one half at a time; a half posts an all-to-all and hands the turn over (after every post and
     at every `switch`); a half whose next compute needs an all-to-all still in flight hands the turn to the other
     half unless that one is itself parked on one, and then the thread blocks (a WAIT: exposed) until the first of

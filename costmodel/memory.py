@@ -33,7 +33,7 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   and normed 2C, router logits E (fp32), permuted token copies kC, per copy gate, up, activation 3He, the
   shared experts like a SwiGLU of hidden shared*He, the combine input kC. Embedding output C; head: normed C
   and fp32 logits V. One chunk = one stage's layers for one micro-batch.
-* Residual side of a stage (mhc_cost.residual_activation_elems; what pipeline/stage.py keeps): without recompute
+* Residual side of a stage (mhc_cost.residual_activation_elems; what pipeline/runtime/stage.py keeps): without recompute
   x_l + F output + coefficients per sub-layer ((n+1)C + fp32 mix; nothing for the plain residual, whose x_l is
   its norm input); with recompute of blocks of L_r sub-layers x_l0 once per block (ceil(L / L_r) of them), F's
   output and the coefficients per sub-layer, minus F's norm input and output (2C), which the recompute rebuilds.
@@ -95,7 +95,7 @@ def fixed_reserve_bytes(cfg: RunConfig, hw: HardwareSpec | None, ep_per_node: in
 
 def recompute_block(cfg: RunConfig, spec: ResidualSpec, stage_sublayers: int) -> int | None:
     """The recompute block size for a stage with `stage_sublayers` sub-layers, or None (no recompute): the rule
-    the runtime applies (pipeline/train.py), the plain residual included (n = 1). A configured block longer than
+    the runtime applies (pipeline/runtime/train.py), the plain residual included (n = 1). A configured block longer than
     the stage is one block of the whole stage, so it is counted as the stage's length."""
     size = recompute_block_size(cfg.recompute, stage_sublayers, spec.n)
     return None if size is None else max(1, min(size, stage_sublayers))

@@ -66,7 +66,8 @@ writes for a next sub-layer on another stage are recomputed there by the entry: 
 over-counted, under 1/(L(2n+2)) of the stage's residual traffic). The contract at the pipeline's end is the last
 pass's u (V4.1 folds the streams with the last sub-layer's input-mixing coefficient before the head): no kernel.
 
-Activation memory (mhc.md §5, Table 3; what pipeline/stage.py and pipeline/recompute.py keep and rebuild, checked
+Activation memory (mhc.md §5, Table 3; what pipeline/runtime/stage.py and pipeline/runtime/recompute.py keep and
+rebuild, checked
 against the runtime by the audit tests). F's own saved tensors (memory.sublayer_activation_elems) include its
 norm input u_l and normed output h_l (2C). Without recompute the residual adds x_l (nC, plus the normed nC state
 for the unfused forms), F's output y_l (C) and the coefficients. With recompute in blocks of r sub-layers every

@@ -32,7 +32,7 @@ class RuntimeProfile(BaseModel):
       over the steady steps). Reusing them for the baseline is replay, not prediction.
     * `residual_us`: extra cost of a residual over the plain one inside the pipeline, per sub-layer, keyed
       "variant:n" (e.g. "mhc:4"), one value per RESIDUAL_PIECES. Micro-benchmarked on the runtime's own stage
-      (pipeline.host_measurements) and scaled by the in-pipeline factor of its kind measured on the baseline run
+      (pipeline.launch.host_measurements) and scaled by the in-pipeline factor of its kind measured on the baseline run
       (costmodel.local.runtime_fit).
     * `action_overhead_us`: the executor's full-speed work before each compute action (posting comm, reaping
       sends, recording).

@@ -116,6 +116,11 @@ class MHCConfig(BaseModel):
         return self.active if self.active is not None else min(4, self.n)
 
     @property
+    def label(self) -> str:
+        """The name a run's flags and folders use for this residual ('mhc:4', 'xhc:16:4'; `--residual`)."""
+        return f"{self.variant}:{self.n}" + (f":{self.k}" if self.variant == "xhc" else "")
+
+    @property
     def augmented(self) -> bool:
         """xhc with temporal augmentation on its MLP sub-layers."""
         return self.variant == "xhc" and self.augment == "mlp" and len(self.aug_kernels) > 0

@@ -1,5 +1,5 @@
 """`mhcpipe checkpoint convert OLD_DIR NEW_DIR --config CONFIG`: an old-format checkpoint (stage<s>.pt +
-latest.json) rewritten as the DCP checkpoint `mhcpipe run --resume` reads (pipeline.checkpoint.convert)."""
+latest.json) rewritten as the DCP checkpoint `mhcpipe run --resume` reads (pipeline.checkpoint.dcp.convert)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def register(subparsers) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from configs import load_config
-    from pipeline.checkpoint import convert
+    from pipeline.checkpoint.dcp import convert
 
     out = convert(args.old_dir, args.new_dir, load_config(args.config))
     print(f"converted {args.old_dir} -> {out} (resume with --checkpoint-dir {args.new_dir} --resume)")

@@ -55,7 +55,7 @@ def run_torchrun(config: str, residual: str, interleave: str, steps: int, trace_
                  ranks: int) -> list[str]:
     """One training job through torchrun (gloo on CPU) training `residual` and `interleave` in turn; the merged
     measured traces land in trace_dir/<variant>_<n>/. Returns the ranks' step lines."""
-    from pipeline.local import free_port
+    from pipeline.launch.local import free_port
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from costmodel.local.core_sharing import measure_core_sharing
     from costmodel.local.host_pricing import HostPricing
     from costmodel.predict import predict, residual_spec_of
-    from pipeline.host_measurements import block_round, time_stage_pieces
+    from pipeline.launch.host_measurements import block_round, time_stage_pieces
     from traces.chrome import to_chrome
     from traces.path_marks import chrome_path_events, paths_for
     from traces.compare import compare
@@ -216,9 +216,8 @@ def run(args: argparse.Namespace) -> int:
     from traces.view import plot_overhead, write_picture
     from traces.whatif import whatif
 
-    from pipeline.run_args import variant_dir, with_residual_flag
+    from pipeline.launch.run_args import variant_dir, with_residual_flag
     from configs import load_config
-    from pipeline.train import residual_label
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     if args.residual:
         cfg = with_residual_flag(cfg, "--residual", args.residual)
     if cfg.model.residual.variant == "residual" or cfg.model.residual.n == 1:
-        raise ValueError(f"the demo measures a residual against the plain one; {residual_label(cfg)} is the plain "
+        raise ValueError(f"the demo measures a residual against the plain one; {cfg.model.residual.label} is the plain "
                          "residual: name another with --residual, e.g. mhc:4")
     n = cfg.model.residual.n
     ranks = cfg.parallel.ranks
@@ -240,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     timings["calibration"] = time.perf_counter() - t
     t = time.perf_counter()
     base_cfg = cfg.with_residual("residual", 1)
-    mhc_res, base_res = residual_label(cfg), residual_label(base_cfg)
+    mhc_res, base_res = cfg.model.residual.label, base_cfg.model.residual.label
     _say("2/5", f"running mHC (n={n}) and the baseline (n=1) on {ranks} gloo ranks, one step of each in turn, "
                 f"{args.steps} steps each")
     lines = run_torchrun(args.config, mhc_res, base_res, args.steps, out / "measured", args.timeout, ranks)

@@ -2,7 +2,8 @@
 
     mhcpipe run --nproc 4 --config configs/tiny.yaml --schedule dualpipev --trace-dir runs/x
 
-Every flag except --nproc is passed through to `python -m pipeline` (flags: pipeline/run_args.py). A bad config is
+Every flag except --nproc is passed through to `python -m pipeline` (flags: pipeline/launch/run_args.py). A bad config
+is
 reported here as one line (exit 2) before any process starts. The agent runs in this process (torch is imported
 already: a `torchrun` process would import it again before the ranks start); when a rank fails, its own message
 is on stderr, then one line here names the first failed rank, and its exit code is returned.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
+from pipeline.launch.run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
     """torchrun's command line (after `torchrun`) for these `mhcpipe run` flags."""
-    from pipeline.local import free_port
+    from pipeline.launch.local import free_port
 
     cmd = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "pipeline",

@@ -1,1 +1,8 @@
-"""The mhc-pipe runtime (torchrun entry, executor, model, P2P) and the `mhcpipe` command line."""
+"""The mhc-pipe runtime: a DualPipe-style pipeline of mHC Transformer blocks on a DeviceMesh.
+
+At the top: the model and its pieces (model; weight_grad, the deferred weight gradient of its linear layers;
+partition into stages; data; single_process, the unsplit reference) and the torchrun entry (__main__). Below, by
+role: distributed (groups, P2P, collectives, errors), observability (trace recorder, diagnostics), checkpoint
+(DCP save/resume), runtime (executing a schedule on a rank), launch (run flags, local rank processes, host
+measurements). Each sub-package's docstring says what it may import (tests/test_imports.py checks it).
+"""

@@ -1,9 +1,10 @@
 """torchrun entry: `torchrun --nproc-per-node 4 -m pipeline --config configs/tiny.yaml --schedule dualpipev
 --trace-dir runs/x`. With `--interleave residual:1` the same job also trains the baseline, one step of each in
-turn (pipeline.train.train_interleaved), and writes runs/x/mhc_4/ and runs/x/residual_1/.
+turn (pipeline.runtime.train.train_interleaved), and writes runs/x/mhc_4/ and runs/x/residual_1/.
 
 Layout: world = pipeline ranks (--pp) x data-parallel replicas (--dp), expert parallelism (--ep) inside dp
-(pipeline.layout); without --pp the pipeline takes world / dp ranks. Several nodes: the same command on each,
+(pipeline.distributed.layout); without --pp the pipeline takes world / dp ranks. Several nodes: the same command on
+each,
 with torchrun's --nnodes and rendezvous flags. Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from
 torchrun. Backend: NCCL when every rank has its own GPU, gloo on CPU, and gloo with the host-staged transport
 when several ranks share a GPU (or with --transport host). Bad flags, config or layout: one line on stderr,
@@ -16,8 +17,8 @@ import argparse
 import os
 import sys
 
-from .run_args import (add_run_arguments, check_resume, config_from_args, diagnostics_dir, interleaved_configs,
-                       variant_dir)
+from pipeline.launch.run_args import (add_run_arguments, check_resume, config_from_args, diagnostics_dir,
+                                      interleaved_configs, variant_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .errors import PipelineError
-    from .p2p import init_distributed
-    from .train import pick_device, train, train_interleaved
+    from pipeline.distributed.errors import PipelineError
+    from pipeline.distributed.p2p import init_distributed
+    from pipeline.runtime.train import pick_device, train, train_interleaved
 
     try:
         device = pick_device(cfg, local_rank)

@@ -14,7 +14,8 @@ and 1/rms, like fused norm kernels, so the activations it holds are exactly mhc.
 Statistics (norm, router softmax, loss) run in fp32, or fp64 when the activations are fp64 (`acc_dtype`).
 
 MoE: tokens are grouped by expert with one stable argsort (no per-expert `nonzero`), and the routed experts run
-through `pipeline.expert.ExpertComm`, which is the identity on one rank and the all-to-all dispatch/combine of
+through `pipeline.distributed.expert.ExpertComm`, which is the identity on one rank and the all-to-all dispatch/combine
+of
 expert parallelism on an EP group; a rank then holds only its E / EP experts, built under the same per-expert
 seeds as the single-process model (parameter names `...experts.<global id>...` on every layout).
 """
@@ -31,7 +32,7 @@ from kernels import MHCSublayer, StreamExpand, contract
 from kernels import single_pass
 from kernels.xhc import XHCSublayer
 
-from .weight_grad import DeferLinear, WeightGradStore, as_dtype
+from pipeline.weight_grad import DeferLinear, WeightGradStore, as_dtype
 
 NORM_EPS = 1e-6
 
@@ -129,7 +130,7 @@ class MoE(nn.Module):
                  store: WeightGradStore | None, *, seed: int = 0, tag: str = "moe", comm=None, layer: int = 0):
         super().__init__()
         self.top_k, self.num_experts, self.layer = top_k, num_experts, layer
-        self.comm = comm  # pipeline.expert.ExpertComm, or None: every expert here, nothing exchanged
+        self.comm = comm  # pipeline.distributed.expert.ExpertComm, or None: every expert here, nothing exchanged
         ep_size, ep_rank = (1, 0) if comm is None else (comm.size, comm.rank)
         self.num_local = num_experts // ep_size
         self.first_local = ep_rank * self.num_local
@@ -174,7 +175,7 @@ def run_routed(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tens
     """Expert outputs for `rows` (sorted by expert, counts[e] rows for expert e): here, or over the EP group."""
     if moe.comm is None or not moe.comm.exchanging:
         # the layer's one host synchronisation: per-expert slices need their sizes on the host (with EP the
-        # count exchange's read, pipeline.expert.ExpertComm.counts, is that one)
+        # count exchange's read, pipeline.distributed.expert.ExpertComm.counts, is that one)
         return moe.local_experts(rows, counts.tolist())
     return moe.comm.routed(moe, rows, counts)
 
@@ -292,7 +293,7 @@ def build_embedding(model_cfg, seed: int, dtype: torch.dtype) -> Embedding:
 
 def build_block(model_cfg, seq_len: int, index: int, seed: int, store: WeightGradStore | None = None,
                 comm=None) -> Block:
-    """Block `index`; `comm` (pipeline.expert.ExpertComm) splits its MoE experts over an EP group."""
+    """Block `index`; `comm` (pipeline.distributed.expert.ExpertComm) splits its MoE experts over an EP group."""
     with seeded(seed, f"block{index}"):
         return Block(model_cfg, seq_len, index, store, seed=seed, comm=comm)
 

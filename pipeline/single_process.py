@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .data import Batch, make_batch
-from .model import activation_dtype, build_block, build_embedding, build_head, make_optimizer, param_dtype
+from pipeline.data import Batch, make_batch
+from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer, param_dtype
 
 
 class SingleProcessModel(nn.Module):

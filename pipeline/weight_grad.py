@@ -42,7 +42,7 @@ class WeightGradStore:
 
     def take_one(self):
         """One closure of the current (unflushed) group, removed from it, or None: filler work for a rank that
-        would otherwise block (pipeline.overlap)."""
+        would otherwise block (pipeline.runtime.overlap)."""
         return self._current.pop(0) if self._current else None
 
     def run_current(self) -> None:

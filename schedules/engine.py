@@ -8,7 +8,7 @@ its channel (src rank -> dst rank, FIFO) is through; a compute action waits only
 
 P2P semantics (`p2p`, costmodel.md §2.6): "commit" is the above (sends posted at their program point, as
 DualPipe's reference commits them; validation uses it, it is the conservative rule for deadlocks); "rendezvous"
-posts a send when its tensor is produced (this runtime: pipeline/executor.py), so an F&B pair's forward output
+posts a send when its tensor is produced (this runtime: pipeline/runtime/executor.py), so an F&B pair's forward output
 leaves while its backward half still computes; "dataflow" also treats every receive as posted from the start (a
 transfer starts when its tensor exists: the lower bound).
 

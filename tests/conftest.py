@@ -1,6 +1,6 @@
 """Suite-wide: every pipeline run the tests launch (mhcpipe run, torchrun -m pipeline, the demo) uses the strict
 transport unless a test says otherwise, so a posting order that would hang on NCCL fails here
-(pipeline.strict_transport). Workers that build configs in-process set train.comm_rules themselves
+(pipeline.distributed.strict_transport). Workers that build configs in-process set train.comm_rules themselves
 (tests/pipeline/_pipeline_helpers.tiny_config).
 
 `make test` runs two pytest-xdist workers. The modules in RANKS_MODULES start several processes that keep every

@@ -1,5 +1,5 @@
 """Persistent rank processes for the multi-rank tests: `launch(worker, world, args, ...)` with the signature and the
-results of `pipeline.local.launch`, but the `world` processes (4 or 2 here) are started once and run case after
+results of `pipeline.launch.local.launch`, but the `world` processes (4 or 2 here) are started once and run case after
 case, so a test pays torch's import and the spawn of 4 interpreters once per session instead of once per launch.
 The processes are forked from a multiprocessing fork server that imported torch and the runtime once, so even a
 replacement set (below) starts in a fraction of a second; their imports are frozen out of garbage collection.
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.local import RankResult, free_port, run_or_die
+from pipeline.launch.local import RankResult, free_port, run_or_die
 
 _INIT_TIMEOUT_S = 30.0
 
@@ -44,7 +44,7 @@ def _serve(rank: int, world: int, port: int, conn) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
-    import pipeline.train  # noqa: F401 - the runtime's imports are paid once, before the first case
+    import pipeline.runtime.train  # noqa: F401 - the runtime's imports are paid once, before the first case
 
     # what exists now lives for the whole session: out of every collection (the runtime's manual_gc then walks
     # only what a case creates)
@@ -97,7 +97,7 @@ class RankPool:
         # torch._dynamo: what torch.optim imports on a process's first optimizer (2.5 s). (Python 3.11's fork
         # server imports these before it applies the parent's sys.path: installed packages only.)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["pipeline.train", "torch._dynamo"])
+        ctx.set_forkserver_preload(["pipeline.runtime.train", "torch._dynamo"])
         self.conns, self.procs = [], []
         for r in range(world):
             parent, child = ctx.Pipe()
@@ -195,7 +195,7 @@ _spares: dict[int, RankPool] = {}
 
 def launch(worker, world: int, args: tuple = (), *, timeout_s: float = 120.0, init_timeout_s: float = 30.0,
            grace_s: float = 30.0, hung: frozenset[int] = frozenset()) -> list[RankResult]:
-    """`pipeline.local.launch` on the session's persistent ranks (started on first use, replaced after a case
+    """`pipeline.launch.local.launch` on the session's persistent ranks (started on first use, replaced after a case
     that did not end cleanly). `init_timeout_s` is accepted for the same signature; the pool's start has its
     own bound.
 

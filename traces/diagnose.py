@@ -2,7 +2,8 @@
 
 Shape letters: N streams, L sub-layers (depth).
 
-Input: the `diagnostics_rank*.json` files `pipeline.diagnostics_log.DiagnosticsLog` writes into a run's trace dir
+Input: the `diagnostics_rank*.json` files `pipeline.observability.diagnostics_log.DiagnosticsLog` writes into a run's
+trace dir
 (one variant, e.g. runs/x/mhc_4/), or a parent dir holding several such variant dirs. Per run and logged step:
 
 - Ranks are merged per sub-layer: each rank logs the layers of the stages it holds. A layer recorded twice
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-# The file format pipeline.diagnostics_log writes (the runtime imports these; traces never imports the runtime).
+# The file format pipeline.observability.diagnostics_log writes (the runtime imports these; traces never imports the
+# runtime).
 SCHEMA = "mhcpipe.diagnostics/1"
 FILE_PATTERN = "diagnostics_rank{rank}.json"
 HINT = "was the run started with --diagnostics-every K?"

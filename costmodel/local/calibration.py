@@ -1,7 +1,7 @@
 """Calibration of `local` for this runtime and one config (costmodel.md §3): calibrate_local_for(cfg, ...) ->
 the host's HardwareSpec `local` with a RuntimeProfile (costmodel.runtime_profile) for cfg's shape.
 
-Its inputs, measured by the caller with the runtime's own code (pipeline.host_measurements; the app layer
+Its inputs, measured by the caller with the runtime's own code (pipeline.launch.host_measurements; the app layer
 connects the two, so the cost model never imports the runtime):
   1. stage timings: a one-block middle stage through the runtime's Stage code, F, I, W and B, with the plain
      residual and with each priced residual (their difference is the residual's extra cost per sub-layer),

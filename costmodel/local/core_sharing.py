@@ -2,7 +2,7 @@
 wake-up, the inputs of costmodel.local.shared_cores.
 
 measure_core_sharing(cfg, k_max, workload) starts k_max single-thread processes that each build one round of
-the workload (the runtime's own Transformer block of cfg's shape, pipeline.host_measurements.block_round) and,
+the workload (the runtime's own Transformer block of cfg's shape, pipeline.launch.host_measurements.block_round) and,
 for k = 1 .. k_max in turn, let k of them run rounds for `seconds` while the rest wait. cores(k) = the k
 processes' summed rounds per second / one process's rate alone. On a dedicated host with c cores this is about
 min(k, c); on a shared VM it is what the VM gives, and it can fall beyond c: k > c processes time-slicing c
@@ -66,7 +66,7 @@ def _gather(procs, results, count: int, timeout_s: float, what: str) -> list:
 def measure_core_sharing(cfg, k_max: int, workload: Callable[[dict], Callable[[], None]], seconds: float = 0.25,
                          cycles: int = 12, timeout_s: float = 120.0) -> list[float]:
     """[cores(1), ..., cores(k_max)] for cfg's block on this host (see the module docstring). `workload(cfg_dict)`
-    builds one round of the work (pipeline.host_measurements.block_round); it runs in other processes, so it
+    builds one round of the work (pipeline.launch.host_measurements.block_round); it runs in other processes, so it
     must be a module-level function. The sweep k = 1 .. k_max runs `cycles` times, each closed by a solo phase;
     a cycle's cores(k) is its rate at k over the mean of the solo rates at both of its ends, and the result is
     the median over cycles (shared VMs drift and stall, so single phases are noisy). Many short cycles rather

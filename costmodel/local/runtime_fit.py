@@ -194,7 +194,7 @@ def fit_work_and_latency(cfg, hw, targets: dict[str, float], target_us: float,
 @dataclass
 class RuntimeProfileFit:
     """costmodel.trace_fit.TraceFitter for `local` (module docstring), built with the host measurements:
-    `stage_us` (pipeline.host_measurements.time_stage_pieces: {"block": {F, I, W, B} of one baseline block,
+    `stage_us` (pipeline.launch.host_measurements.time_stage_pieces: {"block": {F, I, W, B} of one baseline block,
     "residual": {"variant:n": pieces}}), `cores` (cores(k), core_sharing.measure_core_sharing), the OS time slice
     and the protection after a wake-up (core_sharing). The input spec's link prices the message bytes; the
     result is that spec with the fitted profile."""

@@ -82,7 +82,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     scheduler tick (0: fluid sharing, else ranks scheduled on cores, preempted at ticks); `protect_us`: how long
     a rank that takes a core runs before a tick may preempt it. Busy time per rank counts gaps and waits for a
     core. `fb_forward_share(a)`: the share of an F&B pair's work that is its forward half, which the runtime runs
-    first and whose output it sends as soon as it exists (pipeline.executor); None: the pair publishes both
+    first and whose output it sends as soon as it exists (pipeline.runtime.executor); None: the pair publishes both
     outputs at its end."""
     lowered = check_structure(schedule)
     topo = Topology(lowered)

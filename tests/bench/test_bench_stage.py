@@ -121,7 +121,7 @@ def test_bad_flags_fail_with_a_clear_message(stage_mod, capsys):
 
 
 def test_loopback_transport_rejects_a_wrong_buffer():
-    from pipeline.loopback import LoopbackTransport
+    from pipeline.distributed.loopback import LoopbackTransport
 
     loop = LoopbackTransport(1, torch.device("cpu"), (4, 2, 8), torch.float32)
     buf = torch.empty(4, 2, 8)

@@ -112,9 +112,9 @@ def _runtime_saved(n: int, rc_block: int | None):
     """Bytes the runtime's Stage keeps after one forward of a middle stage (its saved-tensor counter), and the
     bytes each recompute block rebuilds (its cache, without the block input's own storage)."""
     from pipeline.partition import StageSpec
-    from pipeline.recorder import Recorder
-    from pipeline.saved_tensors import SavedTensors
-    from pipeline.stage import ChunkRun, Stage, StageEnv
+    from pipeline.observability.recorder import Recorder
+    from pipeline.runtime.saved_tensors import SavedTensors
+    from pipeline.runtime.stage import ChunkRun, Stage, StageEnv
 
     cfg = parse_config(_runtime_cfg(n, rc_block))
     spec = StageSpec(stage=1, rank=0, pipeline=0, chunk=1, blocks=range(BLOCKS_RT), prev=0, next=2)
@@ -150,7 +150,8 @@ def _runtime_cfg(n: int, rc_block: int | None) -> dict:
 @pytest.mark.parametrize("n", [1, 4])
 def test_memory_model_matches_what_the_runtime_keeps_and_rebuilds(n):
     """What recompute saves (kept bytes without it minus with it) and what each block rebuilds, measured on the
-    runtime (pipeline.stage + pipeline.recompute: it drops x_l, H_pre x_l and F's norm output, keeps x_l0 and
+    runtime (pipeline.runtime.stage + pipeline.runtime.recompute: it drops x_l, H_pre x_l and F's norm output, keeps
+    x_l0 and
     F's output), equal the cost model's numbers for the same stage, the plain residual included."""
     spec = ResidualSpec.baseline() if n == 1 else ResidualSpec("mhc", n)
     off, _ = _runtime_saved(n, None)

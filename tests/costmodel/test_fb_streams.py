@@ -77,7 +77,7 @@ def test_pair_follows_program_order_and_hides_one_halfs_all_to_all_under_the_oth
 
 
 def test_deferred_weight_grads_are_issued_after_both_halves():
-    """As the runtime issues them on CUDA (pipeline/overlap.py: the host never waits there, so no gap is seen):
+    """As the runtime issues them on CUDA (pipeline/runtime/overlap.py: the host never waits there, so no gap is seen):
     the backward's W kernels go to the end of the compute stream's queue, after the input gradient (output) and
     after the forward half's kernels, whatever the timing; wfill="program" keeps each W where its backward made
     it (DeepSeek-V3 Fig. 4), where here it fills the dispatch wait."""

@@ -1,5 +1,5 @@
 """Runtime calibration of `local` (costmodel.local: the runtime-profile fit and the pricing from it) on synthetic
-traces, and the runtime's stage timings it is built from (pipeline.host_measurements)."""
+traces, and the runtime's stage timings it is built from (pipeline.launch.host_measurements)."""
 import dataclasses
 
 import pytest
@@ -12,7 +12,7 @@ from costmodel.predict import predict as predict_roofline
 from costmodel.runtime_profile import RESIDUAL_PIECES, RuntimeProfile, runtime_key
 from costmodel.trace_fit import fit_trace
 from configs import load_config
-from pipeline.host_measurements import time_stage_pieces
+from pipeline.launch.host_measurements import time_stage_pieces
 from traces.trace import Trace
 
 KNOWN = {"F": 1000.0, "I": 700.0, "W": 200.0, "B": 900.0}

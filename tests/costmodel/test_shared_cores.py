@@ -8,7 +8,7 @@ import pytest
 from costmodel.local.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
 from costmodel.local.shared_cores import capacity, simulate_shared
 from configs import load_config
-from pipeline.host_measurements import block_round
+from pipeline.launch.host_measurements import block_round
 from schedules.build import build
 from schedules.ir import Kind
 from schedules.simulate import simulate

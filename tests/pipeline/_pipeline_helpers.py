@@ -13,7 +13,7 @@ import torch
 def tiny_config(schedule: str, ranks: int, *, n: int = 4, recompute: dict | None = None, blocks: int | None = None,
                 steps: int = 3, moe: bool = False, timeout_s: float = 20.0, seed: int = 1, dp: int = 1, ep: int = 1,
                 overlap: bool = True, dtype: str = "float32", comm_rules: str = "nccl") -> dict:
-    """Multi-rank runs go under NCCL's rules on gloo (`comm_rules` 'nccl': pipeline.strict_transport).
+    """Multi-rank runs go under NCCL's rules on gloo (`comm_rules` 'nccl': pipeline.distributed.strict_transport).
     hidden 32, 2 heads, seq 8, micro-batches of 2 sequences, M = 2P per data-parallel replica (the minimum
     DualPipe(V) accepts), dp replicas, EP ep; MoE: 4 experts, top-2, one shared expert, the first block dense."""
     model = {"name": "test", "vocab_size": 64, "num_blocks": blocks or (4 if ranks == 2 else 8), "hidden": 32,

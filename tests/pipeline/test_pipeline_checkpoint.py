@@ -1,4 +1,4 @@
-"""Checkpoints (pipeline/checkpoint.py): DCP keyed by the single-process model's names, so a run resumes on another
+"""Checkpoints (pipeline/checkpoint/dcp.py): DCP keyed by the single-process model's names, so a run resumes on another
 layout with the next loss of an uninterrupted run; a rank killed mid-save leaves the previous checkpoint; damaged
 or missing files are one line naming the file and the fix; old-format checkpoints convert.
 
@@ -24,9 +24,9 @@ import torch
 import yaml
 
 from _pipeline_helpers import mhcpipe_refusal, tiny_config
-from pipeline import checkpoint, checkpoint_files
+from pipeline.checkpoint import dcp, files
 from configs import parse_config
-from pipeline.local import free_port
+from pipeline.launch.local import free_port
 from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +40,10 @@ def _cfg(schedule: str, pp: int, dp: int = 1, ep: int = 1) -> dict:
 
 
 def train_worker(rank: int, world: int, runs: list, out_dir: str | None = None) -> list:
-    """pipeline.train.train for each (cfg dict, checkpoint dir, resume) in turn; per run [(step, loss)] or the
+    """pipeline.runtime.train.train for each (cfg dict, checkpoint dir, resume) in turn; per run [(step, loss)] or the
     one-line error of a refused resume. With `out_dir`, each run's result is also appended to
     out_dir/rank<r>.jsonl as soon as it is known (what finished survives a later failure)."""
-    from pipeline.train import train
+    from pipeline.runtime.train import train
 
     out = []
     for cfg_dict, ckpt, resume in runs:
@@ -97,7 +97,7 @@ def write_old_format(step_dir: Path, old_dir: Path, cfg_dict: dict) -> None:
     from pipeline.partition import plan_rank
 
     cfg = parse_config(cfg_dict)
-    sd = checkpoint.read_all(step_dir)
+    sd = dcp.read_all(step_dir)
     step = json.loads((step_dir / "manifest.json").read_text())["step"]
     old_dir.mkdir(parents=True)
     specs = plan_rank(cfg, 0).stages
@@ -142,7 +142,7 @@ def runs(tmp_path_factory):
     crashes = {}
     for phase, victim in CRASHES:
         d = base / f"crash_{phase}"
-        os.environ[checkpoint.CRASH_ENV] = f"{victim}:1:{phase}"
+        os.environ[dcp.CRASH_ENV] = f"{victim}:1:{phase}"
         try:
             t = time.monotonic()
             res = launch(train_worker, 4, ([(refs["dualpipe"], str(d), False)],), timeout_s=120,
@@ -150,7 +150,7 @@ def runs(tmp_path_factory):
             timings[f"crash_{phase}"] = time.monotonic() - t
             crashes[phase] = (victim, res, sorted(p.name for p in d.iterdir()), (d / "latest").read_text().strip())
         finally:
-            del os.environ[checkpoint.CRASH_ENV]
+            del os.environ[dcp.CRASH_ENV]
     # 3. checkpoints to resume after step 1 (`latest` pointed back at step_1; each target its own copy)
     old = base / "old"
     write_old_format(base / "dualpipe" / "step_1", old, refs["dualpipe"])
@@ -207,8 +207,8 @@ def test_resume_on_another_layout_gives_the_uninterrupted_loss(runs, name):
     # what the new layout saved (every rank's keys, replicas and mirrored copies once) == the reference step 2
     d = runs["dirs"][name]
     assert (d / "latest").read_text().strip() == "step_2" and not list(d.glob("*.tmp"))
-    mine = checkpoint.read_all(d / "step_2")
-    want = checkpoint.read_all(runs["base"] / ("dualpipe" if src == "converted" else src) / "step_2")
+    mine = dcp.read_all(d / "step_2")
+    want = dcp.read_all(runs["base"] / ("dualpipe" if src == "converted" else src) / "step_2")
     assert set(mine) == set(want)
     worst = max(float((mine[k].double() - want[k].double()).abs().max()) for k in want)
     print(f"{name}: saved state max |diff| = {worst:.3g}")
@@ -281,7 +281,7 @@ def test_damaged_file_is_one_line_naming_it(runs, tmp_path, case):
     d = _copy(runs["base"] / "dualpipe", tmp_path / "ckpt", latest="step_1")
     damage(d / "step_1")
     with pytest.raises(ValueError) as exc:
-        checkpoint.resume_meta(d, parse_config(_cfg("1f1b", 2, dp=2, ep=2)))
+        dcp.resume_meta(d, parse_config(_cfg("1f1b", 2, dp=2, ep=2)))
     msg = str(exc.value)
     assert "\n" not in msg and str(d) + "/" + names.lstrip("/") in msg and why in msg, msg
     if case.startswith("latest"):
@@ -295,11 +295,11 @@ def test_other_model_config_names_the_field(runs, tmp_path):
     cfg = _cfg("dualpipe", 4)
     cfg["model"]["moe"]["expert_hidden"] = 32
     with pytest.raises(ValueError, match=r"model\.moe\.expert_hidden: the checkpoint has 16, this run 32"):
-        checkpoint.resume_meta(d, parse_config(cfg))
+        dcp.resume_meta(d, parse_config(cfg))
     cfg = _cfg("dualpipe", 4)
     cfg["model"]["name"] = "renamed"  # a label, not the model
     cfg["train"]["steps"] = 5
-    assert checkpoint.resume_meta(d, parse_config(cfg))["step"] == 2
+    assert dcp.resume_meta(d, parse_config(cfg))["step"] == 2
 
 
 def test_metadata_pickle_is_loaded_with_an_allow_list(runs, tmp_path):
@@ -314,18 +314,18 @@ def test_metadata_pickle_is_loaded_with_an_allow_list(runs, tmp_path):
     meta = d / "step_2" / ".metadata"
     meta.write_bytes(__import__("pickle").dumps(Evil()))
     manifest = json.loads((d / "step_2" / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {"bytes": meta.stat().st_size, "sha256": checkpoint_files.sha256(meta)}
+    manifest["files"][".metadata"] = {"bytes": meta.stat().st_size, "sha256": files.sha256(meta)}
     (d / "step_2" / "manifest.json").write_text(json.dumps(manifest))
     cfg = _cfg("dualpipe", 4)
     cfg["train"]["steps"] = 5
     with pytest.raises(ValueError, match=r"\.metadata cannot be read \(UnpicklingError: .*system is not allowed"):
-        checkpoint.resume_meta(d, parse_config(cfg))
+        dcp.resume_meta(d, parse_config(cfg))
     assert not marker.exists()
 
 
 def test_old_format_is_refused_with_the_converter_command(runs):
     with pytest.raises(ValueError) as exc:
-        checkpoint.resume_meta(runs["old"], parse_config(_cfg("dualpipe", 4)))
+        dcp.resume_meta(runs["old"], parse_config(_cfg("dualpipe", 4)))
     msg = str(exc.value)
     assert "old-format" in msg and f"mhcpipe checkpoint convert {runs['old']} NEW_DIR --config" in msg
 
@@ -334,16 +334,16 @@ def test_converter_refuses_another_model(runs, tmp_path):
     cfg = _cfg("dualpipe", 4)
     cfg["model"]["hidden"] = 48
     with pytest.raises(ValueError, match=r"has shape .* the model of --config .*pass the config the old run used"):
-        checkpoint.convert(runs["old"], tmp_path / "new", parse_config(cfg))
+        dcp.convert(runs["old"], tmp_path / "new", parse_config(cfg))
     cfg = _cfg("1f1b", 2)
     cfg["model"]["num_blocks"] = 6
     with pytest.raises(ValueError, match=r"has blocks\.6\..*which the model does not"):
-        checkpoint.convert(runs["old"], tmp_path / "new", parse_config(cfg))
+        dcp.convert(runs["old"], tmp_path / "new", parse_config(cfg))
     assert not (tmp_path / "new").exists()
 
 
 def test_checkpoint_convert_refuses_bad_input_in_one_line(runs, tmp_path):
-    """`mhcpipe checkpoint convert` (the app layer's command over pipeline.checkpoint.convert): a folder that is not
+    """`mhcpipe checkpoint convert` (the app layer's command over pipeline.checkpoint.dcp.convert): a folder that is not
     an old checkpoint, a config that is not there, and another model are each one line naming what is wrong."""
     cfg_path = tmp_path / "other.yaml"
     other = _cfg("dualpipe", 4)

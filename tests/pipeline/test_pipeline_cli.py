@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from _pipeline_helpers import check_ok, mhcpipe_refusal, tiny_config
-from pipeline.local import variants_worker
+from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,7 @@ def _staged_worker(rank, world, cfgs):
     import torch
 
     from configs import parse_config
-    from pipeline.train import RankRuntime
+    from pipeline.runtime.train import RankRuntime
 
     cfg = parse_config(cfgs[0])
     rt = RankRuntime(cfg, rank, torch.device("cpu"), staged=True)
@@ -175,8 +175,10 @@ def test_expert_and_data_parallel_layout_prints_the_single_process_losses():
 
 @pytest.mark.timeout(120)
 def test_bad_layout_under_torchrun_stops_every_rank_before_it_computes():
+    from pipeline.launch.local import free_port
+
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-                          str(__import__("pipeline.local", fromlist=["free_port"]).free_port()), "-m", "pipeline",
+                          str(free_port()), "-m", "pipeline",
                           "--config", "tiny-moe", "--pp", "3"], cwd=ROOT, capture_output=True, text=True, timeout=110,
                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0

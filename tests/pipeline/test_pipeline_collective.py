@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from _pipeline_helpers import check_ok, rel_err, tiny_config
-from pipeline import collective as coll
-from pipeline.comm import Comms, Handle
-from pipeline.errors import PipelineError
+from pipeline.distributed import collective as coll
+from pipeline.distributed.comm import Comms, Handle
+from pipeline.distributed.errors import PipelineError
 from configs import parse_config
 from rank_pool import launch
-from pipeline.recorder import Recorder
+from pipeline.observability.recorder import Recorder
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_gpu_host_waits_are_bounded():
 def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, monkeypatch):
     """NCCL returns one work for a whole batch_isend_irecv; every op of the batch must get it (a handle without
     a work would fail at its wait)."""
-    from pipeline.p2p import Transport
+    from pipeline.distributed.p2p import Transport
 
     work = _NcclLikeWork(finish_after_s=0.0)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [work])
@@ -158,7 +158,7 @@ def test_p2p_errors_name_the_global_rank_not_the_pipeline_rank(one_rank_gloo, mo
     pipeline rank 1). A failed post must name the rank the user sees in torchrun's output (CI once printed
     "rank 1: posting SEND_F..." from rank 3), and the peer it lost. (One rank, no groups: the peer's pipeline rank
     is its global rank here.)"""
-    from pipeline.p2p import Transport
+    from pipeline.distributed.p2p import Transport
 
     def closed(ops):
         raise RuntimeError("Connection closed by peer [10.0.0.1]:1234")
@@ -176,7 +176,7 @@ def test_p2p_wait_errors_name_the_peers_global_rank(monkeypatch):
     """The peer of a P2P op is a pipeline rank; with data parallelism its global rank differs (pp=2 x dp=2:
     pipelines (0, 2) and (1, 3), so global rank 2 is pipeline rank 1 of rank 0's pipeline). A receive that fails
     while waited must name the global rank (CI once printed "rank 0: RECV_F/s2/mb0 from rank 1" for rank 2)."""
-    from pipeline.p2p import Transport
+    from pipeline.distributed.p2p import Transport
 
     class DeadPeerWork:
         def is_completed(self):
@@ -242,13 +242,13 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
     from contextlib import ExitStack
     from unittest import mock
 
-    import pipeline.collective
-    import pipeline.comm
-    import pipeline.executor
-    import pipeline.expert
-    import pipeline.grad_reduce
-    import pipeline.train
-    from pipeline.train import RankRuntime, make_groups
+    import pipeline.distributed.collective
+    import pipeline.distributed.comm
+    import pipeline.runtime.executor
+    import pipeline.distributed.expert
+    import pipeline.distributed.grad_reduce
+    import pipeline.runtime.train
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     cfg = parse_config(cfg_dict)
     device = torch.device("cpu")
@@ -256,22 +256,24 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
     seen = []
     with ExitStack() as patches:
         if mimic:
-            real_check = pipeline.collective.check_devices
+            real_check = pipeline.distributed.collective.check_devices
 
             def check(args, group, what, r):
                 seen.append(what)
-                for t in pipeline.collective._tensors(args):
+                for t in pipeline.distributed.collective._tensors(args):
                     if getattr(t, "_made_on_host", False):
                         raise PipelineError(f"rank {r}: {what}: a host tensor on an NCCL process group")
                 return real_check(args, group, what, r)
 
-            real = pipeline.train.Comms
+            real = pipeline.runtime.train.Comms
             for target, name, value in [
-                    (pipeline.collective, "group_backends", lambda group=None: {"cpu": "nccl"}),
-                    (pipeline.collective, "check_devices", check), (pipeline.comm, "check_devices", check),
-                    (pipeline.train, "Comms", lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True}))] + [
+                    (pipeline.distributed.collective, "group_backends", lambda group=None: {"cpu": "nccl"}),
+                    (pipeline.distributed.collective, "check_devices", check),
+                    (pipeline.distributed.comm, "check_devices", check),
+                    (pipeline.runtime.train, "Comms", lambda *a, **kw: real(*a, **{**kw, "stream_ordered": True}))] + [
                     (mod, "torch", _HostMarkingTorch())
-                    for mod in (pipeline.train, pipeline.executor, pipeline.grad_reduce, pipeline.expert)]:
+                    for mod in (pipeline.runtime.train, pipeline.runtime.executor, pipeline.distributed.grad_reduce,
+                                pipeline.distributed.expert)]:
                 patches.enter_context(mock.patch.object(target, name, value))
         rt = RankRuntime(cfg, rank, device, groups=groups, record=True)
         rt.align_clocks()

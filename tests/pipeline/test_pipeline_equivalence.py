@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
-from pipeline.local import variants_worker
+from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
 TOL = 1e-9

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from _pipeline_helpers import tiny_config
-from pipeline.local import variants_worker
+from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
 TIMEOUT_S = 4.0

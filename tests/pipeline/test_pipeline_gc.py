@@ -1,11 +1,11 @@
-"""Manual garbage collection in the training loop (pipeline.train.manual_gc, train.gc_interval)."""
+"""Manual garbage collection in the training loop (pipeline.runtime.train.manual_gc, train.gc_interval)."""
 import gc
 import weakref
 
 import pytest
 
 from configs import load_config
-from pipeline.train import manual_gc
+from pipeline.runtime.train import manual_gc
 
 
 class _Node:

@@ -20,7 +20,7 @@ from _pipeline_helpers import tiny_config
 
 def _runtime(schedule="1f1b", n=4, variant=None, rank=0, ranks=2):
     from configs import parse_config
-    from pipeline.train import RankRuntime
+    from pipeline.runtime.train import RankRuntime
 
     cfg = tiny_config(schedule, ranks, n=n, steps=1)
     if variant is not None:
@@ -33,7 +33,7 @@ def test_single_pass_packs_after_the_hp_stream_is_waited_for(monkeypatch):
     """mhc-sp: the stage output is torch.cat(x, a); x comes from the MLP's post+res, which on CUDA runs on the hp
     stream. The pack must come after `sync_hp` (else it reads x while the hp stream may still write it)."""
     from kernels import single_pass
-    from pipeline.stage import ChunkRun
+    from pipeline.runtime.stage import ChunkRun
 
     cfg, rt = _runtime(variant="mhc-sp")
     env = rt.env
@@ -69,8 +69,8 @@ def test_a_sent_output_is_freed_once_its_send_is_done(monkeypatch):
     output tensor must be gone (weakref dead) by the time its chunk's backward starts, and the backward must
     still produce the same gradients (the equivalence tests compare them with the single-process model)."""
     from pipeline.data import make_batch
-    from pipeline.loopback import LoopbackTransport
-    from pipeline.stage import ChunkRun, Stage
+    from pipeline.distributed.loopback import LoopbackTransport
+    from pipeline.runtime.stage import ChunkRun, Stage
 
     cfg, rt = _runtime(rank=0)
     shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden)
@@ -104,8 +104,8 @@ def test_a_sent_output_is_freed_once_its_send_is_done(monkeypatch):
 def test_fixed_turns_can_start_with_the_backward_half():
     """CUDA turns follow the program (no handover while an op is in flight): a pair whose forward input is late
     starts with its backward half, which computes until its first switch point before the forward begins."""
-    from pipeline.overlap import PairRunner
-    from pipeline.recorder import Recorder
+    from pipeline.runtime.overlap import PairRunner
+    from pipeline.observability.recorder import Recorder
 
     runner = PairRunner(Recorder(0, torch.device("cpu"), enabled=False), torch.device("cpu"), comms=None)
     runner.dynamic = False  # as on CUDA
@@ -131,7 +131,7 @@ def test_fixed_turns_can_start_with_the_backward_half():
 def test_pair_spans_are_process_wide_nvtx_ranges(monkeypatch):
     """nsys draws push/pop ranges per thread; the backward half's spans may begin on one thread and end on
     another (autograd's device thread on CUDA), so they are start/end ranges, closed on any thread."""
-    import pipeline.recorder as recorder
+    import pipeline.observability.recorder as recorder
 
     calls = []
 
@@ -153,7 +153,7 @@ def test_pair_spans_are_process_wide_nvtx_ranges(monkeypatch):
             pass
 
     monkeypatch.setattr(recorder, "_nvtx", FakeNvtx())
-    from pipeline.overlap import PairRunner
+    from pipeline.runtime.overlap import PairRunner
 
     rec = recorder.Recorder(0, torch.device("cpu"))
     runner = PairRunner(rec, torch.device("cpu"), comms=None)
@@ -173,8 +173,8 @@ def test_pair_spans_are_process_wide_nvtx_ranges(monkeypatch):
 
 def test_the_count_read_without_cuda_reads_after_the_wait():
     """Comms.host_read on the host path reads the tensors as they are once the op completed."""
-    from pipeline.comm import Comms, Handle
-    from pipeline.recorder import Recorder
+    from pipeline.distributed.comm import Comms, Handle
+    from pipeline.observability.recorder import Recorder
 
     comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=1.0)
     a, b = torch.tensor([1, 2]), torch.tensor([0, 0])

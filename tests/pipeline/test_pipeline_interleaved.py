@@ -1,11 +1,11 @@
-"""Interleaved A/B runs (pipeline.local.interleaved_worker): the variants take turns step by step in the order
+"""Interleaved A/B runs (pipeline.launch.local.interleaved_worker): the variants take turns step by step in the order
 A B B A A B, and taking turns changes nothing about what each variant computes."""
 from __future__ import annotations
 
 import pytest
 
 from _pipeline_helpers import check_ok, tiny_config
-from pipeline.local import interleaved_worker, variants_worker
+from pipeline.launch.local import interleaved_worker, variants_worker
 from rank_pool import launch
 from traces.trace import Trace
 

@@ -8,7 +8,7 @@ import torch
 
 from _pipeline_helpers import check_ok, tiny_config
 from configs import parse_config
-from pipeline.layout import Layout
+from pipeline.distributed.layout import Layout
 from rank_pool import launch
 
 
@@ -47,7 +47,7 @@ def test_world_must_be_pp_times_dp():
 def _groups_worker(rank, world, cfg_dict):
     import torch.distributed as dist
 
-    from pipeline.train import make_groups
+    from pipeline.runtime.train import make_groups
 
     g = make_groups(parse_config(cfg_dict), rank, world, torch.device("cpu"))
     ranks = lambda grp: None if grp is None else dist.get_process_group_ranks(grp)  # noqa: E731

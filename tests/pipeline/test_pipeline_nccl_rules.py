@@ -1,4 +1,4 @@
-"""The runtime's communication under NCCL's rules (pipeline.strict_transport, docs/communication.md).
+"""The runtime's communication under NCCL's rules (pipeline.distributed.strict_transport, docs/communication.md).
 
 * The old design (one process group for all of a pipeline's P2P: parallel.p2p_groups 'shared') deadlocks under
   NCCL's rules in every schedule: the strict transport turns that into one line per rank that names every rank's
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
-from pipeline.local import variants_worker
+from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def _step_worker(rank, world, cfg_dict, trace_dir=None):
     import torch
 
     from configs import parse_config
-    from pipeline.train import RankRuntime, make_groups
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     cfg = parse_config(cfg_dict)
     groups = make_groups(cfg, rank, world, torch.device("cpu"))
@@ -120,11 +120,11 @@ def test_plain_gloo_runs_every_schedule_with_the_single_process_results(layout):
 def _strict_transport(rank, world, p2p_groups="channel", timeout_s=10.0):
     import torch
 
-    from pipeline.comm import Comms
-    from pipeline.layout import Layout, build_groups
-    from pipeline.p2p import Transport
-    from pipeline.recorder import Recorder
-    from pipeline.strict_transport import StrictTransport
+    from pipeline.distributed.comm import Comms
+    from pipeline.distributed.layout import Layout, build_groups
+    from pipeline.distributed.p2p import Transport
+    from pipeline.observability.recorder import Recorder
+    from pipeline.distributed.strict_transport import StrictTransport
 
     groups = build_groups(Layout(2, 1, 1, "1f1b"), rank, "cpu", p2p_groups)
     comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=timeout_s)
@@ -194,9 +194,9 @@ def _collective_worker(rank, world, swapped):
     import torch
     import torch.distributed as dist
 
-    from pipeline.comm import Comms
-    from pipeline.recorder import Recorder
-    from pipeline.strict_transport import StrictTransport
+    from pipeline.distributed.comm import Comms
+    from pipeline.observability.recorder import Recorder
+    from pipeline.distributed.strict_transport import StrictTransport
 
     comms = Comms(rank, Recorder(rank, torch.device("cpu")), timeout_s=10.0)
     comms.strict = StrictTransport(rank, world, 10.0)

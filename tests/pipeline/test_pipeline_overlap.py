@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from _pipeline_helpers import check_ok, tiny_config
-from pipeline.local import interleaved_worker
+from pipeline.launch.local import interleaved_worker
 from rank_pool import launch
 from traces.comm_overlap import comm_overlap, total
 from traces.trace import Trace
@@ -107,7 +107,7 @@ class _LateGradients:
     def __init__(self, rank, shape, gates: dict):
         import torch
 
-        from pipeline.loopback import LoopbackTransport
+        from pipeline.distributed.loopback import LoopbackTransport
 
         self.inner = LoopbackTransport(rank, torch.device("cpu"), shape, torch.float32)
         self.gates = gates  # RECV_B name -> the event its pair's forward half sets
@@ -123,7 +123,7 @@ class _LateGradients:
         return h.done or self.gates[h.name].is_set()
 
     def wait(self, h, deadline_s=None):
-        from pipeline.errors import PipelineError
+        from pipeline.distributed.errors import PipelineError
 
         if not h.done and not self.gates[h.name].wait(5.0):
             raise PipelineError(f"{h.name} was waited for before its pair's forward half began")
@@ -137,7 +137,7 @@ def test_each_half_waits_only_for_its_own_receive():
 
     from configs import parse_config
     from pipeline.data import make_batch
-    from pipeline.train import RankRuntime
+    from pipeline.runtime.train import RankRuntime
 
     cfg = parse_config(tiny_config("dualpipev", 2, steps=1))
     rt = RankRuntime(cfg, 1, torch.device("cpu"), record=False)

@@ -1,6 +1,6 @@
 """mHC recompute: bitwise-equal gradients, the memory Table 3 predicts, blocks cut per stage by Eq. 20.
 
-Memory is measured twice: by the runtime's own counter (pipeline.saved_tensors.SavedTensors, a saved-tensor
+Memory is measured twice: by the runtime's own counter (pipeline.runtime.saved_tensors.SavedTensors, a saved-tensor
 hook) and from outside it, by `StorageTracker`: weak references to every storage an op allocates during the
 stage's forward and backward, so a tensor kept alive anywhere (a saved tensor, a recompute cache never
 released, a reference cycle) is seen whether or not the runtime's counter knows about it.
@@ -18,10 +18,10 @@ from torch.utils._pytree import tree_leaves
 from _pipeline_helpers import tiny_config
 from configs import eq20_block_size, parse_config
 from pipeline.partition import StageSpec
-from pipeline.recorder import Recorder
-from pipeline.saved_tensors import SavedTensors
-from pipeline.stage import ChunkRun, Stage, StageEnv
-from pipeline.train import RankRuntime
+from pipeline.observability.recorder import Recorder
+from pipeline.runtime.saved_tensors import SavedTensors
+from pipeline.runtime.stage import ChunkRun, Stage, StageEnv
+from pipeline.runtime.train import RankRuntime
 
 T, C, BLOCKS = 32, 32, 4  # tokens, hidden, blocks of the middle stage (8 sub-layers)
 

@@ -13,7 +13,7 @@ import yaml
 
 from _pipeline_helpers import mhcpipe_refusal, tiny_config
 from configs import parse_config
-from pipeline.run_args import residual_flag, with_residual_flag
+from pipeline.launch.run_args import with_residual_flag
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,11 +27,11 @@ def test_residual_flag_parses_xhc_and_single_pass():
     cfg = parse_config(tiny_config("1f1b", 2))
     x = with_residual_flag(cfg, "--residual", "xhc:16:4")
     assert (x.model.residual.variant, x.model.residual.n, x.model.residual.k) == ("xhc", 16, 4)
-    assert residual_flag(x) == "xhc:16:4"
+    assert x.model.residual.label == "xhc:16:4"
     assert with_residual_flag(cfg, "--residual", "xhc:8").model.residual.k == 4  # the default k
     sp = with_residual_flag(x, "--residual", "mhc-sp:4")  # leaving xhc drops its active-stream count
     assert (sp.model.residual.variant, sp.model.residual.active) == ("mhc-sp", None)
-    assert residual_flag(sp) == "mhc-sp:4"
+    assert sp.model.residual.label == "mhc-sp:4"
 
 
 @pytest.mark.parametrize("value,needle", [

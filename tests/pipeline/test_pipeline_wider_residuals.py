@@ -17,7 +17,7 @@ import pytest
 
 from _pipeline_helpers import assert_grads_match, check_ok, merged_grads, single_process_reference, tiny_config
 from configs import parse_config
-from pipeline.local import variants_worker
+from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
 TOL = 1e-9
@@ -67,14 +67,14 @@ def test_wider_residual_matches_single_process(kind, name):
     ({"variant": "mhc-sp", "n": 4}, "float32"), ({"variant": "mhc-sp", "n": 4}, "bfloat16"),
     ({"variant": "xhc", "n": 16, "active": 4}, "bfloat16"), ({"variant": "mhc", "n": 4}, "float32")])
 def test_boundary_message_is_what_the_cost_model_prices(residual, dtype):
-    """The runtime's P2P buffer per micro-batch (pipeline.train.boundary_width) has exactly the bytes the cost
+    """The runtime's P2P buffer per micro-batch (pipeline.runtime.train.boundary_width) has exactly the bytes the cost
     model sends: T x width x C x d plus mhc-sp's carried coefficient (ResidualSpec.carry_bytes per token)."""
     import torch
 
     from costmodel import comm
     from costmodel.predict import residual_spec_of
     from pipeline.model import activation_dtype
-    from pipeline.train import boundary_width
+    from pipeline.runtime.train import boundary_width
 
     cfg_dict = tiny_config("1f1b", 4, dtype=dtype)
     cfg_dict["model"]["residual"] = residual

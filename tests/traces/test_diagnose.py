@@ -13,7 +13,7 @@ import mhcpipe.cli as cli
 from kernels import MHCConfig, MHCSublayer
 from kernels.diagnostics import View, amax_gain, composite, layer_stats, mhc_view
 from kernels.sinkhorn import sinkhorn
-from pipeline.diagnostics_log import DiagnosticsLog
+from pipeline.observability.diagnostics_log import DiagnosticsLog
 from traces.diagnose import SCHEMA, load, summary
 
 F64 = torch.float64

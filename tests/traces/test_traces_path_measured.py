@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 
 from _pipeline_helpers import check_ok, tiny_config  # noqa: E402
 from mhcpipe.cli import main  # noqa: E402
-from pipeline.local import interleaved_worker  # noqa: E402
+from pipeline.launch.local import interleaved_worker  # noqa: E402
 from rank_pool import launch  # noqa: E402
 from traces.chrome import validate_chrome  # noqa: E402
 from traces.compare import compare  # noqa: E402

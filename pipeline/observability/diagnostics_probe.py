@@ -1,8 +1,8 @@
-"""What a rank hands the stream-collapse diagnostics (pipeline.diagnostics_log) while a logged step runs.
+"""What a rank hands the stream-collapse diagnostics (pipeline.observability.diagnostics_log) while a logged step runs.
 
 Shape letters: T tokens of a micro-batch, N streams, C hidden.
 
-`StepProbe` sits on `StageEnv.diagnostics` for one logged step. `pipeline.stage.Stage` calls `sublayer` with the
+`StepProbe` sits on `StageEnv.diagnostics` for one logged step. `pipeline.runtime.stage.Stage` calls `sublayer` with the
 state entering each sub-layer and the coefficients the sub-layer just computed, and `stage_end` with the state
 leaving the stage; the probe keeps the first micro-batch each local stage runs in that step (the collector's
 rule) and turns the coefficients into the variant's view (read [T, N], write [T, N], res [T, N, N]):

@@ -18,7 +18,7 @@ all-to-all
 (`A2A_COMBINE/.../L13.dgrad`) and that of the dispatch a combine-direction one (`A2A_DISPATCH/.../L13.dgrad`).
 
 Every exchange is posted asynchronously and waited right before its result is used. Between the two, when an
-F&B pair is running (`pipeline.overlap.PairRunner`), the other half of the pair computes: that is DualPipe's
+F&B pair is running (`pipeline.runtime.overlap.PairRunner`), the other half of the pair computes: that is DualPipe's
 overlap of one micro-batch's all-to-all with the other's compute. Forward and backward exchanges go to two
 process groups over the same EP ranks: within each, every rank issues its exchanges in program order (the same
 schedule), as collectives require, while the two halves of a pair may interleave differently on each rank.
@@ -31,7 +31,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .comm import Comms
+from pipeline.distributed.comm import Comms
 
 
 class ExpertComm:
@@ -47,7 +47,7 @@ class ExpertComm:
         self.size = size  # EP ranks
         self.rank = rank  # this rank's index in the EP group
         self.comms = comms
-        self.pair = pair  # pipeline.overlap.PairRunner, or None (serial)
+        self.pair = pair  # pipeline.runtime.overlap.PairRunner, or None (serial)
         self._tls = threading.local()
         members = dist.get_process_group_ranks(groups["F"])
         self.peers = f"EP group (ranks {', '.join(map(str, members))})"

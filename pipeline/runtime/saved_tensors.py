@@ -1,6 +1,6 @@
 """Activation memory: bytes of tensors saved for backward, live and peak, per rank.
 
-Every forward segment (pipeline.stage) runs under `SavedTensors.hooks(block)`, one
+Every forward segment (pipeline.runtime.stage) runs under `SavedTensors.hooks(block)`, one
 `torch.autograd.graph.saved_tensors_hooks` pair that (1) asks the active recompute block (if any) whether the
 tensor is droppable and then stores only a token, and (2) otherwise, when counting, wraps the tensor in a holder
 that counts its storage once (views of one storage share one count) until autograd frees it. Parameters (and
@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from .recompute import RecomputeBlock
+from pipeline.runtime.recompute import RecomputeBlock
 
 
 class _Held:

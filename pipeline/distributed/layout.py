@@ -17,7 +17,7 @@ Process groups, all created from DeviceMesh objects (collectively, on every rank
   (docs/communication.md says why that cannot deadlock under NCCL's rules);
 * `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas; a
   second EP group over the same ranks (its own process group, wrapped in a mesh) carries the backward's
-  all-to-alls (pipeline.expert);
+  all-to-alls (pipeline.distributed.expert);
 * gradient groups, the ranks that sum one stage's gradients: dense parameters over dp, expert parameters over
   edp. DualPipe holds every model chunk on two pipeline ranks (r and P-1-r), so its groups also span the
   mirrored rank: DeepSeek's reduction of the duplicated copies and data parallelism are one all-reduce
@@ -209,7 +209,7 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
         raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
     if layout.ep > 1:
         em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
-        # The backward's exchanges need process groups of their own over the same ranks (pipeline.expert). A
+        # The backward's exchanges need process groups of their own over the same ranks (pipeline.distributed.expert). A
         # second DeviceMesh of the same ranks would hand back the very same groups (DeviceMesh reuses a group per
         # rank set), so they are created as new subgroups and wrapped in a mesh of their own.
         blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()

@@ -6,13 +6,15 @@ at a common instant (`align`), so per-rank files merge into one timeline: ranks 
 monotonic clock and share the earliest rank's zero (exact); across hosts the barrier's exit is the common instant
 (off by the barrier's exit jitter, milliseconds on a loaded host).
 
-CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completion (pipeline.comm) and a `WAIT`
+CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completion (pipeline.distributed.comm) and a
+`WAIT`
 span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
 high-priority stream for `~hp` ranges), resolved in `flush_step` once they completed (polled with a deadline);
 comm spans start with an event on the communication stream and end with one on a stream ordered behind the
-transfer (pipeline.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of an overlapped
+transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of an
+overlapped
 F&B pair, one at
-a time (pipeline.overlap). The `nvtx` package is optional: without it (or without a profiler attached, where its
+a time (pipeline.runtime.overlap). The `nvtx` package is optional: without it (or without a profiler attached, where its
 calls cost little) only spans are kept. NVTX domain `mhc_pipe`, category = op kind.
 """
 from __future__ import annotations
@@ -139,7 +141,7 @@ class Recorder:
         `timeout_s`). A stream-ordered `WAIT` whose stream did not stall (under a microsecond) is dropped."""
         if not self._open:
             return
-        from .collective import wait_events
+        from pipeline.distributed.collective import wait_events
 
         wait_events([ev for *_, ev0, ev1 in self._open for ev in (ev0, ev1)], timeout_s,
                     "resolving the step's CUDA events", self.rank)

@@ -4,7 +4,7 @@ Shape letters: T tokens per micro-batch, n streams, C hidden, M micro-batches, P
 
 `RankRuntime` owns everything one rank needs (plan, stages, optimizer, transport, recorder, saved-tensor
 accounting, F&B pair runner, expert-parallel exchanges, gradient reducer, executor); the process groups
-(pipeline.layout, from a DeviceMesh), rank and device are passed in, never read from globals. One step: zero
+(pipeline.distributed.layout, from a DeviceMesh), rank and device are passed in, never read from globals. One step: zero
 grads, run the rank's actions (each stage's gradients are all-reduced over its data-parallel and DualPipe
 mirrored copies as soon as its last backward work is done), wait for those reductions, all-reduce the loss,
 AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks), tokens/s and peak memory
@@ -27,24 +27,23 @@ import torch.distributed as dist
 from configs import recompute_block_size
 from kernels import single_pass
 
-from .comm import Comms
-from .data import Batch, load_tokens, make_batch
-from .executor import Executor
-from .expert import ExpertComm
-from .grad_reduce import GradReducer
-from .layout import Layout, ParallelGroups, build_groups
-from .saved_tensors import SavedTensors
-from .model import activation_dtype, make_optimizer, param_dtype
-from .overlap import PairRunner
-from .collective import collective, group_device, synchronize
-from .diagnostics_log import DiagnosticsLog
-from .diagnostics_probe import StepProbe, first_microbatches
-from .p2p import Transport
-from .partition import plan_rank
-from .recorder import Recorder, merge_rank_traces, rank_trace_path
-from .run_args import residual_flag as residual_label  # 'mhc:4', 'xhc:16:4': how --residual names a residual
-from .stage import Stage, StageEnv
-from .weight_grad import WeightGradStore
+from pipeline.distributed.comm import Comms
+from pipeline.data import Batch, load_tokens, make_batch
+from pipeline.runtime.executor import Executor
+from pipeline.distributed.expert import ExpertComm
+from pipeline.distributed.grad_reduce import GradReducer
+from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
+from pipeline.runtime.saved_tensors import SavedTensors
+from pipeline.model import activation_dtype, make_optimizer, param_dtype
+from pipeline.runtime.overlap import PairRunner
+from pipeline.distributed.collective import collective, group_device, synchronize
+from pipeline.observability.diagnostics_log import DiagnosticsLog
+from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
+from pipeline.distributed.p2p import Transport
+from pipeline.partition import plan_rank
+from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
+from pipeline.runtime.stage import Stage, StageEnv
+from pipeline.weight_grad import WeightGradStore
 
 
 @dataclass
@@ -74,7 +73,8 @@ def pick_device(cfg, local_rank: int) -> torch.device:
 
 
 class RankRuntime:
-    """One rank of a run. `groups`: its place in the layout and its process groups (pipeline.layout.build_groups);
+    """One rank of a run. `groups`: its place in the layout and its process groups
+    (pipeline.distributed.layout.build_groups);
     None = no process group at all (a stage benchmark with a loopback transport). F&B pairs run overlapped unless
     `parallel.overlap` is false. `record`: keep a trace of spans; `count_activations` (default: as `record`):
     count saved activation bytes per step (instrumentation with a per-tensor cost; peak_act is 0 without it)."""
@@ -145,7 +145,8 @@ class RankRuntime:
 
     # -- per step ------------------------------------------------------------------------------------------
     def step(self, step: int, diagnostics=None) -> StepStats:
-        """One optimizer step; `diagnostics` (pipeline.diagnostics_log.DiagnosticsLog) logs it if it wants."""
+        """One optimizer step; `diagnostics` (pipeline.observability.diagnostics_log.DiagnosticsLog) logs it if it
+        wants."""
         cfg = self.cfg
         batch = make_batch(cfg, step, self.tokens)
         if self.device.type == "cuda":  # ids and labels go to the device without a host sync per micro-batch
@@ -283,7 +284,7 @@ def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: 
     if device.type == "cuda" and not staged:
         raise ValueError(f"train.comm_rules {rules!r} (--transport strict) runs gloo P2P under NCCL's rules; this "
                          "run is on NCCL already: use --transport auto, or --device cpu")
-    from .strict_transport import StrictTransport
+    from pipeline.distributed.strict_transport import StrictTransport
 
     return StrictTransport(groups.rank, dist.get_world_size(groups.world_group), cfg.train.timeout_s,
                            view="pair" if rules == "nccl-pair" else "group")
@@ -297,7 +298,7 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
     if cfg.train.cpu_bind and device.type == "cpu":
         import os
 
-        from .cpu_binding import bind_cpus
+        from pipeline.runtime.cpu_binding import bind_cpus
 
         bind_cpus(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if staged and (layout.dp > 1 or layout.ep > 1):
@@ -315,7 +316,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
           diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
           staged: bool = False, log=print, on_action=None) -> list[StepStats]:
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
-    from . import checkpoint
+    from pipeline.checkpoint import dcp  # torch.distributed.checkpoint's import: only for runs that use it
 
     groups = make_groups(cfg, rank, world, device, staged)
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
@@ -323,7 +324,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
-        rt.start_step = checkpoint.load(Path(checkpoint_dir), rt)
+        rt.start_step = dcp.load(Path(checkpoint_dir), rt)
     history = []
     steps = cfg.train.steps
     diagnostics_dir = diagnostics_dir or trace_dir
@@ -336,7 +337,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
             if rank == 0:
                 log(stats.line(steps))
             if checkpoint_dir is not None:
-                checkpoint.save(Path(checkpoint_dir), rt, k)
+                dcp.save(Path(checkpoint_dir), rt, k)
             collect(k)
     if trace_dir is not None:
         path = rt.save_trace(trace_dir, world)
@@ -396,7 +397,7 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
                 stats = runtimes[i].step(k, diags[i])
                 history[i].append(stats)
                 if rank == 0:
-                    log(f"[{residual_label(cfgs[i])}] {stats.line(steps)}")
+                    log(f"[{cfgs[i].model.residual.label}] {stats.line(steps)}")
             collect(k)
     if trace_dirs is not None:
         for rt, trace_dir in zip(runtimes, trace_dirs):
@@ -415,5 +416,5 @@ def stats_dicts(history: list[StepStats]) -> list[dict]:
     return [asdict(s) for s in history]
 
 
-__all__ = ["RankRuntime", "StepStats", "make_groups", "pick_device", "residual_label", "train",
+__all__ = ["RankRuntime", "StepStats", "make_groups", "pick_device", "train",
            "train_interleaved", "stats_dicts"]

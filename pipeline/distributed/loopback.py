@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .p2p import Pending
+from pipeline.distributed.p2p import Pending
 
 
 class LoopbackTransport:

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collective import check_devices, wait_work
-from .errors import PipelineError, describe, poll
+from pipeline.distributed.collective import check_devices, wait_work
+from pipeline.distributed.errors import PipelineError, describe, poll
 
 __all__ = ["Comms", "Handle", "P2PWaiter", "wait_work"]
 
@@ -112,7 +112,7 @@ class Comms:
         self._next_done = 0
         self._batches: dict[str | None, int] = {}  # group name -> batches posted on it
         self._batch_lock = threading.Lock()
-        self.strict = None  # pipeline.strict_transport.StrictTransport: notes collectives, reports hangs
+        self.strict = None  # pipeline.distributed.strict_transport.StrictTransport: notes collectives, reports hangs
         if stream_ordered and device is not None and device.type == "cuda":
             self.stream = torch.cuda.Stream(device)
             # several, so that a receive still in flight delays no other op's end event (it would only skew that

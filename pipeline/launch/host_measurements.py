@@ -4,7 +4,8 @@ out, so the cost model never imports the runtime; the app layer (mhcpipe.demo, b
 Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
 time_stage_pieces(cfg, variants) times, in this process with one thread (like a rank):
-* one middle pipeline stage holding one Transformer block, through pipeline.stage.Stage exactly as a rank runs it
+* one middle pipeline stage holding one Transformer block, through pipeline.runtime.stage.Stage exactly as a rank runs
+it
   (forward generator, split backward I with the WeightGradStore, its W, and the full backward B), once with the
   plain residual and once per residual variant. The variant's extra cost per sub-layer is the difference over
   the block's two sub-layers. Timing the whole stage rather than the residual wrapper alone keeps what the
@@ -36,13 +37,13 @@ from configs import parse_config
 from kernels import contract, expand, single_pass
 from traces.trace import Trace
 
-from .local import interleaved_worker, launch
-from .model import activation_dtype, build_block, wrap_sublayer
-from .partition import StageSpec
-from .recorder import Recorder
-from .saved_tensors import SavedTensors
-from .stage import ChunkRun, Stage, StageEnv
-from .weight_grad import WeightGradStore
+from pipeline.launch.local import interleaved_worker, launch
+from pipeline.model import activation_dtype, build_block, wrap_sublayer
+from pipeline.partition import StageSpec
+from pipeline.observability.recorder import Recorder
+from pipeline.runtime.saved_tensors import SavedTensors
+from pipeline.runtime.stage import ChunkRun, Stage, StageEnv
+from pipeline.weight_grad import WeightGradStore
 
 EVICT_BYTES = 8 << 20  # more than one core's L2 on current server CPUs (1-2 MiB)
 # pieces timed outside a middle stage, each the variant's extra over the plain residual's
@@ -136,7 +137,7 @@ def _ends_round(cfg, R: _Rounds, tag: str, evict):
     end = contract if a is None else (lambda t: single_pass.contract(t, a))
 
     def one_round():
-        with torch.no_grad():  # what pipeline.stage's recompute step runs from stored coefficients and F output
+        with torch.no_grad():  # what pipeline.runtime.stage's recompute step runs from stored coefficients and F output
             c = None if plain else mod.coefficients(x, routing) if routing is not None else mod.coefficients(x)
             y = x[:, 0] if plain else mod.apply_pre(x, c if a is None else a)
             evict()
@@ -221,7 +222,7 @@ def block_round(cfg_dict: dict) -> Callable[[], None]:
 def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int | None = None,
                             timeout_s: float = 300.0):
     """Run several configs in one launch on their local gloo ranks, one step of each in turn
-    (pipeline.local.interleaved_worker): an A/B measurement in which every variant sees the same drift of a
+    (pipeline.launch.local.interleaved_worker): an A/B measurement in which every variant sees the same drift of a
     shared host's speed. Returns [(Trace, per-step step times in seconds)], one per config."""
     data = []
     for cfg in cfgs:

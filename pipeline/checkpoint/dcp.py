@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, atomic_write_text, checked_metadata, dcp_load,
-                               fix_hint, fsync_dir, latest_step_dir, read_all, read_latest_name, read_manifest,
-                               sha256, verify_files)
+from pipeline.checkpoint.files import (FORMAT, LATEST, MANIFEST, VERSION, atomic_write_text, checked_metadata, dcp_load,
+                                     fix_hint, fsync_dir, latest_step_dir, read_all, read_latest_name, read_manifest,
+                                     sha256, verify_files)
 
 __all__ = ["save", "load", "resume_meta", "read_all", "convert", "state_dict", "CRASH_ENV"]
 
@@ -128,7 +128,7 @@ def _crash_point(rank: int, step: int) -> str | None:
 def _barrier(rt, what: str) -> None:
     import torch.distributed as dist
 
-    from .collective import collective
+    from pipeline.distributed.collective import collective
 
     collective(dist.barrier, what=what, rank=rt.rank, timeout_s=rt.timeout_s, group=rt.groups.world_group)
 
@@ -137,7 +137,7 @@ def save(directory: Path, rt, step: int) -> None:
     """Save step `step` (collective: every rank of the world calls it after the step)."""
     import torch.distributed.checkpoint as dcp
 
-    from .errors import PipelineError, describe
+    from pipeline.distributed.errors import PipelineError, describe
 
     directory = Path(directory)
     tmp = directory / f"step_{step}.tmp"
@@ -262,7 +262,7 @@ def load(directory: Path, rt) -> int:
 # -- converting old checkpoints ---------------------------------------------------------------------------------
 def model_shapes(cfg) -> dict[str, torch.Size]:
     """Every parameter of the single-process model and its shape (built on the meta device: no memory)."""
-    from .model import build_block, build_embedding, build_head, param_dtype
+    from pipeline.model import build_block, build_embedding, build_head, param_dtype
 
     mc, seed = cfg.model, cfg.train.seed
     with torch.device("meta"):

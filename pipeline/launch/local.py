@@ -49,7 +49,7 @@ def run_or_die(rank: int, world: int, worker, args, out: Path, init) -> None:
     persistent ranks (tests/rank_pool.py)."""
     import torch.distributed as dist
 
-    from .errors import PipelineError
+    from pipeline.distributed.errors import PipelineError
 
     try:
         init()
@@ -130,11 +130,11 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
     """Train each config for its train.steps steps in this process group; one result dict per variant (saved
     activation bytes counted only with `count_activations`)."""
     from configs import parse_config
-    from .train import RankRuntime, make_groups, manual_gc
+    from pipeline.runtime.train import RankRuntime, make_groups, manual_gc
 
     out = []
     cfgs = [parse_config(d) for d in cfg_dicts]
-    # one collection regime for all variants, as pipeline.train.train_interleaved runs several configs: a full
+    # one collection regime for all variants, as pipeline.runtime.train.train_interleaved runs several configs: a full
     # pass per variant would walk torch's and the runtime's imports again each time
     with manual_gc(cfgs[0].train.gc_interval if cfgs else 0) as collect:
         for cfg in cfgs:
@@ -155,10 +155,10 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
 
 
 def interleaved_worker(rank: int, world: int, cfg_dicts: list[dict], trace_dirs: list[str]) -> list[list[dict]]:
-    """pipeline.train.train_interleaved on CPU: the configs take turns step by step (A B B A ...), each variant's
-    trace in its own folder; returns each variant's per-step stats."""
+    """pipeline.runtime.train.train_interleaved on CPU: the configs take turns step by step (A B B A ...), each
+    variant's trace in its own folder; returns each variant's per-step stats."""
     from configs import parse_config
-    from .train import train_interleaved
+    from pipeline.runtime.train import train_interleaved
 
     history = train_interleaved([parse_config(d) for d in cfg_dicts], rank, world, torch.device("cpu"),
                                 trace_dirs=[Path(d) for d in trace_dirs], log=lambda *a: None)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import PipelineError, describe
+from pipeline.distributed.errors import PipelineError, describe
 
 READY_TAG, DATA_TAG = 1, 2  # gloo honours tags: the "receive is running" notes and the data never cross
 _NOTE_BYTES = 192

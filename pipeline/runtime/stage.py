@@ -10,7 +10,7 @@ that is what lets an overlapped F&B interleave the forward of one micro-batch wi
 rebuilds recompute blocks one at a time, and yields the stage's input-grad as the first segment's leaf grad.
 
 Forward and backward are generators that yield after every segment; the executor drives them (plain F/B/I:
-to the end; FB: each half on its own thread, handing the turn over at every segment boundary, pipeline.overlap).
+to the end; FB: each half on its own thread, handing the turn over at every segment boundary, pipeline.runtime.overlap).
 `labels` names the segments in forward order (`L0.embed`, `L4.block`, `L16.head`: the first sub-layer, then
 what it is), for the spans of an overlapped pair.
 
@@ -32,12 +32,12 @@ from torch.autograd.graph import get_gradient_edge
 
 from kernels import single_pass
 
-from .saved_tensors import SavedTensors
-from .model import build_block, build_embedding, build_head
-from .partition import StageSpec
-from .recompute import RecomputeBlock, split_blocks
-from .recorder import Recorder
-from .weight_grad import WeightGradStore
+from pipeline.runtime.saved_tensors import SavedTensors
+from pipeline.model import build_block, build_embedding, build_head
+from pipeline.partition import StageSpec
+from pipeline.runtime.recompute import RecomputeBlock, split_blocks
+from pipeline.observability.recorder import Recorder
+from pipeline.weight_grad import WeightGradStore
 
 
 @dataclass
@@ -226,7 +226,7 @@ class StageEnv:
         self.recorder = recorder
         self.total_tokens = total_tokens
         self.hp = hp_stream
-        self.diagnostics = None  # pipeline.diagnostics_log.StepProbe while a logged step runs
+        self.diagnostics = None  # pipeline.observability.diagnostics_log.StepProbe while a logged step runs
         self._tls = threading.local()  # per half of an F&B pair: its post+res still running on the hp stream
 
     def hp_post(self, post, x, y, coeffs, *, name: str, stage: int, mb: int) -> torch.Tensor:

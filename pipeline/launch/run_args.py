@@ -21,7 +21,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, help="parallel.data_parallel: data-parallel replicas of the pipeline")
     p.add_argument("--ep", type=int, help="parallel.expert_parallel: ranks of dp that split each stage's experts")
     p.add_argument("--cpu-bind", action="store_true",
-                   help="CPU runs: bind local rank i to core i mod cores (train.cpu_bind; pipeline/cpu_binding.py)")
+                   help="CPU runs: bind local rank i to core i mod cores (train.cpu_bind; "
+                        "pipeline/runtime/cpu_binding.py)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run F&B pairs as forward then backward (parallel.overlap false), for A/B measurements")
     p.add_argument("--steps", type=int, help="train.steps")
@@ -51,7 +52,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
     p.add_argument("--checkpoint-dir", type=Path,
                    help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
-                        "pipeline/checkpoint.py)")
+                        "pipeline/checkpoint/dcp.py)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--interleave", metavar="VARIANT:N",
                    help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "
@@ -86,7 +87,7 @@ def config_from_args(args: argparse.Namespace, world: int | None):
     """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
     ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
     from configs import load_config, load_config_data
-    from .layout import Layout
+    from pipeline.distributed.layout import Layout
 
     for flag in ("pp", "dp", "ep", "microbatches", "steps", "diagnostics_every"):
         _positive(flag, getattr(args, flag))
@@ -154,12 +155,6 @@ def diagnostics_dir(args: argparse.Namespace) -> Path | None:
     return getattr(args, "diagnostics_dir", None) or getattr(args, "trace_dir", None)
 
 
-def residual_flag(cfg) -> str:
-    """The --residual value that names cfg's residual: 'mhc:4', 'xhc:16:4'."""
-    res = cfg.model.residual
-    return f"{res.variant}:{res.n}" + (f":{res.k}" if res.variant == "xhc" else "")
-
-
 def interleaved_configs(cfg, args: argparse.Namespace) -> list:
     """[cfg] or, with --interleave, [cfg, the same with the other residual]; refuses what cannot be interleaved."""
     if not args.interleave:
@@ -180,11 +175,11 @@ def check_resume(cfg, args: argparse.Namespace) -> None:
         return
     if args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the folder a run wrote with --checkpoint-dir)")
-    from .checkpoint import resume_meta
+    from pipeline.checkpoint.dcp import resume_meta
 
     resume_meta(Path(args.checkpoint_dir), cfg)
 
 
 def variant_dir(trace_dir: Path, cfg) -> Path:
     """TRACE_DIR/<variant>_<n> (xHC: xhc_<N>_<k>): where an interleaved variant's trace goes."""
-    return Path(trace_dir) / residual_flag(cfg).replace(":", "_")
+    return Path(trace_dir) / cfg.model.residual.label.replace(":", "_")

@@ -15,13 +15,13 @@ Actions (schedules/ir.py), in list order:
   W: pop the oldest group and check it is the (stage, mb) the schedule names.
 * FB: the forward of one chunk and the full backward of another. With a `PairRunner` (default) they overlap:
   when their stages exchange tokens with expert-parallel all-to-alls, each half runs on its own thread,
-  interleaved at every segment boundary and every all-to-all (pipeline.overlap), the backward's deferred
+  interleaved at every segment boundary and every all-to-all (pipeline.runtime.overlap), the backward's deferred
   weight-grads filling either half's waits and the rest run when both halves are done; without such communication
   inside the halves there is nothing to interleave, and they run one after the other, the one whose input is
   here first. Either way each half waits only for its own receive and posts its send as soon as it exists.
   Without (`--no-overlap`): F, then B, every all-to-all waited right after its post and the pair's sends posted
   after it (the serial baseline for A/B).
-After each action the stages whose gradients it finished have them reduced (pipeline.grad_reduce). Sends are
+After each action the stages whose gradients it finished have them reduced (pipeline.distributed.grad_reduce). Sends are
 reaped as they complete and drained at the end, each with a deadline; the step ends with checks that nothing is
 left over (receives, hand-offs, W groups, live chunks).
 """
@@ -35,12 +35,12 @@ import torch
 from schedules import Kind, lower_comms
 from schedules.ir import COMM_KINDS
 
-from .data import Batch
-from .errors import PipelineError
-from .p2p import Pending
-from .partition import RankPlan, global_microbatch
-from .stage import ChunkRun, Stage, StageEnv
-from .weight_grad import WeightGradStore
+from pipeline.data import Batch
+from pipeline.distributed.errors import PipelineError
+from pipeline.distributed.p2p import Pending
+from pipeline.partition import RankPlan, global_microbatch
+from pipeline.runtime.stage import ChunkRun, Stage, StageEnv
+from pipeline.weight_grad import WeightGradStore
 
 
 class Executor:

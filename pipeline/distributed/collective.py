@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .errors import PipelineError, describe, poll
+from pipeline.distributed.errors import PipelineError, describe, poll
 
 # backend name -> device types it serves (NCCL: cuda only); tests may replace an entry to mimic another backend
 BACKEND_DEVICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in dist.Backend.backend_capability.items()}
@@ -67,7 +67,7 @@ def check_devices(args, group, what: str, rank: int) -> str | None:
             name = dist.get_backend(group)
             raise PipelineError(f"rank {rank}: {what}: a {t.device.type} tensor on a {name} process group, which "
                                 f"serves {'/'.join(sorted(served))} tensors only; create it with "
-                                "pipeline.collective.group_device(group, device)")
+                                "pipeline.distributed.collective.group_device(group, device)")
         backend = be
     return backend
 

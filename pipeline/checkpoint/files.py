@@ -1,6 +1,6 @@
 """A checkpoint folder on disk: the `latest` pointer, the manifest and its per-file sha256, and DCP reading with
 weights_only semantics. Every problem is a one-line ValueError naming the file and the fix (restore it, or point
-`latest` at an earlier complete checkpoint). The layout of a folder is described in pipeline.checkpoint.
+`latest` at an earlier complete checkpoint). The layout of a folder is described in pipeline.checkpoint.dcp.
 """
 from __future__ import annotations
 
