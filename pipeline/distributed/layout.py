@@ -29,10 +29,27 @@ Multi-node is torchrun's rendezvous: every node runs the same command with --nno
 """
 from __future__ import annotations
 
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 from dataclasses import dataclass, field
 
 import torch
 
+
+
+class MeshAxis(enum.StrEnum):
+    """The dimension names of the runtime's DeviceMeshes (the same strings torch sees)."""
+
+    PP = "pp"  # pipeline ranks
+    DP = "dp"  # data-parallel replicas
+    EDP = "edp"  # the replicas that hold the same experts (dp / ep)
+    EP = "ep"  # expert-parallel ranks inside a replica group
+    HOLDERS = "holders"  # the ranks whose copies of one parameter are reduced together
+    GRAD = "grad"  # the gradient-reduction group of those copies
 
 @dataclass(frozen=True)
 class Layout:
@@ -115,13 +132,13 @@ class ParallelGroups:
     pp_rank: int
     dp_rank: int
     ep_rank: int
-    pp_group: object = None  # None: the default group (a pure pipeline), or no process group at all
+    pp_group: dist.ProcessGroup | None = None  # None: the default group (a pure pipeline), or no process group at all
     ep_groups: dict | None = None  # "F" / "B": the EP ranks, one group for forward and one for backward exchanges
-    dense_grad_group: object = None
+    dense_grad_group: dist.ProcessGroup | None = None
     dense_grad_size: int = 1
-    expert_grad_group: object = None
+    expert_grad_group: dist.ProcessGroup | None = None
     expert_grad_size: int = 1
-    world_group: object = None
+    world_group: dist.ProcessGroup | None = None
     meshes: tuple = ()
     p2p_channels: dict | None = None  # (src pp rank, dst pp rank) -> its one-direction group, this rank's row
     names: dict = field(default_factory=dict)
@@ -197,8 +214,8 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
 
     pp_rank, dp_rank = layout.coords(rank)
     ep_rank = dp_rank % layout.ep
-    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
-    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, pp_group=mesh.get_group("pp"),
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=(MeshAxis.PP, MeshAxis.DP))
+    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, pp_group=mesh.get_group(MeshAxis.PP),
                        world_group=dist.group.WORLD, meshes=(mesh,))
     g.names[id(dist.group.WORLD)] = "world"
     g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
@@ -208,36 +225,37 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
     elif p2p_groups != "shared":
         raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
     if layout.ep > 1:
-        em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=("pp", "edp", "ep"))
+        em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=(MeshAxis.PP, MeshAxis.EDP, MeshAxis.EP))
         # The backward's exchanges need process groups of their own over the same ranks (pipeline.distributed.expert). A
         # second DeviceMesh of the same ranks would hand back the very same groups (DeviceMesh reuses a group per
         # rank set), so they are created as new subgroups and wrapped in a mesh of their own.
         blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()
         mine, _ = dist.new_subgroups_by_enumeration(blocks)
-        bm = DeviceMesh.from_group(mine, device_type, mesh_dim_names=("ep",))
+        bm = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(MeshAxis.EP,))
         g.meshes += (em, bm)
-        g.ep_groups = {"F": em.get_group("ep"), "B": bm.get_group("ep")}
+        g.ep_groups = {"F": em.get_group(MeshAxis.EP), "B": bm.get_group(MeshAxis.EP)}
         for side, group in g.ep_groups.items():
             g.names[id(group)] = f"ep-{side}:{_members(group)}"
         if g.ep_groups["F"] is g.ep_groups["B"]:
             raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
                                "collectives could pair up across the two halves of an F&B pair")
     if layout.mirrored:
-        dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=("holders", "grad"))
+        dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=(MeshAxis.HOLDERS, MeshAxis.GRAD))
         g.meshes += (dm,)
-        g.dense_grad_group, g.dense_grad_size = dm.get_group("grad"), 2 * layout.dp
+        g.dense_grad_group, g.dense_grad_size = dm.get_group(MeshAxis.GRAD), 2 * layout.dp
     elif layout.dp > 1:
-        g.dense_grad_group, g.dense_grad_size = mesh.get_group("dp"), layout.dp
+        g.dense_grad_group, g.dense_grad_size = mesh.get_group(MeshAxis.DP), layout.dp
     copies = 2 * layout.edp if layout.mirrored else layout.edp
     if copies > 1:
         if layout.ep == 1:
             g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
         elif layout.mirrored:
-            xm = DeviceMesh(device_type, layout.expert_grad_ranks(), mesh_dim_names=("holders", "ep", "grad"))
+            xm = DeviceMesh(device_type, layout.expert_grad_ranks(),
+                            mesh_dim_names=(MeshAxis.HOLDERS, MeshAxis.EP, MeshAxis.GRAD))
             g.meshes += (xm,)
-            g.expert_grad_group = xm.get_group("grad")
+            g.expert_grad_group = xm.get_group(MeshAxis.GRAD)
         else:
-            g.expert_grad_group = em.get_group("edp")
+            g.expert_grad_group = em.get_group(MeshAxis.EDP)
         g.expert_grad_size = copies
     for role, group in (("grad", g.dense_grad_group), ("grad-experts", g.expert_grad_group)):
         if group is not None and id(group) not in g.names:

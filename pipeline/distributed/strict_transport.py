@@ -100,7 +100,7 @@ class StrictWork:
 class _Batch:
     queue: str
     ops: list[_Op]
-    group: object
+    group: dist.ProcessGroup | None
     work: StrictWork
     state: str = "queued"
     since_wall: float = field(default_factory=time.time)
