@@ -108,7 +108,8 @@ def skip_reason(schedule: str, lay: dict, cfg_path: Path, n: int) -> str | None:
         return f"pp = N/2 = {lay['pp']} < 1"
     if schedule == "dualpipe" and lay["pp"] % 2:
         return f"dualpipe needs an even pp (pp={lay['pp']} at N={n})"
-    from pipeline.launch.run_args import add_run_arguments, config_from_args
+    from pipeline.__main__ import add_run_arguments
+    from pipeline.launch.run_args import config_from_args
 
     p = argparse.ArgumentParser()
     add_run_arguments(p)

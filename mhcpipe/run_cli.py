@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.launch.run_args import add_run_arguments, check_resume, config_from_args, interleaved_configs
+from pipeline.__main__ import add_run_arguments
+from pipeline.launch.run_args import check_resume, config_from_args, interleaved_configs
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -16,9 +16,57 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from pipeline.launch.run_args import (add_run_arguments, check_resume, config_from_args, diagnostics_dir,
-                                      interleaved_configs, variant_dir)
+from pipeline.launch.run_args import (check_resume, config_from_args, diagnostics_dir, interleaved_configs, variant_dir)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run's flags (this entry's and `mhcpipe run`'s; pipeline.launch.run_args turns them into the config)."""
+    p.add_argument("--config", default="tiny", help="YAML path or preset name in configs/ (default tiny)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"], help="parallel.schedule")
+    p.add_argument("--microbatches", type=int, help="parallel.microbatches: of the global batch (split over --dp)")
+    p.add_argument("--pp", type=int, help="parallel.ranks: pipeline ranks (default: processes / --dp)")
+    p.add_argument("--dp", type=int, help="parallel.data_parallel: data-parallel replicas of the pipeline")
+    p.add_argument("--ep", type=int, help="parallel.expert_parallel: ranks of dp that split each stage's experts")
+    p.add_argument("--cpu-bind", action="store_true",
+                   help="CPU runs: bind local rank i to core i mod cores (train.cpu_bind; "
+                        "pipeline/runtime/cpu_binding.py)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run F&B pairs as forward then backward (parallel.overlap false), for A/B measurements")
+    p.add_argument("--steps", type=int, help="train.steps")
+    p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4', 'mhc-sp:4', 'residual:1', or xHC's N:k "
+                                                "'xhc:16:4'")
+    p.add_argument("--expand", choices=["copy", "lss"],
+                   help="model.residual.expand: stack entry, copies or LSS per-stream learned scaling")
+    p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
+    p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
+    p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
+                   default=os.environ.get("MHCPIPE_TRANSPORT") or "auto",
+                   help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "
+                        "'host' = stage P2P through host memory (several ranks on one GPU); 'strict' = gloo P2P "
+                        "under NCCL's rules (a posting order that would hang on NCCL fails here with every rank's "
+                        "queue heads; train.comm_rules nccl), 'strict-pair' = the same with one queue per rank pair")
+    p.add_argument("--p2p-groups", choices=["channel", "shared"],
+                   help="parallel.p2p_groups: 'channel' (default) = one process group per direction of each "
+                        "pipeline link; 'shared' = one for all, the old design that deadlocks under NCCL (kept to "
+                        "reproduce it with --transport strict and mhcpipe check-comm)")
+    p.add_argument("--diagnostics-every", type=int, metavar="K",
+                   help="train.diagnostics_every: log stream-collapse diagnostics on step 0, every K-th step and the "
+                        "last, into --diagnostics-dir or --trace-dir (draw them with `mhcpipe diagnose`)")
+    p.add_argument("--diagnostics-dir", type=Path,
+                   help="where diagnostics_rank<r>.json go (default --trace-dir); without --trace-dir no spans are "
+                        "recorded, so a run of hundreds of steps stays light")
+    p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
+                        "pipeline/checkpoint/dcp.py)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--interleave", metavar="VARIANT:N",
+                   help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "
+                        "A/B measurement of the residual's cost in which both see the same machine state; "
+                        "traces go to TRACE_DIR/<variant>_<n>/")
 
 
 def main(argv: list[str] | None = None) -> int:

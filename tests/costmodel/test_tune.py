@@ -100,7 +100,8 @@ def test_best_fits_and_is_no_slower_than_the_presets_layout(p3b, tuned):
 
 def test_written_yaml_loads_runs_and_predicts_the_reported_time(p3b, tuned, tmp_path, capsys):
     from configs import load_config as load
-    from pipeline.launch.run_args import add_run_arguments, config_from_args
+    from pipeline.__main__ import add_run_arguments
+    from pipeline.launch.run_args import config_from_args
 
     out = tmp_path / "best.yaml"
     argv = ["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
