@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import MHCConfig, MHCSublayer  # noqa: E402
-from kernels.sinkhorn import sinkhorn  # noqa: E402
-from kernels.sinkhorn_node import sinkhorn_node  # noqa: E402
+from kernels import MHCConfig, MHCSublayer
+from kernels.sinkhorn import sinkhorn
+from kernels.sinkhorn_node import sinkhorn_node
 
 HIDDEN = 64
 

@@ -186,7 +186,7 @@ def block_rows(t, n, c, dtype, device, reps, compile_too):
             row["ms"] = sec * 1e3
             if device == "cuda":
                 row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-        except Exception as exc:  # a failed compile must not hide the other rows
+        except Exception as exc:  # noqa: BLE001 - a failed compile must not hide the other rows
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if label == "plain residual":
             base = row.get("ms")

@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config  # noqa: E402
-from pipeline.launch.local import interleaved_worker, launch  # noqa: E402
-from traces.comm_overlap import comm_overlap, total  # noqa: E402
-from traces.trace import Trace  # noqa: E402
+from configs import load_config
+from pipeline.launch.local import interleaved_worker, launch
+from traces.comm_overlap import comm_overlap, total
+from traces.trace import Trace
 
 
 def after_warmup(trace: Trace, warmup: int) -> Trace:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config  # noqa: E402
-from pipeline.launch.local import launch  # noqa: E402
+from configs import load_config
+from pipeline.launch.local import launch
 
 VARIANTS = ("channel", "shared")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config, recompute_block_size  # noqa: E402
-from pipeline.launch.local import launch, variants_worker  # noqa: E402
-from schedules import build, peak_live_activations  # noqa: E402
+from configs import load_config, recompute_block_size
+from pipeline.launch.local import launch, variants_worker
+from schedules import build, peak_live_activations
 
 SCHEDULES = ("1f1b", "dualpipev", "zb1p")
 

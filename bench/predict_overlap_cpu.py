@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config  # noqa: E402
-from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,  # noqa: E402
+from configs import load_config
+from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,
                                      serial_samples, steady)
-from traces.trace import Trace  # noqa: E402
+from traces.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DURATION_TOL = 0.15  # relative, per kind (the target)

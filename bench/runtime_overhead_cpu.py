@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config, parse_config  # noqa: E402
-from pipeline.launch.local import free_port  # noqa: E402
+from configs import load_config, parse_config
+from pipeline.launch.local import free_port
 
 
 def rank_costs(cfg, rank: int, reps: int) -> dict:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schedules import Durations, build, simulate  # noqa: E402
-from schedules.validate import check_structure  # noqa: E402
-from schedules.engine import run_engine  # noqa: E402
+from schedules import Durations, build, simulate
+from schedules.validate import check_structure
+from schedules.engine import run_engine
 
 CASES = [("dualpipe", 64, 1024), ("dualpipev", 32, 512), ("zb1p", 64, 512), ("1f1b", 64, 512), ("dualpipe", 8, 20)]
 TARGET_S = 2.0

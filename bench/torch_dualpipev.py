@@ -49,11 +49,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config, parse_config, stage_blocks  # noqa: E402
-from pipeline.data import make_batch  # noqa: E402
-from pipeline.launch.local import launch  # noqa: E402
-from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer  # noqa: E402
-from pipeline.runtime.train import manual_gc  # noqa: E402
+from configs import load_config, parse_config, stage_blocks
+from pipeline.data import make_batch
+from pipeline.launch.local import launch
+from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer
+from pipeline.runtime.train import manual_gc
 
 LOSS_TOL = 1e-5
 

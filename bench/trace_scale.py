@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schedules import build, simulate  # noqa: E402
-from traces.comm_replay import check_comm  # noqa: E402
-from traces.html_view import write_html  # noqa: E402
-from traces.trace import Span, Trace  # noqa: E402
-from traces.view import write_picture  # noqa: E402
+from schedules import build, simulate
+from traces.comm_replay import check_comm
+from traces.html_view import write_html
+from traces.trace import Span, Trace
+from traces.view import write_picture
 
 TARGET_S = 20.0
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
-from costmodel.explain import PAPER_PCT, Explanation  # noqa: E402
-from costmodel.sensitivity import Sensitivity  # noqa: E402
-from traces.png import save_png  # noqa: E402  (re-exported: mhcpipe.predict_cli's sweep picture uses it from here)
+from costmodel.explain import PAPER_PCT, Explanation
+from costmodel.sensitivity import Sensitivity
+from traces.png import save_png
 
 UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"
 LOW, HIGH = "#1f77b4", "#ff7f0e"

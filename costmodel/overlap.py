@@ -107,8 +107,9 @@ def _segments(chain: list[TimedOp], base: int, pair: bool) -> tuple[list[list[in
 WFILL = ("end", "program")
 
 
-def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
-                comm_share: float = 0.0, lags: tuple[float, ...] | None = None, wfill: str = "end") -> OverlapResult:
+def _flatten(chains: list[list[TimedOp]]):
+    """The chains' ops in one list (op i of chain c at base[c] + i), each op's chain, and the in-chain dependency
+    graph: successors, predecessors and the count of predecessors not yet done."""
     ops: list[TimedOp] = []
     chain_of: list[int] = []
     base: list[int] = []
@@ -116,11 +117,9 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
         base.append(len(ops))
         ops.extend(chain)
         chain_of.extend([c] * len(chain))
-    N = len(ops)
-    lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
-    succ: list[list[int]] = [[] for _ in range(N)]
-    preds: list[list[int]] = [[] for _ in range(N)]
-    missing = [0] * N
+    succ: list[list[int]] = [[] for _ in ops]
+    preds: list[list[int]] = [[] for _ in ops]
+    missing = [0] * len(ops)
     for c, chain in enumerate(chains):
         for i, op in enumerate(chain):
             for off in op.deps:
@@ -129,16 +128,29 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                     succ[base[c] + j].append(base[c] + i)
                     preds[base[c] + i].append(base[c] + j)
                     missing[base[c] + i] += 1
-    if wfill not in WFILL:
-        raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
-    pair = len(chains) > 1 and wfill == "end"
+    return ops, chain_of, base, succ, preds, missing
+
+
+def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool) -> list[int]:
+    """The order ops are issued in: the halves' segments alternate, F first; with `pair`, deferred W kernels are
+    issued after both halves, in their order."""
     parts = [_segments(chain, base[c], pair) for c, chain in enumerate(chains)]
-    order: list[int] = []  # issue order: the halves' segments alternate, F first
+    order: list[int] = []
     for k in range(max((len(p[0]) for p in parts), default=0)):
         for segs, _ in parts:
             if k < len(segs):
                 order.extend(segs[k])
-    order += [i for _, d in parts for i in d]  # deferred W kernels: issued after both halves, in their order
+    return order + [i for _, d in parts for i in d]
+
+
+def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
+                comm_share: float = 0.0, lags: tuple[float, ...] | None = None, wfill: str = "end") -> OverlapResult:
+    if wfill not in WFILL:
+        raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
+    ops, chain_of, base, succ, preds, missing = _flatten(chains)
+    N = len(ops)
+    lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
+    order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end")
 
     def stream_of(i: int) -> str:
         s = ops[i].stream

@@ -143,8 +143,12 @@ def summarize(pred: Prediction) -> dict[str, Any]:
     paths = {"baseline": critical_path(base.trace), "mhc": critical_path(mhc.trace)}
     Tb, Tm = base.makespan, mhc.makespan
     st = pred.ladder
-    pct = lambda x: 100.0 * x / Tb if Tb else 0.0  # noqa: E731
-    mean_idle = lambda s: statistics.fmean(s.idle.values())  # noqa: E731
+    def pct(x: float) -> float:
+        return 100.0 * x / Tb if Tb else 0.0
+
+    def mean_idle(s) -> float:
+        return statistics.fmean(s.idle.values())
+
     pb, pm = pred.pricers["baseline"], pred.pricers["mhc"]
     fb_us = {"baseline": fb_stage_us(base), "mhc": fb_stage_us(mhc)}
     alone = {name: {(k[1], k[2]): r.makespan * pr.slowdown for k, r in pr.results.items() if k[0] == "FB"}

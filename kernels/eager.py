@@ -22,7 +22,7 @@ import torch
 
 from . import reference
 from .config import MHCConfig
-from .reference import acc_dtype, contract, expand, project  # noqa: F401 - the same ops
+from .reference import acc_dtype, contract, expand, project
 from .sinkhorn_node import sinkhorn_node as sinkhorn
 
 __all__ = ["project", "coefficients", "pre", "post_res", "expand", "contract", "sinkhorn", "acc_dtype"]

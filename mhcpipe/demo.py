@@ -199,21 +199,50 @@ def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, me
     return path
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.schedule_only:
-        return schedule_picture(Path(args.out))
-    from costmodel.calibrate import calibrate_local
+def predict_on_this_host(cfg, hw, base_trace, quick: bool):
+    """Step 3: micro-benchmark one stage with and without the residual, measure how the ranks share the cores, fit
+    the `local` spec on the baseline trace and predict baseline and mHC. Returns (fitted spec, prediction)."""
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.core_sharing import measure_core_sharing
     from costmodel.local.host_pricing import HostPricing
     from costmodel.predict import predict, residual_spec_of
     from pipeline.launch.host_measurements import block_round, time_stage_pieces
+
+    res = cfg.model.residual
+    stage_us = time_stage_pieces(cfg, [(res.variant, res.n)], rounds=10 if quick else 40)
+    cores = measure_core_sharing(cfg, cfg.parallel.ranks, block_round, cycles=3 if quick else 12)
+    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round,
+                             cores=cores)
+    # CPU runs the reference ops: unfused, except what has no unfused form (mhc-sp; xHC-Flash is xHC's fused form)
+    spec = residual_spec_of(cfg, fused=res.variant == "mhc-sp" or (res.variant == "xhc" and res.flash))
+    return hw, predict(cfg, hw, spec, profile_pricing=HostPricing())
+
+
+def draw(out: Path, cfg, predicted, measured, cmp) -> None:
+    """Step 5's pictures: schedule.png (predicted above the last measured step), overhead.png, the Perfetto
+    trace.json (with a `critical path` thread per rank, traces.path_marks) and comparison.json."""
     from traces.chrome import to_chrome
     from traces.path_marks import chrome_path_events, paths_for
+    from traces.view import plot_overhead, write_picture
+
+    steady = last_step(measured)
+    write_picture(out / "schedule.png", [predicted, steady], streams=("compute", "hp"),
+                  title=f"{cfg.model.name} mHC n={cfg.model.residual.n}, {cfg.parallel.schedule} "
+                        f"P={cfg.parallel.ranks}: predicted (top) vs measured (last step)")
+    plot_overhead(cmp, out / "overhead.png")
+    chrome = to_chrome(predicted, steady)
+    chrome["traceEvents"] += chrome_path_events([predicted, steady], paths_for([predicted, steady])[0])
+    (out / "trace.json").write_text(json.dumps(chrome))
+    (out / "comparison.json").write_text(json.dumps(cmp.to_dict(), indent=1, default=str))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.schedule_only:
+        return schedule_picture(Path(args.out))
+    from costmodel.calibrate import calibrate_local
     from traces.compare import compare
     from traces.matching import drop_warmup_step
     from traces.trace import Trace
-    from traces.view import plot_overhead, write_picture
     from traces.whatif import whatif
 
     from pipeline.launch.run_args import variant_dir, with_residual_flag
@@ -251,14 +280,7 @@ def run(args: argparse.Namespace) -> int:
     _say("3/5", f"micro-benchmarking one stage of the runtime with and without mHC, measuring how 1..{ranks} ranks "
                 f"share the cores and the OS time slice, fitting on the baseline trace, predicting baseline and "
                 f"mHC (n={n})")
-    stage_us = time_stage_pieces(cfg, [(cfg.model.residual.variant, n)], rounds=10 if args.quick else 40)
-    cores = measure_core_sharing(cfg, ranks, block_round, cycles=3 if args.quick else 12)
-    hw = calibrate_local_for(cfg, hardware=hw, baseline_trace=base_trace, stage_us=stage_us, workload=block_round,
-                             cores=cores)
-    res = cfg.model.residual
-    # CPU runs the reference ops: unfused, except what has no unfused form (mhc-sp; xHC-Flash is xHC's fused form)
-    spec = residual_spec_of(cfg, fused=res.variant == "mhc-sp" or (res.variant == "xhc" and res.flash))
-    pred = predict(cfg, hw, spec, profile_pricing=HostPricing())
+    hw, pred = predict_on_this_host(cfg, hw, base_trace, args.quick)
     s = pred.summary
     print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
           f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['step_overhead_pct']:.1f}%", flush=True)
@@ -270,16 +292,8 @@ def run(args: argparse.Namespace) -> int:
     base_cmp = compare(pred.baseline.trace, base_meas)
     mhc_cmp = compare(pred.mhc.trace, mhc_meas, baseline=(pred.baseline.trace, base_meas))
     _say("5/5", "writing the report and pictures")
-    steady = last_step(mhc_meas)
-    write_picture(out / "schedule.png", [pred.mhc.trace, steady], streams=("compute", "hp"),
-                  title=f"{cfg.model.name} mHC n={n}, {cfg.parallel.schedule} P={ranks}: predicted (top) vs "
-                        "measured (last step)")
-    plot_overhead(mhc_cmp, out / "overhead.png")
+    draw(out, cfg, pred.mhc.trace, mhc_meas, mhc_cmp)
     whatif_mhc0 = whatif(mhc_meas, {"mhc": 0.0}, baseline=base_meas, baseline_name="the baseline run").to_dict()
-    chrome = to_chrome(pred.mhc.trace, steady)  # with a `critical path` thread per rank (traces.path_marks)
-    chrome["traceEvents"] += chrome_path_events([pred.mhc.trace, steady], paths_for([pred.mhc.trace, steady])[0])
-    (out / "trace.json").write_text(json.dumps(chrome))
-    (out / "comparison.json").write_text(json.dumps(mhc_cmp.to_dict(), indent=1, default=str))
     timings["compare and draw"] = time.perf_counter() - t
     measured_mem = {"baseline": measured_memory(lines, base_res), "mhc": measured_memory(lines, mhc_res)}
     report = write_report(out / "report.md", cfg, hw, pred, base_cmp, mhc_cmp, timings, measured_mem, whatif_mhc0)

@@ -268,7 +268,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from costmodel.charts import save_png
+    from traces.png import save_png
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
 

@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" and not staged else "gloo"
         init_distributed(backend, cfg.train.timeout_s, device)
-        log = lambda line: print(line, flush=True)  # noqa: E731
+        def log(line: str) -> None:
+            print(line, flush=True)
+
         if len(cfgs) > 1:
             dirs = None if args.trace_dir is None else [variant_dir(args.trace_dir, c) for c in cfgs]
             diag = diagnostics_dir(args)

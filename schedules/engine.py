@@ -41,6 +41,44 @@ class EngineResult:
     end: list[float] = field(default_factory=list)  # per rank, end of its last compute action
 
 
+def _stage_needs(schedule: Schedule, C: int, F_: int, G_: int, XF_: int, XG_: int) -> tuple[list[int], list[int]]:
+    """Per stage, the key offset (+ mb) its forward waits for and the one its backward waits for besides its own
+    forward: the neighbour stage's output, on this rank (F_, G_) or delivered from another (XF_, XG_); -1: none."""
+    S = schedule.num_stages
+    where = schedule.stage_to_rank
+    prev, nxt = schedule.prev_stage(), schedule.next_stage()
+    f_need, b_need = [-1] * S, [-1] * S
+    for st in range(S):
+        p, n = prev.get(st), nxt.get(st)
+        if p is not None:
+            f_need[st] = (F_ if where[p] == where[st] else XF_) + p * C
+        if n is not None:
+            b_need[st] = (G_ if where[n] == where[st] else XG_) + n * C
+    return f_need, b_need
+
+
+def _channels(schedule: Schedule, C: int, XF_: int, XG_: int):
+    """The channels (src, dst): their index by (src, dst), their ends, their messages in the sender's program
+    order as the receive each one meets (RECV kind, stage, mb), and for each delivered key its (channel, index)."""
+    channel_of: dict[tuple[int, int], int] = {}
+    channel_ends: list[tuple[int, int]] = []
+    channel_msgs: list[list[tuple[Kind, int, int]]] = []
+    message_slot: dict[int, tuple[int, int]] = {}
+    for src, acts in enumerate(schedule.actions):
+        for a in acts:
+            kind = a[0]
+            if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                ch = channel_of.get((src, a[5]))
+                if ch is None:
+                    ch = channel_of[(src, a[5])] = len(channel_ends)
+                    channel_ends.append((src, a[5]))
+                    channel_msgs.append([])
+                key = (XF_ if kind is Kind.SEND_F else XG_) + a[1] * C + a[2]
+                message_slot[key] = (ch, len(channel_msgs[ch]))
+                channel_msgs[ch].append((Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B, a[1], a[2]))
+    return channel_of, channel_ends, channel_msgs, message_slot
+
+
 def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                transfer_time: Callable[[Action], float], record: bool = True, *,
                fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
@@ -60,36 +98,11 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     C = max(1, schedule.microbatches_per_pipeline)
     SC = S * C
     F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
-    where = schedule.stage_to_rank
-    prev, nxt = schedule.prev_stage(), schedule.next_stage()
-    f_need = [-1] * S  # key offset a forward of this stage waits for (+ mb); -1: none
-    b_need = [-1] * S  # key offset a backward of this stage waits for, besides its own forward
-    for st in range(S):
-        p, n = prev.get(st), nxt.get(st)
-        if p is not None:
-            f_need[st] = (F_ if where[p] == where[st] else XF_) + p * C
-        if n is not None:
-            b_need[st] = (G_ if where[n] == where[st] else XG_) + n * C
+    f_need, b_need = _stage_needs(schedule, C, F_, G_, XF_, XG_)
 
     KF, KI, KW, KFB = Kind.F, Kind.I, Kind.W, Kind.FB
     KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
-    # channels (src, dst): messages in the sender's program order; a message is keyed by what it delivers
-    channel_of: dict[tuple[int, int], int] = {}
-    channel_ends: list[tuple[int, int]] = []
-    channel_msgs: list[list[tuple[Kind, int, int]]] = []
-    message_slot: dict[int, tuple[int, int]] = {}  # delivered key -> (channel, index)
-    for src, acts in enumerate(schedule.actions):
-        for a in acts:
-            kind = a[0]
-            if kind is KSF or kind is KSB:
-                ch = channel_of.get((src, a[5]))
-                if ch is None:
-                    ch = channel_of[(src, a[5])] = len(channel_ends)
-                    channel_ends.append((src, a[5]))
-                    channel_msgs.append([])
-                key = (XF_ if kind is KSF else XG_) + a[1] * C + a[2]
-                message_slot[key] = (ch, len(channel_msgs[ch]))
-                channel_msgs[ch].append((KRF if kind is KSF else KRB, a[1], a[2]))
+    channel_of, channel_ends, channel_msgs, message_slot = _channels(schedule, C, XF_, XG_)
     num_channels = len(channel_ends)
     send_ready = [[None] * len(m) for m in channel_msgs]
     recv_post = [[None] * len(m) for m in channel_msgs]

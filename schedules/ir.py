@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
+from traces import names
+
 
 class Kind(str, enum.Enum):
     F = "F"  # forward of one chunk
@@ -32,7 +34,8 @@ class Kind(str, enum.Enum):
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.FB})
-COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+# the P2P kinds, as Kind members: the names are traces.names.COMM_KINDS (one home for what counts as P2P)
+COMM_KINDS = frozenset(Kind(k) for k in names.COMM_KINDS)
 BACKWARD_KINDS = frozenset({Kind.I, Kind.B})  # the ones that send an input-grad upstream
 
 

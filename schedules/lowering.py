@@ -70,14 +70,20 @@ def lower_comms(schedule: Schedule) -> Schedule:
     if schedule.lowered:
         raise ValueError("lower_comms: schedule already has SEND/RECV actions; lower a compute-only schedule")
     links = Links(schedule)
-    send_f, send_b, recv_f, recv_b = links.send_f, links.send_b, links.recv_f, links.recv_b
+    C = max(1, schedule.microbatches_per_pipeline)
+    with_sends, channel_msgs, slot = _with_sends(schedule, links, C)
+    lowered = _with_recvs(with_sends, links, C, schedule.num_stages * C, channel_msgs, slot)
+    return schedule.with_actions(tuple(lowered), lowered=True)
+
+
+def _with_sends(schedule: Schedule, links: Links, C: int):
+    """Sender side first: SENDs right after their producer; this fixes every channel's message order. Returns the
+    programs with their SENDs, per channel the RECVs in send order, and each message key's (channel, index)."""
+    send_f, send_b = links.send_f, links.send_b
     KF, KFB, KW = Kind.F, Kind.FB, Kind.W
     KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
-    C = max(1, schedule.microbatches_per_pipeline)
     SC = schedule.num_stages * C
     new = tuple.__new__  # NamedTuple construction without its Python-level __new__: this runs per message
-
-    # Sender side first: SENDs right after their producer; this fixes every channel's message order.
     channel_id: dict[tuple[int, int], int] = {}
     channel_msgs: list[list[Action]] = []  # per channel: the RECVs in send order
     slot: dict[int, tuple[int, int]] = {}  # message key (as in simulate.py) -> (channel, index)
@@ -110,7 +116,13 @@ def lower_comms(schedule: Schedule) -> Schedule:
                 emit(out, rank, kind is KF, a[1], a[2])
         with_sends.append(out)
 
-    # Receiver side: post each RECV one compute action ahead of its consumer, in channel order.
+    return with_sends, channel_msgs, slot
+
+
+def _with_recvs(with_sends: list, links: Links, C: int, SC: int, channel_msgs: list, slot: dict) -> list:
+    """Receiver side: post each RECV one compute action ahead of its consumer, in channel order."""
+    recv_f, recv_b = links.recv_f, links.recv_b
+    KF, KFB, KW = Kind.F, Kind.FB, Kind.W
     next_in_channel = [0] * len(channel_msgs)
 
     def post(rank: int, forward: bool, st: int, mb: int, pending: list) -> None:
@@ -155,4 +167,4 @@ def lower_comms(schedule: Schedule) -> Schedule:
                 out.extend(pending)
             out.append(a)
         lowered.append(tuple(out))
-    return schedule.with_actions(tuple(lowered), lowered=True)
+    return lowered

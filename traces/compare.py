@@ -162,7 +162,9 @@ def time_stats(trace: Trace) -> TimeStats:
             busy[r].append(b)
             idle[r].append(mk - b)
             exposed[r].append(union_length(comp + per_rank[r]["comm"]) - b)
-    med = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
+    def med(xs) -> float:
+        return float(np.median(xs)) if len(xs) else 0.0
+
     rank_kind: dict[int, dict[str, float]] = defaultdict(dict)
     kind_time: dict[str, float] = defaultdict(float)
     for rk in set().union(*step_kt) if step_kt else ():
@@ -222,6 +224,27 @@ def _pct(x: float) -> float:
     return float(100.0 * x)
 
 
+def _rank_rows(ps: TimeStats, ms: TimeStats, overlap) -> list[RankStats]:
+    """Per rank: busy, idle and bubble predicted and measured, receive waits, and (from the measured trace's
+    comm overlap, when it has comm spans) the exposed comm wait per step and the share of comm hidden."""
+    ranks = []
+    for r in sorted(set(ps.busy) | set(ms.busy)):
+        pb, mb = ps.busy.get(r, 0.0), ms.busy.get(r, 0.0)
+        pi, mi = ps.idle.get(r, ps.makespan_us), ms.idle.get(r, ms.makespan_us)
+        pbf = _pct(pi / ps.makespan_us) if ps.makespan_us else 0.0
+        mbf = _pct(mi / ms.makespan_us) if ms.makespan_us else 0.0
+        row = RankStats(rank=r, pred_busy_us=pb, meas_busy_us=mb, pred_idle_us=pi, meas_idle_us=mi,
+                        pred_bubble_pct=pbf, meas_bubble_pct=mbf, bubble_diff_pp=pbf - mbf,
+                        pred_recv_wait_us=ps.recv_wait.get(r, 0.0), meas_recv_wait_us=ms.recv_wait.get(r, 0.0))
+        o = None if overlap is None else overlap.get(r)
+        if o is not None:
+            row.meas_comm_wait_us = o.blocked_us / max(1, ms.steps)
+            row.comm_hidden_pct = o.all.hidden_pct
+            row.fb_comm_hidden_pct = o.in_fb.hidden_pct
+        ranks.append(row)
+    return ranks
+
+
 def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = None,
             names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True) -> Comparison:
     """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
@@ -262,21 +285,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
                    if i not in matched_m and i not in fb_halves and i not in unpriced_parts]
     ps, ms = time_stats(pred), time_stats(meas)
-    overlap = comm_overlap(meas)
-    ranks = []
-    for r in sorted(set(ps.busy) | set(ms.busy)):
-        pb, mb = ps.busy.get(r, 0.0), ms.busy.get(r, 0.0)
-        pi, mi = ps.idle.get(r, ps.makespan_us), ms.idle.get(r, ms.makespan_us)
-        pbf = _pct(pi / ps.makespan_us) if ps.makespan_us else 0.0
-        mbf = _pct(mi / ms.makespan_us) if ms.makespan_us else 0.0
-        ranks.append(RankStats(rank=r, pred_busy_us=pb, meas_busy_us=mb, pred_idle_us=pi, meas_idle_us=mi,
-                               pred_bubble_pct=pbf, meas_bubble_pct=mbf, bubble_diff_pp=pbf - mbf,
-                               pred_recv_wait_us=ps.recv_wait.get(r, 0.0), meas_recv_wait_us=ms.recv_wait.get(r, 0.0)))
-        o = None if overlap is None else overlap.get(r)
-        if o is not None:
-            ranks[-1].meas_comm_wait_us = o.blocked_us / max(1, ms.steps)
-            ranks[-1].comm_hidden_pct = o.all.hidden_pct
-            ranks[-1].fb_comm_hidden_pct = o.in_fb.hidden_pct
+    ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
     if comm_spans:
         notes.append(f"SEND/RECV spans cover the {meaning['pred']} in the prediction and the {meaning['meas']} in the "

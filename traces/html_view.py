@@ -14,13 +14,13 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from traces.names import RANGE_KIND, STEP_KIND  # noqa: E402
-from traces.path_marks import PATH_COLOR, paths_for, place  # noqa: E402
-from traces.trace import Trace  # noqa: E402
-from traces.view import COLORS, build_layout, draw_breakdown, titles_for  # noqa: E402
+from traces.names import RANGE_KIND, STEP_KIND
+from traces.path_marks import PATH_COLOR, paths_for, place
+from traces.trace import Trace
+from traces.view import COLORS, build_layout, draw_breakdown, titles_for
 
 # the page: markup, style and the canvas script, with __TITLE__, __LEGEND__, __PNG__, __COMPARISON__, __DATA__ and
 # __PATHCOLOR__ filled in by write_html (package data, so it reads as HTML and JavaScript)

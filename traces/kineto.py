@@ -22,6 +22,7 @@ import math
 import re
 import zlib
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,54 +102,72 @@ def load_kineto(path: str | Path, rank: int | None = None) -> Trace:
     return kineto_to_trace(read_json(path), source=str(path), rank=rank, file_name=path.name)
 
 
-def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None, file_name: str = "") -> Trace:
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise TraceError(f"{source}: not a PyTorch profiler trace (expected a JSON object with a traceEvents list)")
-    dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
-    file_rank = dist.get("rank")
-    rank_assumed, rank_source = False, "argument"
-    if rank is None:
-        if isinstance(file_rank, int) and not isinstance(file_rank, bool) and file_rank >= 0:
-            rank, rank_source = file_rank, "distributedInfo"
-        else:
-            rank, rank_assumed, rank_source = 0, True, "assumed"
+def _file_rank(data: dict, rank: int | None) -> tuple[int, bool, str]:
+    """(rank, assumed, where it came from): the argument, else the file's distributedInfo, else 0 (assumed)."""
+    if rank is not None:
+        return rank, False, "argument"
+    file_rank = (data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}).get("rank")
+    if isinstance(file_rank, int) and not isinstance(file_rank, bool) and file_rank >= 0:
+        return file_rank, False, "distributedInfo"
+    return 0, True, "assumed"
 
 
-    gpu_ops: list[tuple[str, float, float, Any, Any, str, Any]] = []  # kind, ts, end, device, stream, name, corr
-    launches_raw: list[tuple[Any, float, float, Any]] = []
-    annotations: list[tuple[Any, float, float, str, Any]] = []  # thread, ts, end, name, external id
-    gpu_annotations: list[tuple[float, float, str, Any]] = []
-    bad = old_ops = 0
-    for i, ev in enumerate(data["traceEvents"]):
+@dataclass
+class _Events:
+    """The complete events of a Kineto file that the reader uses, by role (times in the file's microseconds)."""
+
+    gpu_ops: list = field(default_factory=list)  # (kind, ts, end, device, stream, name, correlation)
+    launches: list = field(default_factory=list)  # ((pid, tid), ts, end, correlation)
+    annotations: list = field(default_factory=list)  # ((pid, tid), ts, end, name, external id)
+    gpu_annotations: list = field(default_factory=list)  # (ts, end, name, external id)
+    bad: int = 0  # without a usable ts/dur
+    old_ops: int = 0  # older schema's `operator` events that are not our ranges
+
+
+def _collect(events: list, source: str) -> _Events:
+    out = _Events()
+    for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
         raw_cat = ev.get("cat")
         cat = raw_cat.lower() if isinstance(raw_cat, str) else raw_cat
         if cat == OLD_OPERATOR:
             if parse_name(str(ev.get("name", ""))) is None:
-                old_ops += 1
+                out.old_ops += 1
                 continue
             cat = "user_annotation"
         if cat not in GPU_OP_KINDS and cat not in LAUNCH_CATS and cat not in ("user_annotation", "gpu_user_annotation"):
             continue
         ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
         if ts is None or dur is None or dur < 0:
-            bad += 1
+            out.bad += 1
             continue
         args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
         name = str(ev.get("name", ""))
         if cat in GPU_OP_KINDS:
-            gpu_ops.append((GPU_OP_KINDS[cat], ts, ts + dur, args.get("device", ev.get("pid")),
-                            _stream_of(args, ev.get("tid")), name, args.get("correlation")))
+            out.gpu_ops.append((GPU_OP_KINDS[cat], ts, ts + dur, args.get("device", ev.get("pid")),
+                                _stream_of(args, ev.get("tid")), name, args.get("correlation")))
         elif cat in LAUNCH_CATS:
-            launches_raw.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, args.get("correlation")))
+            out.launches.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, args.get("correlation")))
         elif cat == "user_annotation":
-            annotations.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, name, args.get("External id")))
+            out.annotations.append(((ev.get("pid"), ev.get("tid")), ts, ts + dur, name, args.get("External id")))
         else:
-            gpu_annotations.append((ts, ts + dur, name, args.get("External id")))
-    if not (gpu_ops or annotations or gpu_annotations):
+            out.gpu_annotations.append((ts, ts + dur, name, args.get("External id")))
+    if not (out.gpu_ops or out.annotations or out.gpu_annotations):
         raise TraceError(f"{source}: the PyTorch profiler trace holds no annotations and no GPU activity "
                          "(was the profiler's schedule active? label spans with torch.profiler.record_function)")
+    return out
+
+
+def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None, file_name: str = "") -> Trace:
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"{source}: not a PyTorch profiler trace (expected a JSON object with a traceEvents list)")
+    dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
+    rank, rank_assumed, rank_source = _file_rank(data, rank)
+    evs = _collect(data["traceEvents"], source)
+    gpu_ops, launches_raw, annotations, gpu_annotations = evs.gpu_ops, evs.launches, evs.annotations, \
+        evs.gpu_annotations
+    bad, old_ops = evs.bad, evs.old_ops
 
     times = [t for _, t, *_ in gpu_ops] + [t for _, t, *_ in annotations] + [t for t, *_ in gpu_annotations]
     origin = math.floor(min(times))

@@ -124,12 +124,7 @@ def format_name(parsed: RangeName) -> str:
         return f"step/{parsed.step}"
     if parsed.kind == WAIT_KIND and parsed.waits_for is not None:
         return f"WAIT/{format_name(parsed.waits_for)}"
-    name = span_name(parsed.op, parsed.stage, parsed.mb, parsed.partner)
-    if parsed.part is not None:
-        name += f"/{parsed.part}"
-    if parsed.stream != "compute":
-        name += f"~{parsed.stream}"
-    return name
+    return span_name(parsed.op, parsed.stage, parsed.mb, parsed.partner, parsed.stream, parsed.part)
 
 
 def part_of(label: str) -> str | None:

@@ -119,21 +119,9 @@ def load_nsys(path: str | Path, rank: int | None = None, domain: str | None = No
         con.close()
 
 
-def _load(con: sqlite3.Connection, path: Path, rank: int | None, domain: str | None) -> Trace:
-    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    t_nvtx = _resolve(tables, "NVTX_EVENTS")
-    gpu_tables = {k: _resolve(tables, f"CUPTI_ACTIVITY_KIND_{k.upper()}") for k in ("kernel", "memcpy", "memset")}
-    t_runtime = _resolve(tables, "CUPTI_ACTIVITY_KIND_RUNTIME")
-    if t_nvtx is None and not any(gpu_tables.values()) and t_runtime is None:
-        raise TraceError(f"{path}: not an Nsight Systems export (neither NVTX_EVENTS nor CUPTI_ACTIVITY_KIND_* "
-                         "tables); export with `nsys export --type sqlite`, capturing with `-t cuda,nvtx`")
-    version = schema_version(con, path, tables)
-    strings: dict[int, str] = {}
-    if "StringIds" in tables:
-        _check_columns(con, path, "StringIds", "StringIds")
-        strings = dict(con.execute("SELECT id, value FROM StringIds").fetchall())
-
-    # ---- GPU ops, keyed by (globalPid, correlationId) ------------------------------------------------
+def _gpu_ops(con: sqlite3.Connection, path: Path, gpu_tables: dict, strings: dict[int, str]):
+    """GPU ops: (their [start, end] by (globalPid, correlationId), for projecting launches; one row per op:
+    kind, pid, device, stream, start, end, name)."""
     gpu_ops: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     op_rows: list[tuple[str, int, int, int, int, int, str]] = []  # kind, pid, dev, stream, start, end, name
     for kind, table in gpu_tables.items():
@@ -160,15 +148,12 @@ def _load(con: sqlite3.Connection, path: Path, rank: int | None, domain: str | N
                 name = "Memset"
             op_rows.append((kind, gpid, dev, stream, start, end, name))
 
-    launches = Launches()
-    if t_runtime is not None:
-        _check_columns(con, path, t_runtime, "CUPTI_ACTIVITY_KIND_RUNTIME")
-        for gtid, start, end, corr in con.execute(f'SELECT globalTid, start, "end", correlationId FROM "{t_runtime}"'):
-            if start is None or end is None:
-                continue
-            launches.add(gtid, start, end, gpu_ops.get((gtid & PID_MASK, corr), []))
+    return gpu_ops, op_rows
 
-    # ---- NVTX ranges ----------------------------------------------------------------------------------
+
+def _nvtx(con: sqlite3.Connection, path: Path, tables: set[str], t_nvtx: str | None, strings: dict[int, str]):
+    """NVTX: (the ranges as (globalTid, endGlobalTid, type, start, end, text, domainId), thread names by
+    globalTid, domain names by id)."""
     ranges: list[tuple] = []  # gtid, end_gtid, type, start, end, text, domainId
     thread_names: dict[int, str] = {}
     domains: dict[int, str] = {}
@@ -190,6 +175,33 @@ def _load(con: sqlite3.Connection, path: Path, rank: int | None, domain: str | N
         if {"nameId", "globalTid"} <= tcols:
             for name_id, gtid in con.execute("SELECT nameId, globalTid FROM ThreadNames"):
                 thread_names.setdefault(gtid, strings.get(name_id, ""))
+    return ranges, thread_names, domains
+
+
+def _load(con: sqlite3.Connection, path: Path, rank: int | None, domain: str | None) -> Trace:
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    t_nvtx = _resolve(tables, "NVTX_EVENTS")
+    gpu_tables = {k: _resolve(tables, f"CUPTI_ACTIVITY_KIND_{k.upper()}") for k in ("kernel", "memcpy", "memset")}
+    t_runtime = _resolve(tables, "CUPTI_ACTIVITY_KIND_RUNTIME")
+    if t_nvtx is None and not any(gpu_tables.values()) and t_runtime is None:
+        raise TraceError(f"{path}: not an Nsight Systems export (neither NVTX_EVENTS nor CUPTI_ACTIVITY_KIND_* "
+                         "tables); export with `nsys export --type sqlite`, capturing with `-t cuda,nvtx`")
+    version = schema_version(con, path, tables)
+    strings: dict[int, str] = {}
+    if "StringIds" in tables:
+        _check_columns(con, path, "StringIds", "StringIds")
+        strings = dict(con.execute("SELECT id, value FROM StringIds").fetchall())
+
+    gpu_ops, op_rows = _gpu_ops(con, path, gpu_tables, strings)
+    launches = Launches()
+    if t_runtime is not None:
+        _check_columns(con, path, t_runtime, "CUPTI_ACTIVITY_KIND_RUNTIME")
+        for gtid, start, end, corr in con.execute(f'SELECT globalTid, start, "end", correlationId FROM "{t_runtime}"'):
+            if start is None or end is None:
+                continue
+            launches.add(gtid, start, end, gpu_ops.get((gtid & PID_MASK, corr), []))
+
+    ranges, thread_names, domains = _nvtx(con, path, tables, t_nvtx, strings)
     session_start = None
     if "TARGET_INFO_SESSION_START_TIME" in tables:
         row = con.execute("SELECT * FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()

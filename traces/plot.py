@@ -10,11 +10,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.collections import PatchCollection  # noqa: E402
-from matplotlib.patches import Patch, Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.collections import PatchCollection
+from matplotlib.patches import Patch, Rectangle
 
-from traces.trace import Span, Trace  # noqa: E402
+from traces.trace import Span, Trace
 
 KIND_COLORS = {
     "F": "#f4a259",

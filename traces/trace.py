@@ -25,14 +25,18 @@ class TraceError(ValueError):
 
 
 def span_name(kind: str, stage: int | None, mb: int | None, partner: tuple[int, int] | None = None,
-              stream: str = "compute") -> str:
-    """The range name of traces.md §5, e.g. `F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`."""
+              stream: str = "compute", part: str | None = None) -> str:
+    """The range name of traces.md §5, e.g. `F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`; `part`: a piece
+    of the op, `L12.post_res` in `F/s3/mb7/L12.post_res~hp`. The one place the runtime and the readers build
+    names (traces.names.parse_name reads them back)."""
     if stage is None or mb is None:
         name = kind
     else:
         name = f"{kind}/s{stage}/mb{mb}"
         if partner is not None:
             name += f"+s{partner[0]}/mb{partner[1]}"
+    if part is not None:
+        name += f"/{part}"
     if stream != "compute":
         name += f"~{stream}"
     return name

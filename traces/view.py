@@ -22,19 +22,19 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.collections import PolyCollection  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Patch
+from matplotlib.transforms import blended_transform_factory
 
-from traces.chrome import assign_lanes, is_predicted  # noqa: E402
-from traces.compare import Comparison, TimeStats, _kind_order, time_stats  # noqa: E402
-from traces.matching import schedule_spans  # noqa: E402
-from traces.names import RANGE_KIND, STEP_KIND  # noqa: E402
-from traces.path_marks import PATH_COLOR, draw_marks, paths_for, place  # noqa: E402
-from traces.plot import KIND_COLORS  # noqa: E402
-from traces.trace import Trace, TraceError  # noqa: E402
+from traces.chrome import assign_lanes, is_predicted
+from traces.compare import Comparison, TimeStats, _kind_order, time_stats
+from traces.matching import schedule_spans
+from traces.names import RANGE_KIND, STEP_KIND
+from traces.path_marks import PATH_COLOR, draw_marks, paths_for, place
+from traces.plot import KIND_COLORS
+from traces.trace import Trace, TraceError
 
 MAX_LABELS = 3000
 EDGE_LIMIT = 20000  # above this many cells, no black cell borders (they would be all you see)

@@ -111,7 +111,9 @@ def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None
             before_after = {"before": from_timing(base, len(graphs)),
                             "after": from_timing(tm, len(graphs), critical_chain(tm), parts)}
     err = max(abs(r["replay_us"] - r["measured_us"]) / r["measured_us"] for r in rows if r["measured_us"] > 0)
-    med = lambda key: float(np.median([r[key] for r in rows]))  # noqa: E731
+    def med(key: str) -> float:
+        return float(np.median([r[key] for r in rows]))
+
     return WhatIf(scales=dict(scales), measured_step_us=med("measured_us"), replay_step_us=med("replay_us"),
                   step_us=med("predicted_us"), reproduction_error_pct=100.0 * err, steps=rows, mhc_source=source,
                   **before_after)

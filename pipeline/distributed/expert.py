@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed.comm import Comms
+from traces.trace import span_name
 
 
 class ExpertComm:
@@ -67,7 +68,7 @@ class ExpertComm:
         rows = send.shape[0] if out_splits is None else sum(out_splits)
         out = send.new_empty((rows,) + tuple(send.shape[1:]))
         stage, mb = chunk
-        name = f"{op}/s{stage}/mb{mb}/L{layer}" + (f".{part}" if part else "")
+        name = span_name(op, stage, mb, part=f"L{layer}" + (f".{part}" if part else ""))
         h = self.comms.post(dist.all_to_all_single, out, send.contiguous(), out_splits, in_splits,
                             group=self.groups[side], group_name=self.names[side], name=name,
                             kind=op if part is None else f"{op}.{part}",
@@ -88,7 +89,7 @@ class ExpertComm:
         pair queued on the compute stream meanwhile."""
         stage, mb = chunk
         recv = torch.empty_like(counts)
-        name = f"A2A_DISPATCH/s{stage}/mb{mb}/L{layer}.counts"
+        name = span_name("A2A_DISPATCH", stage, mb, part=f"L{layer}.counts")
         h = self.comms.post(dist.all_to_all_single, recv, counts, None, None, group=self.groups["F"],
                             group_name=self.names["F"], name=name, kind="A2A_DISPATCH.counts", stage=stage, mb=mb,
                             peer=self.peers)

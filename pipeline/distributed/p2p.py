@@ -100,11 +100,11 @@ class Transport:
             return handles
         spans = [(name.split("/", 1)[0], h.stage, h.mb, h.peer, f"{name}~comm")
                  for (_, name, _, _), h in zip(ops, handles)]
-        if self.strict is not None:
-            batch = [(h.is_send, h.name, h.peer, h.wire) for h in handles]
-            post = lambda: [self.strict.post(group, gname, batch)]  # noqa: E731
-        else:
-            post = lambda: dist.batch_isend_irecv(p2p)  # noqa: E731
+        batch = [(h.is_send, h.name, h.peer, h.wire) for h in handles] if self.strict is not None else None
+
+        def post():
+            return [self.strict.post(group, gname, batch)] if batch is not None else dist.batch_isend_irecv(p2p)
+
         try:
             works, tokens = self.comms.launch(post, spans, group=gname)
         except PipelineError:

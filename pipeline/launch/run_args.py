@@ -1,7 +1,7 @@
 """The config a run's flags make, shared by `torchrun -m pipeline` (pipeline/__main__.py, which declares the flags:
 `add_run_arguments`) and `mhcpipe run` (mhcpipe/run_cli.py, which checks them once before it launches torchrun).
-The functions here take the parsed flags (an argparse namespace); the command line itself is parsed in the
-entries.
+The functions here take the parsed flags (`RunFlags`: what the entries' parsers return); the command line itself is
+parsed in the entries.
 
 `config_from_args` overlays the flags on the YAML config and checks the layout;
 `interleaved_configs` adds the --interleave variant; `check_resume` checks --resume against the checkpoint folder;
@@ -11,10 +11,34 @@ flag or field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # the parsed flags; the parsers live in the entries
-    from argparse import Namespace
+
+class RunFlags(Protocol):
+    """The parsed run flags (pipeline.__main__.add_run_arguments declares them); None = the flag was not given."""
+
+    config: str
+    schedule: str | None
+    microbatches: int | None
+    pp: int | None
+    dp: int | None
+    ep: int | None
+    steps: int | None
+    residual: str | None
+    expand: str | None
+    recompute: str | None
+    device: str | None
+    timeout: float | None
+    transport: str
+    p2p_groups: str | None
+    diagnostics_every: int | None
+    diagnostics_dir: Path | None
+    trace_dir: Path | None
+    checkpoint_dir: Path | None
+    resume: bool
+    interleave: str | None
+    no_overlap: bool
+    cpu_bind: bool
 
 
 def _positive(flag: str, value: int | None) -> None:
@@ -40,7 +64,7 @@ _FLAG_FIELDS = {
 _TRANSPORT_RULES = {"strict": "nccl", "strict-pair": "nccl-pair"}  # --transport -> train.comm_rules
 
 
-def config_from_args(args: Namespace, world: int | None):
+def config_from_args(args: RunFlags, world: int | None):
     """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
     ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
     from configs import load_config, load_config_data
@@ -102,17 +126,17 @@ def with_residual_flag(cfg, flag: str, value: str):
     try:
         return parse_config(cfg.with_residual(variant, int(nums[0]), int(nums[1]) if len(nums) == 2 else None)
                             .model_dump())
-    except Exception as err:  # pydantic error -> one line naming the field
+    except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError: one line naming the field
         first = err.errors()[0]["msg"] if hasattr(err, "errors") else str(err)
         raise ValueError(f"{flag}: model.residual: {first}") from None
 
 
-def diagnostics_dir(args: Namespace) -> Path | None:
+def diagnostics_dir(args: RunFlags) -> Path | None:
     """Where the run's diagnostics go: --diagnostics-dir, else --trace-dir, else nowhere."""
     return getattr(args, "diagnostics_dir", None) or getattr(args, "trace_dir", None)
 
 
-def interleaved_configs(cfg, args: Namespace) -> list:
+def interleaved_configs(cfg, args: RunFlags) -> list:
     """[cfg] or, with --interleave, [cfg, the same with the other residual]; refuses what cannot be interleaved."""
     if not args.interleave:
         return [cfg]
@@ -126,7 +150,7 @@ def interleaved_configs(cfg, args: Namespace) -> list:
     return [cfg, other]
 
 
-def check_resume(cfg, args: Namespace) -> None:
+def check_resume(cfg, args: RunFlags) -> None:
     """--resume needs --checkpoint-dir holding a checkpoint of this run with steps left (checked before launch)."""
     if not args.resume:
         return

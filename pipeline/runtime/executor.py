@@ -32,8 +32,10 @@ from collections import defaultdict
 
 import torch
 
+
 from schedules import Kind, lower_comms
 from schedules.ir import COMM_KINDS
+from traces.trace import span_name
 
 from pipeline.data import Batch
 from pipeline.distributed.errors import PipelineError
@@ -95,7 +97,7 @@ class Executor:
                     raise PipelineError(f"{self.who}: {a.kind.value}/s{a.stage}/mb{a.mb} has nothing to send "
                                         "(schedule order broken)")
                 continue
-            ops.append((False, f"{a.kind.value}/s{a.stage}/mb{a.mb}", a.peer,
+            ops.append((False, span_name(a.kind.value, a.stage, a.mb), a.peer,
                         torch.empty(self.shape, dtype=self.dtype, device=self.device)))
             labels.append((a.kind.value, a.stage, a.mb))
         if ops:
@@ -121,7 +123,7 @@ class Executor:
         i = self.next_send[peer]
         while i < len(order) and order[i] in self.ready:
             k = order[i]
-            ops.append((True, f"{k[0].value}/s{k[1]}/mb{k[2]}", peer, self.ready.pop(k)))
+            ops.append((True, span_name(k[0].value, k[1], k[2]), peer, self.ready.pop(k)))
             labels.append((k[0].value, k[1], k[2]))
             self.posted.add(k)
             i += 1
@@ -170,7 +172,7 @@ class Executor:
             return
         self.deferred_posts = []
         try:
-            with self.recorder.range(kind, stage, mb, name=f"{kind}/s{stage}/mb{mb}"):
+            with self.recorder.range(kind, stage, mb, name=span_name(kind, stage, mb)):
                 yield
         finally:
             posts, self.deferred_posts = self.deferred_posts, None
@@ -266,7 +268,7 @@ class Executor:
         elif kind in (Kind.B, Kind.I):
             self._backward(a.stage, a.mb, split=kind is Kind.I, span=kind.value)
         elif kind is Kind.W:
-            with rec.range("W", a.stage, a.mb, name=f"W/s{a.stage}/mb{a.mb}"):
+            with rec.range("W", a.stage, a.mb, name=span_name("W", a.stage, a.mb)):
                 label = self.store.pop()
             if label != (a.stage, a.mb):
                 raise PipelineError(f"{self.who}: W/s{a.stage}/mb{a.mb} popped the weight-grads of "
@@ -281,10 +283,17 @@ class Executor:
         span before it) and the other half waits for its own input when it comes to it; overlapped (exchanges
         inside), the halves start together and either computes while the other's input is in flight. Serial
         (--no-overlap): both inputs first, F, then B, and the pair's sends after it."""
-        name = f"FB/s{a.stage}/mb{a.mb}+s{a.b_stage}/mb{a.b_mb}"
-        fb = lambda: self.recorder.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name)  # noqa: E731
-        f_half = lambda given=None: self._forward(a.stage, a.mb, batch, span="F", given=given)  # noqa: E731
-        b_half = lambda given=None: self._backward(a.b_stage, a.b_mb, split=False, span="B", given=given)  # noqa: E731
+        name = span_name("FB", a.stage, a.mb, (a.b_stage, a.b_mb))
+
+        def fb():
+            return self.recorder.range("FB", a.stage, a.mb, partner=(a.b_stage, a.b_mb), name=name)
+
+        def f_half(given=None):
+            return self._forward(a.stage, a.mb, batch, span="F", given=given)
+
+        def b_half(given=None):
+            return self._backward(a.b_stage, a.b_mb, split=False, span="B", given=given)
+
         if self.pair is None:
             f_in, b_in = self._forward_input(a.stage, a.mb, batch), (self._backward_input(a.b_stage, a.b_mb),)
             self.hold_sends = True

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from traces.trace import span_name
+
 
 class HalfAborted(RuntimeError):
     """Raised at a switch point of one half when the other half failed."""
@@ -76,7 +78,7 @@ class PairRunner:
             self._waiting = {"F": None, "B": None}
             self._fills = 0
         self._meta = {"F": ("F", *f_chunk), "B": ("B", *b_chunk)}
-        self._names = {"F": f"F/s{f_chunk[0]}/mb{f_chunk[1]}", "B": f"B/s{b_chunk[0]}/mb{b_chunk[1]}"}
+        self._names = {"F": span_name("F", *f_chunk), "B": span_name("B", *b_chunk)}
         self._jobs.put(backward)
         try:
             with self._cv:  # B first: the forward starts at the backward's first switch point

@@ -27,10 +27,12 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from kernels import single_pass
+from traces.trace import span_name
 
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import build_block, build_embedding, build_head
@@ -123,7 +125,8 @@ class Stage(nn.Module):
         y = f.core(h)
         post = self._post_fn(m, coeffs)
         if is_mlp:
-            x_next = env.hp_post(post, x, y, coeffs, name=f"F/s{self.spec.stage}/mb{mb}/L{layer}.post_res~hp",
+            hp_name = span_name("F", self.spec.stage, mb, stream="hp", part=f"L{layer}.post_res")
+            x_next = env.hp_post(post, x, y, coeffs, name=hp_name,
                                  stage=self.spec.stage, mb=mb)
         else:
             x_next = post(x, y)
@@ -204,8 +207,7 @@ class Stage(nn.Module):
             leaf, out, rec = run.segs.pop()
             if rec is not None:
                 first = rec.first_layer
-                name = f"RC/s{self.spec.stage}/mb{run.mb}" if nblocks == 1 else \
-                    f"RC/s{self.spec.stage}/mb{run.mb}/L{first}.block"
+                name = span_name("RC", self.spec.stage, run.mb, part=None if nblocks == 1 else f"L{first}.block")
                 with env.recorder.range("RC", self.spec.stage, run.mb, name=name):
                     rec.rebuild()
                 env.saved.note_transient(rec.cache_bytes())

@@ -21,21 +21,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 
-from _pipeline_helpers import check_ok, tiny_config  # noqa: E402
-from mhcpipe.cli import main  # noqa: E402
-from pipeline.launch.local import interleaved_worker  # noqa: E402
-from rank_pool import launch  # noqa: E402
-from traces.chrome import validate_chrome  # noqa: E402
-from traces.compare import compare  # noqa: E402
-from traces.critical_path import critical_path  # noqa: E402
-from traces.matching import drop_warmup_step  # noqa: E402
-from traces.path_marks import paths_for, place  # noqa: E402
-from traces.replay import critical_chain, measured_durations, replay, slack  # noqa: E402
-from traces.span_graph import build_span_graph  # noqa: E402
-from traces.step_select import steps_of  # noqa: E402
-from traces.trace import Trace  # noqa: E402
-from traces.view import build_layout  # noqa: E402
-from traces.whatif import whatif  # noqa: E402
+from _pipeline_helpers import check_ok, tiny_config
+from mhcpipe.cli import main
+from pipeline.launch.local import interleaved_worker
+from rank_pool import launch
+from traces.chrome import validate_chrome
+from traces.compare import compare
+from traces.critical_path import critical_path
+from traces.matching import drop_warmup_step
+from traces.path_marks import paths_for, place
+from traces.replay import critical_chain, measured_durations, replay, slack
+from traces.span_graph import build_span_graph
+from traces.step_select import steps_of
+from traces.trace import Trace
+from traces.view import build_layout
+from traces.whatif import whatif
 
 pytestmark = pytest.mark.timeout(300)
 
