@@ -160,10 +160,17 @@ def p3b():
 SPACE = dict(microbatch_sizes=(1,), recompute=("off", "auto"))
 
 
-def test_tune_under_both_optimizer_choices(p3b, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tuned_both(p3b):
+    """paper-3b on 32 h800s, 40 GiB, global batch 64, both optimizer choices: the search two tests read."""
+    cfg, data = p3b
+    return tune(cfg, data, HW, 32, 40.0, 64, **SPACE)
+
+
+def test_tune_under_both_optimizer_choices(p3b, tuned_both, tmp_path, capsys):
     cfg, data = p3b
     runs = {z: tune(cfg, data, HW, 32, 40.0, 64, distributed_optimizer=(z,), **SPACE) for z in (False, True)}
-    both = tune(cfg, data, HW, 32, 40.0, 64, **SPACE)
+    both = tuned_both
     for z, res in runs.items():
         assert res.best is not None and all(e.cand.distributed_optimizer is z for e in res.front)
         assert all(e.memory_gib <= 40.0 for e in res.front)
@@ -208,9 +215,9 @@ def test_ties_are_the_front_within_the_error_band_most_headroom_first():
     assert ties_of([best], best) == [best] and ties_of([], None) == []
 
 
-def test_tune_reports_ties(p3b, capsys):
+def test_tune_reports_ties(p3b, tuned_both, capsys):
     cfg, data = p3b
-    res = tune(cfg, data, HW, 32, 40.0, 64, **SPACE)
+    res = tuned_both
     assert res.best in res.ties
     assert all(e.step_us <= res.best.step_us * (1 + TIE_PCT / 100) and e.cand.hp for e in res.ties)
     assert [e.memory_bytes for e in res.ties] == sorted(e.memory_bytes for e in res.ties)

@@ -96,9 +96,10 @@ def check_ok(results) -> None:
     assert not bad, f"ranks failed: {bad}"
 
 
-def mhcpipe_refusal(*args: str) -> subprocess.CompletedProcess:
-    """`mhcpipe ARGS` in this process, for input the command must refuse before it starts anything (a bad flag,
-    config or layout): its exit code and what it printed, as subprocess.run would return them. Saves starting an
+def mhcpipe_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`mhcpipe ARGS` in this process, for a command that starts no process group: input it must refuse before it
+    starts anything (a bad flag, config or layout), or a single-process command (`checkpoint convert`): its exit
+    code and what it printed, as subprocess.run would return them. Saves starting an
     interpreter that imports torch per case; an exception that escapes `main` fails the test with its traceback,
     as a traceback on a real stderr would."""
     from mhcpipe.cli import main

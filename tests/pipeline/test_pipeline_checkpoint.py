@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from _pipeline_helpers import mhcpipe_refusal, tiny_config
+from _pipeline_helpers import mhcpipe_in_process, tiny_config
 from pipeline.checkpoint import dcp, files
 from configs import parse_config
 from pipeline.launch.local import free_port
@@ -157,8 +157,7 @@ def runs(tmp_path_factory):
     cfg_path = base / "model.yaml"
     cfg_path.write_text(yaml.safe_dump(refs["dualpipe"]))
     t = time.monotonic()
-    conv = subprocess.run([sys.executable, "-m", "mhcpipe", "checkpoint", "convert", str(old), str(base / "converted"),
-                           "--config", str(cfg_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    conv = mhcpipe_in_process("checkpoint", "convert", str(old), str(base / "converted"), "--config", str(cfg_path))
     timings["convert"] = time.monotonic() - t
     sources = {"dualpipe": base / "dualpipe", "1f1b": base / "1f1b", "converted": base / "converted"}
     resume_runs, dirs = [], {}
@@ -352,7 +351,7 @@ def test_checkpoint_convert_refuses_bad_input_in_one_line(runs, tmp_path):
     for args, words in (((str(tmp_path / "none"), str(tmp_path / "a"), "--config", "tiny"), "is not an old-format"),
                         ((str(runs["old"]), str(tmp_path / "b"), "--config", str(tmp_path / "no.yaml")), "no.yaml"),
                         ((str(runs["old"]), str(tmp_path / "c"), "--config", str(cfg_path)), "the config the old run")):
-        res = mhcpipe_refusal("checkpoint", "convert", *args)
+        res = mhcpipe_in_process("checkpoint", "convert", *args)
         err = res.stderr.strip()
         assert res.returncode == 2 and "\n" not in err and err.startswith("mhcpipe checkpoint: error: "), err
         assert words in err, err

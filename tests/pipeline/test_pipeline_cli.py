@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _pipeline_helpers import check_ok, mhcpipe_refusal, tiny_config
+from _pipeline_helpers import check_ok, mhcpipe_in_process, tiny_config
 from pipeline.launch.local import variants_worker
 from rank_pool import launch
 
@@ -89,7 +89,7 @@ def test_run_trace_interleave_checkpoint_resume(tmp_path):
     last = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
     assert len(last) == 1 and last[0].startswith("step 3/3")
     assert float(re.search(r"loss (\S+)", last[0]).group(1)) == losses[2]
-    again = mhcpipe_refusal("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume")
+    again = mhcpipe_in_process("run", "--config", str(path), "--checkpoint-dir", str(ckpt), "--resume")
     err = again.stderr.strip()
     assert again.returncode == 2 and len(err.splitlines()) == 1 and "nothing left to run; raise --steps" in err, err
 
@@ -116,7 +116,7 @@ def test_run_trace_interleave_checkpoint_resume(tmp_path):
     (["run", "--config", "tiny", "--dp", "0"], "--dp 0"),
 ])
 def test_bad_config_is_one_line_exit_2(args, field):
-    out = mhcpipe_refusal(*args)
+    out = mhcpipe_in_process(*args)
     assert out.returncode == 2
     err = out.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1 and field in err, err
@@ -132,7 +132,7 @@ def test_config_error_names_field(tmp_path):
     cfg["model"]["hidden"] = -3
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = mhcpipe_refusal("run", "--config", str(path))
+    out = mhcpipe_in_process("run", "--config", str(path))
     assert out.returncode == 2 and "model.hidden" in out.stderr, out.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _pipeline_helpers import mhcpipe_refusal, tiny_config
+from _pipeline_helpers import mhcpipe_in_process, tiny_config
 from configs import parse_config
 from pipeline.launch.run_args import with_residual_flag
 
@@ -53,11 +53,11 @@ def test_bad_xhc_config_fields_are_one_line(tmp_path):
     cfg["model"]["residual"] = {"variant": "xhc", "n": 16, "active": 4, "augment": "attention"}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = mhcpipe_refusal("run", "--config", str(path), "--steps", "1")
+    proc = mhcpipe_in_process("run", "--config", str(path), "--steps", "1")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "augment" in lines[0] and "MLP write-back only" in lines[0], proc.stderr
-    proc = mhcpipe_refusal("run", "--config", "tiny", "--residual", "mhc:4", "--diagnostics-every", "5",
+    proc = mhcpipe_in_process("run", "--config", "tiny", "--residual", "mhc:4", "--diagnostics-every", "5",
                            "--steps", "1")
     assert proc.returncode == 2 and "--diagnostics-dir" in proc.stderr and "Traceback" not in proc.stderr
 
