@@ -18,10 +18,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m mhcpipe demo
 
-# `make test` byte-compiles our code first (all cores): every rank and launched process imports it, and where
-# PYTHONDONTWRITEBYTECODE is set (this project's VMs set it) each one would otherwise compile it from source again
 test: $(STAMP)
-	$(PY) -m compileall -q -j 0 configs kernels traces schedules costmodel pipeline mhcpipe bench tests
 	$(PY) -m pytest -q --durations=15 -n 2 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; exit 1; fi; exit $$rc
 
