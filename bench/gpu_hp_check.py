@@ -7,16 +7,14 @@ Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, 
 
 On CUDA the runtime runs every MLP sub-layer's post+res on a priority -1 stream (`RankRuntime` creates
 `torch.cuda.Stream(priority=-1)` and hands it to `pipeline.runtime.stage.StageEnv` as `hp`); the compute stream waits
-for
-it only where the result is consumed (`StageEnv.sync_hp`). A missing wait or a tensor freed too early
+for it only where the result is consumed (`StageEnv.sync_hp`). A missing wait or a tensor freed too early
 (`record_stream`) is a race: it changes bits, or only sometimes. For each residual variant (default mhc:4 and
 mhc-sp:4) and each rank of a DualPipeV pipeline of P = 2 (rank 0: embedding and head stages; rank 1: two middle
 stages), two `RankRuntime`s of the same seed are built, one as the runtime builds it and one with `env.hp = None`
 (post+res inline on the compute stream, the placement's only difference). Each runs the rank's full action list
 (`Executor.run_step`: F, B, W and F&B pairs of M = 4 micro-batches; no process group: the P2P transport is a
 `pipeline.distributed.loopback.LoopbackTransport` whose sends are captured) on fresh random inputs per check (a new
-loopback
-seed for the received activations and gradients, a new synthetic batch; never zeros), in the order no-hp, hp,
+loopback seed for the received activations and gradients, a new synthetic batch; never zeros), in the order no-hp, hp,
 no-hp. Compared with `torch.equal`: the loss, every tensor the rank sends (stage outputs and input-grads) and every
 parameter gradient. hp vs no-hp must be bitwise equal; no-hp vs no-hp is the determinism baseline (if it differs,
 the kernels are not deterministic and the hp comparison proves nothing; both are reported). On CUDA torch's

@@ -13,8 +13,7 @@ For each schedule (gpipe 1f1b zb1p dualpipe dualpipev) and layout
 the same job runs twice with torchrun (`--nproc-per-node N -m pipeline ... --steps 3`): `--device cuda` (one GPU
 per rank, NCCL) and `--device cpu` (gloo). Rank 0 prints one line per step (`step 1/3  loss 4.123456 ...`,
 pipeline/runtime/train.py StepStats.line); the losses of the two runs must agree step by step to |a - b| <= 1e-4 |b|.
-Why
-that tolerance: the CUDA run computes with other kernels (cuBLAS, the fused Triton mHC kernels) than the CPU run
+Why that tolerance: the CUDA run computes with other kernels (cuBLAS, the fused Triton mHC kernels) than the CPU run
 (CPU BLAS, the eager ops), which sum in other orders, and reductions over NCCL and gloo also differ in order; in
 float32 that moves a loss by ~1e-6 relative after 3 AdamW steps (the line prints 6 decimals, ~2e-7 relative), so
 1e-4 flags a wrong result, not rounding; the float64 tiny-moe runs should agree to ~1e-12.

@@ -11,17 +11,15 @@ with a process group of one rank (NCCL on CUDA, gloo with --device cpu; MASTER_A
 the world group and two 1-rank expert-parallel groups (`dist.new_group([0])` twice: "F" for the forward's
 all-to-alls, "B" for the backward's) handed in through `pipeline.distributed.layout.ParallelGroups`. The pipeline P2P
 transport is swapped for `pipeline.distributed.loopback.LoopbackTransport` (as bench/stage.py does): every RECV is a
-device
-copy of a pre-made random tensor, every SEND completes at once.
+device copy of a pre-made random tensor, every SEND completes at once.
 
 On a 1-rank EP group the runtime runs the experts locally (`ExpertComm.exchanging` is False for one rank), so
 nothing would run on the pair's helper thread. This script sets `rt.expert.exchanging = True`: then the counts,
 dispatch and combine all-to-alls (and their .dgrad backward exchanges) really go through the 1-rank groups, and
 every F&B pair takes
 `pipeline.runtime.overlap.PairRunner`'s threaded path (forward half here, backward half on the helper thread, turns
-handed
-over at every all-to-all and block boundary; on CUDA both threads issue to the compute stream and NCCL runs on its
-own streams).
+handed over at every all-to-all and block boundary; on CUDA both threads issue to the compute stream and NCCL runs
+on its own streams).
 
 Two runtimes of the same seed are built: overlap on (the threaded pairs) and off (`parallel.overlap: false`: F,
 then B, every all-to-all waited right after its post). After warm-up steps their timed steps alternate

@@ -11,8 +11,7 @@ Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, 
 What runs: `pipeline.runtime.train.RankRuntime` builds rank r of a DualPipeV pipeline (default P = 4, rank 1: a middle
 rank holding two stages of the V, no embedding or head) with M = 2P micro-batches; its transport is swapped
 for `pipeline.distributed.loopback.LoopbackTransport`, so every RECV is a device copy of a pre-made tensor and every
-SEND
-completes at once. The executor then runs the rank's lowered action list unchanged: both chunks, overlapped
+SEND completes at once. The executor then runs the rank's lowered action list unchanged: both chunks, overlapped
 F&B, the B/W split (I and W), mHC recompute (mode 'auto' for n = 4, off for n = 1) and, on CUDA, the MLP
 post+res on the high-priority stream. The FFN is a dense SwiGLU of the 27B model's active FLOPs (8 x 1536 =
 12288), so the baseline is not slowed by a naive local MoE. Both variants are built once (both stay resident,

@@ -67,10 +67,9 @@ over-counted, under 1/(L(2n+2)) of the stage's residual traffic). The contract a
 pass's u (V4.1 folds the streams with the last sub-layer's input-mixing coefficient before the head): no kernel.
 
 Activation memory (mhc.md §5, Table 3; what pipeline/runtime/stage.py and pipeline/runtime/recompute.py keep and
-rebuild, checked
-against the runtime by the audit tests). F's own saved tensors (memory.sublayer_activation_elems) include its
-norm input u_l and normed output h_l (2C). Without recompute the residual adds x_l (nC, plus the normed nC state
-for the unfused forms), F's output y_l (C) and the coefficients. With recompute in blocks of r sub-layers every
+rebuild, checked against the runtime by the audit tests). F's own saved tensors (memory.sublayer_activation_elems)
+include its norm input u_l and normed output h_l (2C). Without recompute the residual adds x_l (nC, plus the normed
+nC state for the unfused forms), F's output y_l (C) and the coefficients. With recompute in blocks of r sub-layers every
 variant, the plain residual included (the runtime recomputes whatever the config says, and DeepSeek-V3 §3.2.3
 recomputes every RMSNorm in its baseline too), keeps the block input x_l0 (once per block: ceil(L/r) per
 stage), y_l and the coefficients, and drops x_l (l >= 1), u_l and h_l: the recompute kernels above rebuild

@@ -9,8 +9,7 @@ inside it the outputs are ready to send, is decided here.
   the previous kernel). Chain c may not start before `lags[c]` (its receive arrives later than the action starts:
   each half waits only for its own input).
 * Program order (the runtime's, pipeline/runtime/overlap.py): a chain is cut into segments after every all-to-all it
-posts
-  and at every block boundary (`TimedOp.switch`); an F&B pair issues F's first segment, then B's, then F's
+posts and at every block boundary (`TimedOp.switch`); an F&B pair issues F's first segment, then B's, then F's
   second, ... (DualPipe's hand-written interleaving: forward attention / dispatch / MLP / combine of one
   micro-batch against backward combine / MLP / dispatch / attention of the other). The backward half's W kernels
   (`deferrable`) are issued after both halves, at the end of the compute stream's queue, as the runtime does on

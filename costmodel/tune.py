@@ -7,8 +7,7 @@ micro-batches one pipeline runs, L_r the recompute block (sub-layers).
 
 Search space (one `Candidate` each): P dividing the GPUs (D = GPUs / P), schedule kind, EP dividing D and the
 expert count (the runtime's rules, pipeline/distributed/layout.py), b from a list (M follows), recompute off / auto
-(Eq. 20
-per stage) / a few block sizes, the MLP-side post+res on the high-priority stream or not, and stages that do not
+(Eq. 20 per stage) / a few block sizes, the MLP-side post+res on the high-priority stream or not, and stages that do not
 divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more), the optimizer
 state whole on every rank or sharded over the data-parallel ranks (train.distributed_optimizer, ZeRO-1 as
 Megatron-LM's distributed optimizer: memory only; the step prices the same gradient all-reduce). EP placement

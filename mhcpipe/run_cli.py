@@ -3,8 +3,7 @@
     mhcpipe run --nproc 4 --config configs/tiny.yaml --schedule dualpipev --trace-dir runs/x
 
 Every flag except --nproc is passed through to `python -m pipeline` (flags: pipeline/launch/run_args.py). A bad config
-is
-reported here as one line (exit 2) before any process starts. The agent runs in this process (torch is imported
+is reported here as one line (exit 2) before any process starts. The agent runs in this process (torch is imported
 already: a `torchrun` process would import it again before the ranks start); when a rank fails, its own message
 is on stderr, then one line here names the first failed rank, and its exit code is returned.
 """

@@ -4,8 +4,7 @@ turn (pipeline.runtime.train.train_interleaved), and writes runs/x/mhc_4/ and ru
 
 Layout: world = pipeline ranks (--pp) x data-parallel replicas (--dp), expert parallelism (--ep) inside dp
 (pipeline.distributed.layout); without --pp the pipeline takes world / dp ranks. Several nodes: the same command on
-each,
-with torchrun's --nnodes and rendezvous flags. Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from
+each, with torchrun's --nnodes and rendezvous flags. Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from
 torchrun. Backend: NCCL when every rank has its own GPU, gloo on CPU, and gloo with the host-staged transport
 when several ranks share a GPU (or with --transport host). Bad flags, config or layout: one line on stderr,
 exit 2, before any rank computes. A distributed failure (timeout, dead peer): one line naming the rank, the op

@@ -15,8 +15,7 @@ Statistics (norm, router softmax, loss) run in fp32, or fp64 when the activation
 
 MoE: tokens are grouped by expert with one stable argsort (no per-expert `nonzero`), and the routed experts run
 through `pipeline.distributed.expert.ExpertComm`, which is the identity on one rank and the all-to-all dispatch/combine
-of
-expert parallelism on an EP group; a rank then holds only its E / EP experts, built under the same per-expert
+of expert parallelism on an EP group; a rank then holds only its E / EP experts, built under the same per-expert
 seeds as the single-process model (parameter names `...experts.<global id>...` on every layout).
 """
 from __future__ import annotations

@@ -209,18 +209,12 @@ ARGV_OUTSIDE_APP = {"pipeline.__main__"}
 
 
 def argv_parsers(root: Path = ROOT) -> set[str]:
-    """Modules of ours, outside the app layer (mhcpipe), that import argparse (an import only for type hints, under
-    `if TYPE_CHECKING:`, parses nothing)."""
+    """Modules of ours, outside the app layer (mhcpipe), that import argparse."""
     out = set()
     for name, path in module_files(root).items():
         if name.split(".")[0] == "mhcpipe":
             continue
-        tree = ast.parse(path.read_text(), str(path))
-        hints = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and
-                 isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
-        for node in ast.walk(tree):
-            if id(node) in hints:
-                continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             if "argparse" in names:

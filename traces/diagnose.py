@@ -3,8 +3,7 @@
 Shape letters: N streams, L sub-layers (depth).
 
 Input: the `diagnostics_rank*.json` files `pipeline.observability.diagnostics_log.DiagnosticsLog` writes into a run's
-trace dir
-(one variant, e.g. runs/x/mhc_4/), or a parent dir holding several such variant dirs. Per run and logged step:
+trace dir (one variant, e.g. runs/x/mhc_4/), or a parent dir holding several such variant dirs. Per run and logged step:
 
 - Ranks are merged per sub-layer: each rank logs the layers of the stages it holds. A layer recorded twice
   (DualPipe holds two copies of a stage, on two ranks, fed different micro-batches) is taken once, from the

@@ -130,8 +130,7 @@ def _fifo_arrivals(spans: list[Span], rows, arrivals: list[float]) -> None:
 def peer_rank(trace: Trace) -> Callable[[Span], int | None]:
     """The global rank of a P2P span's peer. The runtime records the peer's rank in the pipeline group; with data
     parallelism (meta layout dp > 1) global rank = pipeline rank * dp + replica (pipeline/distributed/layout.py), and
-    both
-    ends of a message are the same replica."""
+    both ends of a message are the same replica."""
     layout = trace.meta.get("layout") if isinstance(trace.meta.get("layout"), dict) else {}
     dp = layout.get("dp", 1)
     if not isinstance(dp, int) or dp <= 1:

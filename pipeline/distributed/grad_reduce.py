@@ -4,8 +4,7 @@ A stage's gradients are final once the last action of the step that writes them 
 B half of an F&B (read off the rank's action list). Right then its dense gradients are flattened into one buffer
 and an all-reduce (sum) over the dense gradient group is posted, and its expert gradients over the expert group
 (pipeline.distributed.layout); nothing waits for them until `finish()`, before the optimizer, so the reductions run
-under
-the rest of the step (the pipeline's drain, the other stage's work). The loss is the sum over the global batch
+under the rest of the step (the pipeline's drain, the other stage's work). The loss is the sum over the global batch
 divided by its token count, so the sum over the copies is the gradient. DualPipe's two copies of a chunk are
 two more copies in the same all-reduce, which also leaves them bitwise identical.
 

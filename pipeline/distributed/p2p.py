@@ -4,8 +4,7 @@ Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
 `Transport.post(ops)` issues the SEND/RECV ops (peers are pipeline ranks) as one `batch_isend_irecv` per P2P
 channel group (pipeline.distributed.layout: one two-rank group per direction of each pipeline link, so a communicator
-carries
-one channel's messages in one order on both ends: docs/communication.md) and returns one `comm.Handle` per op
+carries one channel's messages in one order on both ends: docs/communication.md) and returns one `comm.Handle` per op
 without waiting.
 Compute waits only on the receive it consumes and sends are reaped when they complete; waits, deadlines and
 their spans are `comm.Comms`' business.

@@ -5,8 +5,7 @@ Shape letters: T tokens of a micro-batch, n streams, C hidden.
 
 time_stage_pieces(cfg, variants) times, in this process with one thread (like a rank):
 * one middle pipeline stage holding one Transformer block, through pipeline.runtime.stage.Stage exactly as a rank runs
-it
-  (forward generator, split backward I with the WeightGradStore, its W, and the full backward B), once with the
+it (forward generator, split backward I with the WeightGradStore, its W, and the full backward B), once with the
   plain residual and once per residual variant. The variant's extra cost per sub-layer is the difference over
   the block's two sub-layers. Timing the whole stage rather than the residual wrapper alone keeps what the
   wrapper does to the code around it: an mHC block's weight-grad GEMMs run slower than the baseline's after

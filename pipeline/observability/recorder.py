@@ -7,15 +7,13 @@ monotonic clock and share the earliest rank's zero (exact); across hosts the bar
 (off by the barrier's exit jitter, milliseconds on a loaded host).
 
 CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completion (pipeline.distributed.comm) and a
-`WAIT`
-span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
+`WAIT` span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
 high-priority stream for `~hp` ranges), resolved in `flush_step` once they completed (polled with a deadline);
 comm spans start with an event on the communication stream and end with one on a stream ordered behind the
-transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of an
-overlapped
-F&B pair, one at
-a time (pipeline.runtime.overlap). The `nvtx` package is optional: without it (or without a profiler attached, where its
-calls cost little) only spans are kept. NVTX domain `mhc_pipe`, category = op kind.
+transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of
+an overlapped F&B pair, one at a time (pipeline.runtime.overlap). The `nvtx` package is optional: without it (or
+without a profiler attached, where its calls cost little) only spans are kept. NVTX domain `mhc_pipe`,
+category = op kind.
 """
 from __future__ import annotations
 

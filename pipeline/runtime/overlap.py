@@ -4,8 +4,7 @@ The forward half runs on the calling thread, the backward half on a helper threa
 DualPipeV: a second Python thread, one compute turn handed back and forth). Exactly one half computes at a time;
 the turn moves at *switch points*:
 * right after a half posts an all-to-all (pipeline.distributed.expert): its communication then flies while the other
-half
-  computes, and the half waits for it only when the turn comes back;
+half computes, and the half waits for it only when the turn comes back;
 * at every segment boundary (a Transformer block, a recompute block, the embedding or the head), so the halves
   interleave block by block: forward attention / dispatch / MLP / combine of one micro-batch against backward
   combine / MLP / dispatch / attention of the other.

@@ -151,8 +151,7 @@ def _runtime_cfg(n: int, rc_block: int | None) -> dict:
 def test_memory_model_matches_what_the_runtime_keeps_and_rebuilds(n):
     """What recompute saves (kept bytes without it minus with it) and what each block rebuilds, measured on the
     runtime (pipeline.runtime.stage + pipeline.runtime.recompute: it drops x_l, H_pre x_l and F's norm output, keeps
-    x_l0 and
-    F's output), equal the cost model's numbers for the same stage, the plain residual included."""
+    x_l0 and F's output), equal the cost model's numbers for the same stage, the plain residual included."""
     spec = ResidualSpec.baseline() if n == 1 else ResidualSpec("mhc", n)
     off, _ = _runtime_saved(n, None)
     for rc in (1, 3, 8):
