@@ -177,12 +177,12 @@ def test_expert_and_data_parallel_layout_prints_the_single_process_losses():
 def test_bad_layout_under_torchrun_stops_every_rank_before_it_computes():
     from pipeline.launch.local import free_port
 
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                           str(free_port()), "-m", "pipeline",
                           "--config", "tiny-moe", "--pp", "3"], cwd=ROOT, capture_output=True, text=True, timeout=110,
                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0
     lines = [ln for ln in out.stderr.splitlines() if "python -m pipeline: error (rank" in ln]
     assert lines, out.stderr[-3000:]  # every rank reports; torchrun may stop the others once one has exited
-    assert all("parallel.ranks (--pp 3) x parallel.data_parallel (--dp 1) = 3, but 4 processes" in ln for ln in lines)
+    assert all("parallel.ranks (--pp 3) x parallel.data_parallel (--dp 1) = 3, but 2 processes" in ln for ln in lines)
     assert "step 1/" not in out.stdout

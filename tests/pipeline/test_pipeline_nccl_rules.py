@@ -28,6 +28,9 @@ from rank_pool import launch
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 LAYOUTS = {"pp4": dict(ranks=4), "pp2-dp2-ep2": dict(ranks=2, dp=2, ep=2, moe=True)}
+# The deadlock cases block at their first pipeline message (a few ms into step 1), and the ranks of a pool case start
+# together: 3 s is far above both, and each deadlock case waits it out once.
+DEADLOCK_TIMEOUT_S = 3
 
 
 def _step_worker(rank, world, cfg_dict, trace_dir=None):
@@ -52,11 +55,11 @@ def test_the_shared_p2p_group_deadlocks_under_nccl_rules_in_every_schedule(kind)
     """Posting order of the shared design, replayed live under NCCL's rules: every rank fails within the timeout
     with one line naming the op it waited for and every rank's queue heads (what each one's communicator is
     stuck on, and what sits behind it)."""
-    cfg = tiny_config(kind, 4, steps=1, timeout_s=5)
+    cfg = tiny_config(kind, 4, steps=1, timeout_s=DEADLOCK_TIMEOUT_S)
     cfg["parallel"]["p2p_groups"] = "shared"
     results = launch(_step_worker, 4, (cfg,), timeout_s=120, grace_s=20)
     assert all(r.exitcode == 1 for r in results), [(r.rank, r.exitcode, r.error) for r in results]
-    timed_out = [f"rank {r.rank}: timed out after 5 s waiting for " in r.error for r in results]
+    timed_out = [f"rank {r.rank}: timed out after {DEADLOCK_TIMEOUT_S} s waiting for " in r.error for r in results]
     for r, t in zip(results, timed_out):
         assert "\n" not in r.error, r.error
         # a rank whose peer already died of its timeout sees the closed connection first: the same report
@@ -78,7 +81,7 @@ def test_the_shared_p2p_group_deadlocks_under_nccl_rules_in_every_schedule(kind)
 def test_the_shared_p2p_group_deadlocks_in_the_pair_view_too():
     """ProcessGroupNCCL may run P2P on a two-rank communicator per rank pair, shared by both directions: the old
     design deadlocks there as well (rank 0's receive from rank 1 ahead of its send to it, and vice versa)."""
-    cfg = tiny_config("1f1b", 4, steps=1, timeout_s=5, comm_rules="nccl-pair")
+    cfg = tiny_config("1f1b", 4, steps=1, timeout_s=DEADLOCK_TIMEOUT_S, comm_rules="nccl-pair")
     cfg["parallel"]["p2p_groups"] = "shared"
     results = launch(_step_worker, 4, (cfg,), timeout_s=100, grace_s=20)
     assert all(r.exitcode == 1 for r in results), [(r.rank, r.exitcode, r.error) for r in results]
@@ -138,7 +141,7 @@ def _send_first_worker(rank, world, p2p_groups):
     completes; on one NCCL communicator each send waits for a receive queued behind the peer's own send."""
     import torch
 
-    tr = _strict_transport(rank, world, p2p_groups, timeout_s=4.0)
+    tr = _strict_transport(rank, world, p2p_groups, timeout_s=DEADLOCK_TIMEOUT_S)
     x = torch.randn(4, 2, 8)
     peer = 1 - rank
     (s,) = tr.post([(True, f"SEND_F/s{rank}/mb0", peer, x)])
