@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint readme bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# every command the README shows, run in its order in a scratch directory (tests/readme_walk.py; CI runs it)
+readme: $(STAMP)
+	$(PY) tests/readme_walk.py
 
 bench: $(STAMP)
 	$(PY) bench/schedule_bench.py

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ def run_torchrun(config: str, residual: str, interleave: str, steps: int, trace_
     measured traces land in trace_dir/<variant>_<n>/. Returns the ranks' step lines."""
     from pipeline.launch.local import free_port
 
+    trace_dir = trace_dir.resolve()
     trace_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "pipeline", "--config", config,
@@ -64,8 +66,11 @@ def run_torchrun(config: str, residual: str, interleave: str, steps: int, trace_
            "--trace-dir", str(trace_dir)]
     log = trace_dir / "run.log"
     with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        # the caller's working directory (a relative --config is the caller's), with the project importable from
+        # wherever that is
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     lines = [ln for ln in log.read_text().splitlines() if "] step " in ln]
     for ln in lines:
         print(f"      {ln}", flush=True)

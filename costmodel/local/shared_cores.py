@@ -72,6 +72,309 @@ class _Running:
     mid: float | None = None  # FB: work left when its forward half ends (its output is sent then)
 
 
+class _Channels:
+    """The FIFO message channels per (src, dst), in the sender's program order (schedules.simulate's semantics):
+    a transfer starts when both sides posted and the channel is free, and takes a fixed time."""
+
+    def __init__(self, programs: list[list[Action]], transfer_time: Callable[[Action], float]):
+        self.transfer_time = transfer_time
+        channel_of: dict[tuple[int, int], int] = {}
+        self.messages: list[list[tuple[tuple, Action]]] = []  # per channel: (delivered key, RECV action)
+        self.slot: dict[tuple, tuple[int, int]] = {}  # delivered key -> (channel, index in it)
+        for src, acts in enumerate(programs):
+            for a in acts:
+                if a.kind in _SEND:
+                    ch = channel_of.setdefault((src, a.peer), len(self.messages))
+                    if ch == len(self.messages):
+                        self.messages.append([])
+                    tag, recv_kind = _SEND[a.kind]
+                    key = (tag, a.stage, a.mb)
+                    self.slot[key] = (ch, len(self.messages[ch]))
+                    self.messages[ch].append((key, Action(recv_kind, a.stage, a.mb, -1, -1, src)))
+        self.send_at = [[None] * len(m) for m in self.messages]
+        self.recv_at = [[None] * len(m) for m in self.messages]
+        self.head = [0] * len(self.messages)
+        self.free_at = [0.0] * len(self.messages)
+        self.ends = {ch: ends for ends, ch in channel_of.items()}
+        self.durations: dict[Kind, float] = {}
+        self.arrivals: list[tuple[float, int, tuple]] = []  # (time, tie-break, delivered key)
+
+    def post(self, key: tuple, t: float, send: bool, spans: list[Span]) -> None:
+        """One side of message `key` is posted at t; start every transfer of its channel that can start."""
+        ch, i = self.slot[key]
+        (self.send_at if send else self.recv_at)[ch][i] = t
+        msgs = self.messages[ch]
+        while self.head[ch] < len(msgs):
+            i = self.head[ch]
+            s_t, r_t = self.send_at[ch][i], self.recv_at[ch][i]
+            if s_t is None or r_t is None:
+                return
+            key, recv = msgs[i]
+            d = self.durations.get(recv.kind)
+            if d is None:
+                d = self.durations[recv.kind] = self.transfer_time(recv)
+            start = max(s_t, r_t, self.free_at[ch])
+            self.free_at[ch] = start + d
+            src, dst = self.ends[ch]
+            send_kind = "SEND_F" if recv.kind is Kind.RECV_F else "SEND_B"
+            spans.append(Span(src, "comm", send_kind, recv.stage, recv.mb, start, d, None, dst))
+            spans.append(Span(dst, "comm", recv.kind.value, recv.stage, recv.mb, start, d, None, src))
+            heapq.heappush(self.arrivals, (start + d, len(spans), key))
+            self.head[ch] = i + 1
+
+    def next_arrival(self) -> float:
+        return self.arrivals[0][0] if self.arrivals else math.inf
+
+    def deliver(self, t: float, done: dict[tuple, float]) -> None:
+        """Every message that has arrived by t is there for its receiver."""
+        while self.arrivals and self.arrivals[0][0] <= t:
+            _, _, key = heapq.heappop(self.arrivals)
+            done[key] = t
+
+
+class _CoreScheduler:
+    """Which ranks hold a core (slice_us > 0), the way Linux's scheduler hands them on (see the module docstring).
+    `rates` is the progress rate of each running rank, fluid (slice_us = 0) or scheduled."""
+
+    def __init__(self, cores: Sequence[float], slice_us: float, protect_us: float):
+        self.cap = capacity(cores)
+        self.slice_us, self.protect_us = slice_us, protect_us
+        self.slots = max(1, round(max(float(c) for c in cores)))
+        self.on_core: dict[int, float] = {}  # rank -> when its protection ends
+        self.waiting: deque[int] = deque()  # ranks that want a core and have none
+        self.switching: dict[int, float] = {}  # rank -> what is left of the time it loses getting a core back
+        self.woke_a_peer: set[int] = set()  # ranks that just posted a message to a rank waiting for one
+
+    def switch_cost(self, k: int) -> float:
+        """Time a rank loses when it takes a core from another, with k ranks wanting one: what makes k > slots
+        always-ready ranks progress at cores(k) in total rather than cores(slots), with min(k - slots, slots)
+        switches per tick."""
+        if k <= self.slots:
+            return 0.0
+        return self.slice_us * self.slots * max(0.0, 1.0 - self.cap(k) / self.cap(self.slots)) / \
+            min(k - self.slots, self.slots)
+
+    def rates(self, running: dict[int, _Running]) -> dict[int, float]:
+        k = len(running)
+        if not k:
+            return {}
+        if not self.slice_us:
+            return dict.fromkeys(running, min(1.0, self.cap(k) / k))
+        m = min(k, self.slots)
+        speed = min(1.0, self.cap(m) / m)
+        return {r: speed if r in self.on_core and r not in self.switching else 0.0 for r in running}
+
+    def next_event(self, t: float) -> float:
+        """The next time the cores change hands by themselves: a tick after a protection's end, or a switch's end."""
+        t_next = math.inf
+        if self.waiting and self.on_core:
+            t_next = self._next_tick(t, max(t, min(self.on_core.values())))
+        for left in self.switching.values():
+            t_next = min(t_next, t + left)
+        return t_next
+
+    def elapse(self, dt: float) -> None:
+        for r in list(self.switching):
+            self.switching[r] -= dt
+            if self.switching[r] <= 1e-9 * max(1.0, self.slice_us):
+                del self.switching[r]
+
+    def _at_tick(self, t: float) -> bool:
+        return abs(t - round(t / self.slice_us) * self.slice_us) <= 1e-9 * max(1.0, t)
+
+    def _next_tick(self, t: float, after: float) -> float:
+        """The first tick at or after `after` that is later than t."""
+        tick = math.ceil(after / self.slice_us - 1e-9) * self.slice_us
+        return tick + self.slice_us if tick <= t + 1e-9 * max(1.0, t) else tick
+
+    def _preempt(self, r: int) -> None:
+        """r loses its core and gets in line for one."""
+        del self.on_core[r]
+        self.switching.pop(r, None)
+        self.waiting.append(r)
+
+    def give_cores(self, t: float, running: dict[int, _Running], woken: list[int]) -> None:
+        """Hand the cores on: ranks that woke up go first in line; a rank past its protection gives its core up
+        when it woke a waiting peer, or at a tick when someone waits."""
+        for r in [r for r in self.on_core if r not in running]:  # waits for a message: the core is free
+            del self.on_core[r]
+            self.switching.pop(r, None)
+        self.waiting.extendleft(reversed(woken))
+        for r in sorted(self.woke_a_peer & set(self.on_core), key=lambda r: self.on_core[r]):
+            if self.on_core[r] <= t:
+                self._preempt(r)
+        self.woke_a_peer.clear()
+        want = len(self.waiting) - (self.slots - len(self.on_core))
+        if want > 0 and self._at_tick(t):
+            past = sorted([r for r, until in self.on_core.items() if until <= t], key=lambda r: self.on_core[r])
+            for r in past[:want]:
+                self._preempt(r)
+        lost = self.switch_cost(len(running))
+        while self.waiting and len(self.on_core) < self.slots:
+            r = self.waiting.popleft()
+            self.on_core[r] = t + lost + self.protect_us
+            if lost > 0:
+                self.switching[r] = lost
+
+
+class _SharedCoresRun:
+    """One simulation: the ranks' programs walked as events (an action starts or ends, a message arrives, the
+    cores change hands), with the channels and the core scheduler as collaborators."""
+
+    def __init__(self, lowered: Schedule, work: Callable[[Action], float], channels: _Channels,
+                 cpu: _CoreScheduler, gap_us: float, fb_forward_share: Callable[[Action], float] | None):
+        self.topo = Topology(lowered)
+        self.programs = lowered.actions
+        self.P = lowered.num_ranks
+        self.work, self.channels, self.cpu = work, channels, cpu
+        self.gap_us, self.fb_forward_share = gap_us, fb_forward_share
+        self.done: dict[tuple, float] = {}
+        self.ptr = [0] * self.P
+        self.running: dict[int, _Running] = {}
+        self.paused: dict[int, _Running] = {}  # F&B pairs between their halves, waiting for the backward's input
+        self.preposted: set[tuple[int, int]] = set()  # (rank, program index) of sends posted by their pair's half
+        self.spans: list[Span] = []
+        self.busy = [0.0] * self.P
+        self.end = [0.0] * self.P
+        self.t = 0.0
+
+    # -- a rank's program --------------------------------------------------------------------------------------
+    def _half_needs(self, a: Action, r: int, forward: bool) -> list:
+        half = Action(Kind.F, a.stage, a.mb) if forward else Action(Kind.B, a.b_stage, a.b_mb)
+        return needs(half, r, self.topo)
+
+    def _post_send(self, r: int, a: Action) -> None:
+        if a.peer not in self.running:
+            self.cpu.woke_a_peer.add(r)
+        self.channels.post((_SEND[a.kind][0], a.stage, a.mb), self.t, True, self.spans)
+
+    def _forward_half_done(self, r: int, run: _Running) -> None:
+        """An F&B pair's forward half ended: its output exists and its send goes out (it follows the pair)."""
+        a = run.action
+        run.mid = None
+        self.done[("F", a.stage, a.mb)] = self.t
+        acts = self.programs[r]
+        for j in range(self.ptr[r], len(acts)):
+            s_ = acts[j]
+            if s_.kind not in COMM_KINDS:
+                break
+            if s_.kind is Kind.SEND_F and (s_.stage, s_.mb) == (a.stage, a.mb):
+                self._post_send(r, s_)
+                self.preposted.add((r, j))
+                break
+
+    def advance(self, r: int) -> None:
+        """Run rank r's posts at the current time up to its next compute action; take that up when its inputs
+        exist."""
+        acts, done = self.programs[r], self.done
+        while self.ptr[r] < len(acts):
+            a = acts[self.ptr[r]]
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                self.channels.post(produces(a)[0], self.t, False, self.spans)
+            elif a.kind in _SEND:
+                if (r, self.ptr[r]) not in self.preposted:
+                    if any(k not in done for k in needs(a, r, self.topo)):
+                        return
+                    self._post_send(r, a)
+            else:
+                split = a.kind is Kind.FB and self.fb_forward_share is not None
+                # a pair whose halves run in turn starts with its forward's input (the backward's comes later)
+                if any(k not in done for k in (self._half_needs(a, r, True) if split else needs(a, r, self.topo))):
+                    return
+                w = float(self.work(a))
+                mid = w * (1.0 - self.fb_forward_share(a)) if split else None
+                self.running[r] = _Running(a, self.gap_us, w, self.t, mid=mid)
+                self.ptr[r] += 1
+                return
+            self.ptr[r] += 1
+
+    # -- the event loop ----------------------------------------------------------------------------------------
+    def _next_event(self, rate: dict[int, float]) -> float:
+        t = self.t
+        t_next = min(self.channels.next_arrival(), self.cpu.next_event(t))
+        for r, run in self.running.items():
+            if run.started is None and run.gap_left <= 1e-9 * max(1.0, self.gap_us) and rate[r] > 0:
+                run.started = t  # no gap left: the span starts when the rank progresses
+            if rate[r] > 0:
+                left = run.gap_left if run.started is None else run.work_left - (run.mid or 0.0)
+                t_next = min(t_next, t + left / rate[r])
+        if math.isinf(t_next):
+            raise RuntimeError("shared-cores simulation stalled: no rank can progress (cores(k) must be > 0)")
+        return t_next
+
+    def _progress(self, dt: float, rate: dict[int, float]) -> tuple[list[int], list[int]]:
+        """Every running rank progresses for dt; returns (ranks whose action ended, ranks whose F&B pair's forward
+        half ended)."""
+        t, finished, halved = self.t, [], []
+        for r, run in self.running.items():
+            progress = dt * rate[r]
+            if run.started is None:
+                run.gap_left -= progress
+                if run.gap_left <= 1e-9 * max(1.0, self.gap_us) and progress > 0:
+                    run.started = t
+            else:
+                run.work_left -= progress
+                if run.mid is not None and run.work_left - run.mid <= 1e-9 * max(1.0, t - run.started):
+                    halved.append(r)
+                elif run.work_left <= 1e-9 * max(1.0, t - run.started):
+                    finished.append(r)
+        return finished, halved
+
+    def _finish(self, finished: list[int], halved: list[int]) -> None:
+        t = self.t
+        for r in finished:
+            run = self.running.pop(r)
+            a = run.action
+            partner = (a.b_stage, a.b_mb) if a.kind is Kind.FB else None
+            self.spans.append(Span(r, "compute", a.kind.value, a.stage, a.mb, run.started, t - run.started, partner))
+            self.busy[r] += t - run.posted
+            self.end[r] = t
+            for k in produces(a):
+                self.done[k] = t
+        for r in halved:  # the forward half ended: its output is sent; the backward half needs its own input
+            run = self.running[r]
+            self._forward_half_done(r, run)
+            if any(k not in self.done for k in self._half_needs(run.action, r, False)):
+                self.paused[r] = self.running.pop(r)
+                self.busy[r] += t - run.posted
+
+    def _take_up(self) -> list[int]:
+        """Ranks take up their next action where its inputs exist; returns those that need a core for it."""
+        woken = []
+        for r in range(self.P):
+            if r in self.paused:
+                if all(k in self.done for k in self._half_needs(self.paused[r].action, r, False)):
+                    self.running[r] = self.paused.pop(r)
+                    self.running[r].posted = self.t
+                    if r not in self.cpu.on_core:
+                        woken.append(r)
+            elif r not in self.running:
+                self.advance(r)  # a rank that finished keeps its core when its next action is ready
+                if r in self.running and r not in self.cpu.on_core:
+                    woken.append(r)
+        return woken
+
+    def run(self) -> None:
+        scheduled = bool(self.cpu.slice_us)
+        for r in range(self.P):
+            self.advance(r)
+        if scheduled:
+            self.cpu.give_cores(self.t, self.running, sorted(self.running))
+        while self.running or self.channels.arrivals or self.paused:
+            rate = self.cpu.rates(self.running)
+            t_next = self._next_event(rate)
+            dt, self.t = t_next - self.t, t_next
+            self.cpu.elapse(dt)
+            self._finish(*self._progress(dt, rate))
+            self.channels.deliver(self.t, self.done)
+            woken = self._take_up()
+            if scheduled:
+                self.cpu.give_cores(self.t, self.running, woken)
+
+    def blocked(self) -> dict[int, Action]:
+        return {r: self.programs[r][self.ptr[r]] for r in range(self.P) if self.ptr[r] < len(self.programs[r])}
+
+
 def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfer_time: Callable[[Action], float],
                     cores: Sequence[float], gap_us: float = 0.0, time_unit: str = "us",
                     slice_us: float = 0.0, protect_us: float = 0.0,
@@ -85,247 +388,12 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     first and whose output it sends as soon as it exists (pipeline.runtime.executor); None: the pair publishes both
     outputs at its end."""
     lowered = check_structure(schedule)
-    topo = Topology(lowered)
-    cap = capacity(cores)
+    cpu = _CoreScheduler(cores, slice_us, protect_us)  # checks cores
     if slice_us < 0 or protect_us < 0:
         raise ValueError(f"slice_us and protect_us must be >= 0, got {slice_us}, {protect_us}")
-    P = lowered.num_ranks
-    programs = lowered.actions
-
-    channel_of: dict[tuple[int, int], int] = {}
-    messages: list[list[tuple[tuple, Action]]] = []  # per channel: (delivered key, RECV action) in send order
-    slot: dict[tuple, tuple[int, int]] = {}
-    for src, acts in enumerate(programs):
-        for a in acts:
-            if a.kind in _SEND:
-                ch = channel_of.setdefault((src, a.peer), len(messages))
-                if ch == len(messages):
-                    messages.append([])
-                tag, recv_kind = _SEND[a.kind]
-                key = (tag, a.stage, a.mb)
-                slot[key] = (ch, len(messages[ch]))
-                messages[ch].append((key, Action(recv_kind, a.stage, a.mb, -1, -1, src)))
-    send_at = [[None] * len(m) for m in messages]
-    recv_at = [[None] * len(m) for m in messages]
-    head = [0] * len(messages)
-    channel_free = [0.0] * len(messages)
-    channel_ends = {ch: ends for ends, ch in channel_of.items()}
-    transfer_cache: dict[Kind, float] = {}
-    arrivals: list[tuple[float, int, tuple]] = []  # (time, tie-break, delivered key)
-
-    done: dict[tuple, float] = {}
-    ptr = [0] * P
-    running: dict[int, _Running] = {}
-    spans: list[Span] = []
-    busy = [0.0] * P
-    end = [0.0] * P
-    t = 0.0
-
-    slots = max(1, round(max(float(c) for c in cores)))
-    on_core: dict[int, float] = {}  # rank -> when its protection ends (slice_us > 0)
-    waiting: deque[int] = deque()  # ranks that want a core and have none
-    switching: dict[int, float] = {}  # rank -> what is left of the time it loses getting a core back
-    woke_a_peer: set[int] = set()  # ranks that just posted a message to a rank waiting for one
-    preposted: set[tuple[int, int]] = set()  # (rank, program index) of sends posted by the half that produced them
-    paused: dict[int, _Running] = {}  # F&B pairs between their halves, waiting for the backward half's input
-
-    def half_needs(a: Action, r: int, forward: bool) -> list:
-        half = Action(Kind.F, a.stage, a.mb) if forward else Action(Kind.B, a.b_stage, a.b_mb)
-        return needs(half, r, topo)
-
-    def post_send(r: int, a: Action) -> None:
-        ch, i = slot[(_SEND[a.kind][0], a.stage, a.mb)]
-        send_at[ch][i] = t
-        if a.peer not in running:
-            woke_a_peer.add(r)
-        resolve(ch)
-
-    def forward_half_done(r: int, run: _Running) -> None:
-        """An F&B pair's forward half ended: its output exists and its send goes out (it follows the pair)."""
-        a = run.action
-        run.mid = None
-        done[("F", a.stage, a.mb)] = t
-        acts = programs[r]
-        for j in range(ptr[r], len(acts)):
-            s_ = acts[j]
-            if s_.kind not in COMM_KINDS:
-                break
-            if s_.kind is Kind.SEND_F and (s_.stage, s_.mb) == (a.stage, a.mb):
-                post_send(r, s_)
-                preposted.add((r, j))
-                break
-
-    def switch_cost(k: int) -> float:
-        """Time a rank loses when it takes a core from another, with k ranks wanting one: what makes k > slots
-        always-ready ranks progress at cores(k) in total rather than cores(slots), with min(k - slots, slots)
-        switches per tick."""
-        if k <= slots:
-            return 0.0
-        return slice_us * slots * max(0.0, 1.0 - cap(k) / cap(slots)) / min(k - slots, slots)
-
-    def rates() -> dict[int, float]:
-        """Progress rate per running rank (see the module docstring)."""
-        k = len(running)
-        if not k:
-            return {}
-        if not slice_us:
-            return dict.fromkeys(running, min(1.0, cap(k) / k))
-        speed = min(1.0, cap(min(k, slots)) / min(k, slots))
-        return {r: speed if r in on_core and r not in switching else 0.0 for r in running}
-
-    def at_tick() -> bool:
-        return abs(t - round(t / slice_us) * slice_us) <= 1e-9 * max(1.0, t)
-
-    def next_tick(after: float) -> float:
-        """The first tick at or after `after` that is later than now."""
-        tick = math.ceil(after / slice_us - 1e-9) * slice_us
-        return tick + slice_us if tick <= t + 1e-9 * max(1.0, t) else tick
-
-    def preempt(r: int) -> None:
-        """r loses its core and gets in line for one."""
-        del on_core[r]
-        switching.pop(r, None)
-        waiting.append(r)
-
-    def give_cores(woken: list[int]) -> None:
-        """Hand the cores on (see the module docstring): ranks that woke up go first in line; a rank past its
-        protection gives its core up when it woke a waiting peer, or at a tick when someone waits."""
-        for r in [r for r in on_core if r not in running]:  # waits for a message: the core is free
-            del on_core[r]
-            switching.pop(r, None)
-        waiting.extendleft(reversed(woken))
-        for r in sorted(woke_a_peer & set(on_core), key=lambda r: on_core[r]):
-            if on_core[r] <= t:
-                preempt(r)
-        woke_a_peer.clear()
-        want = len(waiting) - (slots - len(on_core))
-        if want > 0 and at_tick():
-            for r in sorted([r for r, until in on_core.items() if until <= t], key=lambda r: on_core[r])[:want]:
-                preempt(r)
-        lost = switch_cost(len(running))
-        while waiting and len(on_core) < slots:
-            r = waiting.popleft()
-            on_core[r] = t + lost + protect_us
-            if lost > 0:
-                switching[r] = lost
-
-    def resolve(ch: int) -> None:
-        msgs = messages[ch]
-        while head[ch] < len(msgs):
-            i = head[ch]
-            s_t, r_t = send_at[ch][i], recv_at[ch][i]
-            if s_t is None or r_t is None:
-                return
-            key, recv = msgs[i]
-            d = transfer_cache.get(recv.kind)
-            if d is None:
-                d = transfer_cache[recv.kind] = transfer_time(recv)
-            start = max(s_t, r_t, channel_free[ch])
-            channel_free[ch] = start + d
-            src, dst = channel_ends[ch]
-            send_kind = "SEND_F" if recv.kind is Kind.RECV_F else "SEND_B"
-            spans.append(Span(src, "comm", send_kind, recv.stage, recv.mb, start, d, None, dst))
-            spans.append(Span(dst, "comm", recv.kind.value, recv.stage, recv.mb, start, d, None, src))
-            heapq.heappush(arrivals, (start + d, len(spans), key))
-            head[ch] = i + 1
-
-    def advance(r: int) -> None:
-        """Run rank r's posts at time t up to its next compute action; take that up when its inputs exist."""
-        acts = programs[r]
-        while ptr[r] < len(acts):
-            a = acts[ptr[r]]
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                ch, i = slot[produces(a)[0]]
-                recv_at[ch][i] = t
-                resolve(ch)
-            elif a.kind in _SEND:
-                if (r, ptr[r]) not in preposted:
-                    if any(k not in done for k in needs(a, r, topo)):
-                        return
-                    post_send(r, a)
-            else:
-                split = a.kind is Kind.FB and fb_forward_share is not None
-                # a pair whose halves run in turn starts with its forward's input (the backward's comes later)
-                if any(k not in done for k in (half_needs(a, r, True) if split else needs(a, r, topo))):
-                    return
-                w = float(work(a))
-                mid = w * (1.0 - fb_forward_share(a)) if split else None
-                running[r] = _Running(a, gap_us, w, t, mid=mid)
-                ptr[r] += 1
-                return
-            ptr[r] += 1
-
-    for r in range(P):
-        advance(r)
-    if slice_us:
-        give_cores(sorted(running))
-    while running or arrivals or paused:
-        rate = rates()
-        t_next = arrivals[0][0] if arrivals else math.inf
-        if waiting and on_core:  # the first tick after a protection's end hands a core on
-            t_next = min(t_next, next_tick(max(t, min(on_core.values()))))
-        for left in switching.values():
-            t_next = min(t_next, t + left)
-        for r, run in running.items():
-            if run.started is None and run.gap_left <= 1e-9 * max(1.0, gap_us) and rate[r] > 0:
-                run.started = t  # no gap left: the span starts when the rank progresses
-            if rate[r] > 0:
-                left = run.gap_left if run.started is None else run.work_left - (run.mid or 0.0)
-                t_next = min(t_next, t + left / rate[r])
-        if math.isinf(t_next):
-            raise RuntimeError("shared-cores simulation stalled: no rank can progress (cores(k) must be > 0)")
-        dt = t_next - t
-        t = t_next
-        finished, halved = [], []
-        for r in list(switching):
-            switching[r] -= dt
-            if switching[r] <= 1e-9 * max(1.0, slice_us):
-                del switching[r]
-        for r, run in running.items():
-            progress = dt * rate[r]
-            if run.started is None:
-                run.gap_left -= progress
-                if run.gap_left <= 1e-9 * max(1.0, gap_us) and progress > 0:
-                    run.started = t
-            else:
-                run.work_left -= progress
-                if run.mid is not None and run.work_left - run.mid <= 1e-9 * max(1.0, t - run.started):
-                    halved.append(r)
-                elif run.work_left <= 1e-9 * max(1.0, t - run.started):
-                    finished.append(r)
-        for r in finished:
-            run = running.pop(r)
-            a = run.action
-            partner = (a.b_stage, a.b_mb) if a.kind is Kind.FB else None
-            spans.append(Span(r, "compute", a.kind.value, a.stage, a.mb, run.started, t - run.started, partner))
-            busy[r] += t - run.posted
-            end[r] = t
-            for k in produces(a):
-                done[k] = t
-        for r in halved:  # the forward half ended: its output is sent; the backward half needs its own input
-            run = running[r]
-            forward_half_done(r, run)
-            if any(k not in done for k in half_needs(run.action, r, False)):
-                paused[r] = running.pop(r)
-                busy[r] += t - run.posted
-        while arrivals and arrivals[0][0] <= t:
-            _, _, key = heapq.heappop(arrivals)
-            done[key] = t
-        woken = []
-        for r in range(P):
-            if r in paused:
-                if all(k in done for k in half_needs(paused[r].action, r, False)):
-                    running[r] = paused.pop(r)
-                    running[r].posted = t
-                    if r not in on_core:
-                        woken.append(r)
-            elif r not in running:
-                advance(r)  # a rank that finished keeps its core when its next action is ready
-                if r in running and r not in on_core:
-                    woken.append(r)
-        if slice_us:
-            give_cores(woken)
-    blocked = {r: programs[r][ptr[r]] for r in range(P) if ptr[r] < len(programs[r])}
+    sim = _SharedCoresRun(lowered, work, _Channels(lowered.actions, transfer_time), cpu, gap_us, fb_forward_share)
+    sim.run()
+    blocked = sim.blocked()
     if blocked:
         raise_deadlock(lowered, blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
@@ -333,7 +401,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
                          "microbatches": schedule.num_microbatches},
             "cores_by_concurrency": [float(c) for c in cores], "time_slice_us": float(slice_us),
             "protect_us": float(protect_us)}
-    makespan = max(end, default=0.0)
-    busy_d = dict(enumerate(busy))
-    return SimResult(Trace(spans=spans, meta=meta), makespan, busy_d,
-                     {r: makespan - b for r, b in busy_d.items()}, peak_live_activations(schedule))
+    makespan = max(sim.end, default=0.0)
+    busy = dict(enumerate(sim.busy))
+    return SimResult(Trace(spans=sim.spans, meta=meta), makespan, busy,
+                     {r: makespan - b for r, b in busy.items()}, peak_live_activations(schedule))
