@@ -92,17 +92,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.distributed.errors import PipelineError
     from pipeline.distributed.p2p import init_distributed
+    from pipeline.launch.gpu_sharing import gpu_shared_with_another_rank
     from pipeline.runtime.train import pick_device, train, train_interleaved
 
     try:
         device = pick_device(cfg, local_rank)
         staged = args.transport == "host"
         if device.type == "cuda":
-            if local_world > torch.cuda.device_count():
-                staged = True  # NCCL refuses two ranks on one GPU
             torch.cuda.set_device(device)
+            # NCCL refuses two ranks on one GPU; one visible GPU per rank (SLURM --gpus-per-task=1) is not that
+            if not staged and gpu_shared_with_another_rank(device, local_rank, local_world, cfg.train.timeout_s):
+                staged = True
         backend = "nccl" if device.type == "cuda" and not staged else "gloo"
-        init_distributed(backend, cfg.train.timeout_s, device)
+        note = init_distributed(backend, cfg.train.timeout_s, device)
+        if note and rank == 0:
+            print(f"python -m pipeline: note: {note}", file=sys.stderr, flush=True)
         def log(line: str) -> None:
             print(line, flush=True)
 

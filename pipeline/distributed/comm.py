@@ -2,7 +2,8 @@
 exposed communication a measurement (traces.md §5).
 
 Every P2P op, all-to-all and gradient all-reduce of the runtime is posted with `async_op` and becomes a `Handle`.
-Nothing blocks at post time; the compute thread waits only right before the result is used (`Comms.wait`).
+Posting returns at once (on NCCL once the communicator is connected: the first op to a peer on it connects,
+docs/communication.md); the compute thread waits only right before the result is used (`Comms.wait`).
 Recording: a `~comm` span from post to completion; completion is the time the op's future fired (collectives on
 gloo and NCCL report it through `Work.get_future()`), else the first time a poll or wait saw it done. When the
 compute thread has to block, a `WAIT` span on the compute stream covers exactly the blocked time and names what
@@ -10,11 +11,20 @@ it waited for (`WAIT/<op name>`), so exposed = WAIT time and hidden = communicat
 
 CUDA (NCCL, `stream_ordered`): ops are posted from a communication stream that first waits for the compute
 stream, so a comm span starts with an event on that stream when the data is ready; its end is an event recorded
-on a completion stream after `Work.wait()` orders that stream behind NCCL's, i.e. when the transfer finished.
+on an end stream after `Work.wait()` orders that stream behind NCCL's, i.e. when the transfer finished.
 Waiting for a result orders the compute stream behind the work (`Work.wait()` without a timeout: the host keeps
 queuing kernels) and the `WAIT` span is a pair of events on the compute stream, i.e. how long that stream
 stalled. Only a result read by the host makes the host wait, by polling: `wait(host=True)`, or `host_read`, whose
 copy is queued behind the op alone (the expert counts).
+
+End streams (`_EndStreams`): each in-flight op gets a stream of its own for its end event or its host copy, and a
+stream is handed out again only once what it last waited for has completed. A shared stream would queue a later
+op's end event, or the expert counts' copy, behind an earlier op that is still in flight, e.g. a receive posted
+early whose sender needs this rank's next output: the counts' reader would then wait for that receive, which
+serialises ranks or hangs. The streams are created outside torch's stream pool where the CUDA runtime allows it
+(the pool is shared with ProcessGroupNCCL's own streams; a pool stream can be a channel's NCCL stream). The
+tensors an op reads or fills stay referenced until its end event completed, so the caching allocator never
+hands their memory to another kernel while NCCL still uses it.
 
 Deadlines: gloo works take `Work.wait(timeout)`; NCCL works are polled (`is_completed`, which queries an event)
 with a sleeping back-off, never waited with a timeout (that busy-waits the host); a stream-ordered wait has the
@@ -92,6 +102,61 @@ class P2PWaiter:
         self._pool.shutdown(wait=False)
 
 
+def _private_stream(device: torch.device):
+    """A CUDA stream of our own: from the CUDA runtime (cudaStreamCreate wrapped in an ExternalStream) so it is
+    none of the pool's streams that ProcessGroupNCCL also draws from; a pool stream where the runtime module lacks
+    the call. Never destroyed: a rank makes a handful, for its lifetime."""
+    import ctypes
+
+    try:
+        cudart = torch.cuda.cudart()
+        handle = ctypes.c_void_p(0)
+        with torch.cuda.device(device):
+            err = cudart.cudaStreamCreate(ctypes.addressof(handle))
+        ok = getattr(getattr(cudart, "cudaError", None), "success", 0)
+        if err == ok and handle.value:
+            return torch.cuda.ExternalStream(handle.value, device=device)
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return torch.cuda.Stream(device)
+
+
+class _EndStreams:
+    """Streams for one in-flight op each (see the module docstring): `acquire` hands out a stream whose last op
+    has completed, or a new one; `release(stream, event, keep)` returns it with the event that marks its op's end
+    and the tensors to keep alive until then. `new_stream` makes a stream (a test passes a fake)."""
+
+    def __init__(self, new_stream):
+        self._new = new_stream
+        self._idle: list = []
+        self._busy: list[tuple[object, object, tuple]] = []  # (stream, end event, tensors kept alive)
+        self.created = 0
+
+    def acquire(self):
+        self.reap()
+        if self._idle:
+            return self._idle.pop()
+        self.created += 1
+        return self._new()
+
+    def release(self, stream, event, keep: tuple = ()) -> None:
+        self._busy.append((stream, event, keep))
+
+    def reap(self) -> None:
+        """Streams whose op completed become idle; the tensors they kept are let go."""
+        busy = []
+        for entry in self._busy:
+            if entry[1].query():
+                self._idle.append(entry[0])
+            else:
+                busy.append(entry)
+        self._busy = busy
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._busy)
+
+
 class Comms:
     """Waits and polls for one rank, with its deadline, recorder and error messages."""
 
@@ -108,16 +173,13 @@ class Comms:
         self._cv = threading.Condition()  # notified whenever any tracked op completes
         self._p2p_futures: bool | None = None  # do this backend's P2P works have futures? (learned once)
         self.stream = None  # CUDA: the stream ops are posted from (it waits for the compute stream first)
-        self._done_streams: list = []  # CUDA: streams that wait for works to time their end
-        self._next_done = 0
+        self.end_streams: _EndStreams | None = None  # CUDA: one stream per in-flight op (module docstring)
         self._batches: dict[str | None, int] = {}  # group name -> batches posted on it
         self._batch_lock = threading.Lock()
         self.strict = None  # pipeline.distributed.strict_transport.StrictTransport: notes collectives, reports hangs
         if stream_ordered and device is not None and device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)
-            # several, so that a receive still in flight delays no other op's end event (it would only skew that
-            # op's span: nothing is launched behind these waits)
-            self._done_streams = [torch.cuda.Stream(device) for _ in range(4)]
+            self.stream = _private_stream(device)
+            self.end_streams = _EndStreams(lambda: _private_stream(device))
         # host-side works (gloo): P2P completion is observable only through a waiter thread
         self.waiter = P2PWaiter(self._signal) if watch_p2p and self.stream is None else None
 
@@ -151,12 +213,14 @@ class Comms:
         """Make a posted op's completion observable and timed: on CUDA an end event behind the work on a
         completion stream (its span closes there); else its future's callback, or a waiter thread (gloo P2P
         works have no future)."""
-        if self.stream is not None:
-            done = self._done_streams[self._next_done % len(self._done_streams)]
-            self._next_done += 1
+        if self.end_streams is not None:
+            done = self.end_streams.acquire()
             with torch.cuda.stream(done):
-                h.work.wait()  # orders only `done` behind NCCL's stream; the host goes on
+                h.work.wait()  # orders only `done`, which nothing else uses meanwhile, behind NCCL's stream
                 self.recorder.end_async(h.token, cuda_stream=done)
+                end = torch.cuda.Event()
+                end.record(done)
+            self.end_streams.release(done, end, (h.tensor, h.wire))
             h.token = None
             return
         if p2p and self._p2p_futures is False and self.waiter is None:
@@ -224,10 +288,9 @@ class Comms:
         CUDA: the device-to-host copy is queued now on a side stream ordered behind `h`'s work alone, and the
         reader polls its event (with the deadline), so the host never waits for later kernels of the compute
         stream; elsewhere the reader reads the tensors."""
-        if self.stream is None:
+        if self.end_streams is None:
             return lambda: torch.cat(tensors).tolist()
-        side = self._done_streams[self._next_done % len(self._done_streams)]
-        self._next_done += 1
+        side = self.end_streams.acquire()  # idle: the copy waits for `h` and for nothing else
         with torch.cuda.stream(side):
             h.work.wait()
             flat = torch.cat(tensors)
@@ -235,8 +298,7 @@ class Comms:
             host.copy_(flat, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        for t in tensors:
-            t.record_stream(side)
+        self.end_streams.release(side, done, (*tensors, flat, host))
 
         def read() -> list:
             if not poll(done.query, self.timeout_s):

@@ -140,12 +140,52 @@ class Transport:
         return False
 
 
-def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None) -> None:
-    """init_process_group from torchrun's environment with a bounded timeout for every collective. NCCL: bound
-    to this rank's GPU (`device_id`), so the communicators are created now, collectively, and every subgroup is
-    split from them when it is made, instead of lazily at a first op that not every rank reaches together."""
+# NCCL's watchdog aborts the process at its process-group timeout, without our one-line error. The step deadline
+# (train.timeout_s) is what reports a hang; the watchdog must come well after it, also for step 1 (Triton JIT, the
+# communicators' first connections, the pipeline's fill), which can take far longer than a steady step.
+NCCL_WATCHDOG_FACTOR = 10
+NCCL_WATCHDOG_MIN_S = 900.0
+_BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def process_group_timeout_s(backend: str, step_timeout_s: float) -> float:
+    """The process group's timeout: the step deadline on gloo (our waits carry their own deadlines), and on NCCL
+    well above it so the step deadline's error comes first."""
+    if backend != "nccl":
+        return float(step_timeout_s)
+    return max(NCCL_WATCHDOG_FACTOR * float(step_timeout_s), NCCL_WATCHDOG_MIN_S)
+
+
+def override_blocking_wait(env) -> str | None:
+    """TORCH_NCCL_BLOCKING_WAIT=1 (common in cluster job templates) makes every `Work.wait()` block the host. The
+    runtime queues waits on CUDA streams for receives it posted early (their senders may need this rank's next
+    output), so a blocking wait deadlocks the pipeline at its first backward. It is set back to 0 before the
+    process group exists; returns the one line to print, or None when it was not set."""
+    found = {name: env[name] for name in _BLOCKING_WAIT_VARS
+             if env.get(name, "0").strip().lower() not in ("0", "", "false")}
+    if not found:
+        return None
+    for name in found:
+        env[name] = "0"
+    was = ", ".join(f"{name}={value}" for name, value in found.items())
+    return (f"{was} overridden to 0: the pipeline queues waits for early receives on CUDA streams and a blocking "
+            "wait would deadlock it; hangs are still reported by the step deadline (train.timeout_s) and NCCL's "
+            "watchdog")
+
+
+def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None) -> str | None:
+    """init_process_group from torchrun's environment. `timeout_s` is the step deadline; the process group gets
+    `process_group_timeout_s` of it. NCCL: bound to this rank's GPU (`device_id`), so the communicators are created
+    now, collectively, and every subgroup is split from them when it is made, instead of lazily at a first op that
+    not every rank reaches together; a blocking-wait setting is overridden first (`override_blocking_wait`,
+    whose line is returned for the caller to print)."""
+    import os
+
+    note = override_blocking_wait(os.environ) if backend == "nccl" else None
     extra = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
+    pg_timeout = datetime.timedelta(seconds=process_group_timeout_s(backend, timeout_s))
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
+        dist.init_process_group(backend, timeout=pg_timeout, **extra)
     except Exception as err:  # noqa: BLE001
         raise PipelineError(f"could not join the process group ({backend}): {describe(err)}") from None
+    return note

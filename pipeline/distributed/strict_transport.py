@@ -16,6 +16,12 @@ hang) and only then sends. The batch completes when all its ops did, and all its
 coalesces a batch into one work). Messages of one batch are handled in its order, which is exact for the batches
 the runtime posts (all receives, or sends to one peer).
 
+NCCL connects lazily: the first op to a peer on a communicator blocks the posting host until the peer posts on that
+communicator too, and the first collective on a group blocks until every member posts one. `post` and
+`note_collective` run in the posting thread and block there the same way (through the job's store), so a posting
+order whose first messages wait for each other hangs here as it would on NCCL (the runtime's start-up warm-up,
+pipeline.distributed.warmup, connects everything once in one global order so that no later post connects).
+
 Hangs become one line: each rank publishes the head batch of every queue (what it waits for, since when) to the
 job's TCPStore whenever it changes (a thread, twice a second), and a wait that times out appends every rank's
 heads to its error (`hang_report`).
@@ -119,11 +125,13 @@ class StrictTransport:
         self._threads: dict[str, threading.Thread] = {}
         self._version = 0
         self._closed = False
-        self._prefix = f"mhcpipe-strict/{next(_instances)}"
+        self._prefix = f"mhcpipe-strict/{_job_token()}/{next(_instances)}"
         self.store = store if store is not None else _job_store(timeout_s)
         self._collectives: dict[str, list[str]] = {}  # group name -> this step's collective fingerprints
         self._members: dict[str, list[int]] = {}
         self._step = 0
+        self._connected: set = set()  # (queue, peer) and group names this rank has connected (lazy connect rule)
+        self._connecting: tuple[str, str, float] | None = None  # (queue, what it waits for, since): for the heads
         if self.store is not None:
             threading.Thread(target=self._publish_loop, name="strict-heads", daemon=True).start()
 
@@ -139,6 +147,9 @@ class StrictTransport:
             pair = f"{min(self.rank, peer)}-{max(self.rank, peer)}"
             queue = group_name if self.view == "group" else f"{group_name}|{pair}"
             parts.setdefault(queue, []).append(_Op(is_send, name, peer, tensor))
+        for queue, part in parts.items():
+            for op in part:
+                self._connect(queue, op)
         batches = [_Batch(q, part, group, work if len(parts) == 1 else StrictWork()) for q, part in parts.items()]
         if len(batches) > 1:  # pair view split one batch over peers: the caller's work completes with all parts
             _join(work, [b.work for b in batches])
@@ -153,6 +164,32 @@ class StrictTransport:
             self._version += 1
             self._cv.notify_all()
         return work
+
+    def _connect(self, queue: str, op: _Op) -> None:
+        """NCCL's lazy connection: the first op to `op.peer` on this communicator blocks the poster until the peer
+        has posted its own first op to this rank on it."""
+        if self.store is None or (queue, op.peer) in self._connected:
+            return
+        self._connected.add((queue, op.peer))
+        self.store.set(f"{self._prefix}/conn/{queue}/{self.rank}>{op.peer}", op.name)
+        self._await_connect(queue, f"{op.name} connects: waits for rank {op.peer}'s first op on this communicator",
+                            [f"{self._prefix}/conn/{queue}/{op.peer}>{self.rank}"],
+                            f"the first op to rank {op.peer} on {queue} ({op.name})",
+                            f"rank {op.peer} never posted on that communicator")
+
+    def _await_connect(self, queue: str, state: str, keys: list[str], what: str, why: str) -> None:
+        with self._cv:
+            self._connecting = (queue, state, time.time())
+            self._version += 1
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception:  # noqa: BLE001 - the store's timeout has no public type
+            raise PipelineError(f"rank {self.rank}: {what} blocked {self.timeout_s:g} s connecting: NCCL connects "
+                                f"lazily and {why}; {self.hang_report()}") from None
+        finally:
+            with self._cv:
+                self._connecting = None
+                self._version += 1
 
     def _run_queue(self, queue: str) -> None:
         q = self._queues[queue]
@@ -219,7 +256,18 @@ class StrictTransport:
         t = next((x for x in tensors if torch.is_tensor(x)), None)
         shape = "" if t is None else f"{t.dtype}{list(t.shape[1:])}"
         self._members.setdefault(group_name, members)
+        if self.store is not None and group_name not in self._connected:  # lazy connect: every member posts
+            self._connected.add(group_name)
+            self.store.set(f"{self._prefix}/conn-coll/{group_name}/{self.rank}", name)
+            self._await_connect(group_name, f"{name} connects: waits for every member's first collective",
+                                [f"{self._prefix}/conn-coll/{group_name}/{m}" for m in members if m != self.rank],
+                                f"the first collective on {group_name} ({name})",
+                                "not every member posted its first collective on it")
         self._collectives.setdefault(group_name, []).append(f"{fn_name} {shape} ({name})")
+
+    def forget_collectives(self) -> None:
+        """Drop the collectives noted so far (the start-up warm-up's, which belong to no step)."""
+        self._collectives = {}
 
     def check_collectives(self) -> None:
         """End of a step: every member of each group posted the same collectives in the same order, or a
@@ -254,6 +302,9 @@ class StrictTransport:
         """This rank's non-empty queues: (head batch and its state, wall time it entered that state)."""
         with self._cv:
             out = []
+            if self._connecting is not None:
+                queue, state, since = self._connecting
+                out.append((f"[{queue}] {state} (%.1f s)", since))
             for name, q in self._queues.items():
                 if q:
                     b = q[0]
@@ -345,6 +396,19 @@ def _decode(buf: torch.Tensor) -> dict:
         return json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {"key": f"<unreadable note {raw[:40]!r}>"}
+
+
+def _job_token() -> str:
+    """A word every rank of this job shares and no earlier job on the same store used (rank 0's, broadcast): the
+    store's keys of an earlier job (a test's rank processes run many) must never answer this one's waits. Every
+    rank makes its transport at the same point of its start-up, so the broadcast is collective."""
+    import uuid
+
+    if not dist.is_initialized():
+        return "local"
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def _job_store(timeout_s: float):

@@ -37,6 +37,7 @@ from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import activation_dtype, make_optimizer, param_dtype
 from pipeline.runtime.overlap import PairRunner
 from pipeline.distributed.collective import collective, group_device, synchronize
+from pipeline.distributed.warmup import warm_up
 from pipeline.observability.diagnostics_log import DiagnosticsLog
 from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
 from pipeline.distributed.p2p import Transport
@@ -137,6 +138,8 @@ class RankRuntime:
                                  boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
                                  on_action=on_action, who=f"rank {groups.rank}")
+        # every communicator connected once, in one global order, before any step posts (NCCL connects lazily)
+        self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict)
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
         if self.grads_reducer.active:
             self.executor.grads = self.grads_reducer

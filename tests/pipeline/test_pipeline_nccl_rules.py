@@ -141,7 +141,11 @@ def _send_first_worker(rank, world, p2p_groups):
     completes; on one NCCL communicator each send waits for a receive queued behind the peer's own send."""
     import torch
 
+    from pipeline.distributed.warmup import warm_up
+
     tr = _strict_transport(rank, world, p2p_groups, timeout_s=DEADLOCK_TIMEOUT_S)
+    if p2p_groups == "channel":  # as the runtime does: its channels are connected before anything is posted
+        warm_up(tr.groups, torch.device("cpu"), DEADLOCK_TIMEOUT_S, tr.strict)
     x = torch.randn(4, 2, 8)
     peer = 1 - rank
     (s,) = tr.post([(True, f"SEND_F/s{rank}/mb0", peer, x)])
@@ -163,6 +167,46 @@ def test_a_send_completes_only_while_its_receive_runs():
     assert "[world] SEND_F/s0/mb0 waits for rank 1 to run the receive of F/s0/mb0" in errs, errs
     assert "[world] SEND_F/s1/mb0 waits for rank 0 to run the receive of F/s1/mb0" in errs, errs
     check_ok(launch(_send_first_worker, 2, ("channel",), timeout_s=60))
+
+
+def _first_posts_worker(rank, world, warm):
+    """Rank 0 posts a receive from rank 1 (channel 1>0), then sends to it (0>1); rank 1 receives that send, then
+    sends back. gloo runs it; on NCCL both first posts connect, each waiting for the other's post on a
+    communicator the peer reaches only after this rank's next op: a hang, unless every channel was connected at
+    start-up (pipeline.distributed.warmup)."""
+    import torch
+
+    from pipeline.distributed.warmup import warm_up
+
+    tr = _strict_transport(rank, world, timeout_s=DEADLOCK_TIMEOUT_S)
+    walked = warm_up(tr.groups, torch.device("cpu"), DEADLOCK_TIMEOUT_S, tr.strict) if warm else []
+    x = torch.full((4, 2, 8), float(rank))
+    if rank == 0:
+        (r,) = tr.post([(False, "RECV_B/s1/mb0", 1, torch.empty_like(x))])
+        (s,) = tr.post([(True, "SEND_F/s0/mb0", 1, x)])
+    else:
+        (got,) = tr.post([(False, "RECV_F/s0/mb0", 0, torch.empty_like(x))])
+        tr.wait(got)
+        (s,) = tr.post([(True, "SEND_B/s1/mb0", 0, x)])
+        r = got
+    tr.wait(r)
+    tr.wait(s)
+    return walked
+
+
+@pytest.mark.timeout(120)
+def test_first_posts_connect_lazily_and_the_warm_up_connects_them_first():
+    """NCCL's lazy connection, alone: a first post blocks until the peer posts on that communicator. The order
+    above hangs under that rule (each rank's heads name the connecting op); after the start-up warm-up, which
+    walks every group in one global order, it completes."""
+    cold = launch(_first_posts_worker, 2, (False,), timeout_s=60, grace_s=15)
+    assert all(r.exitcode == 1 for r in cold), [(r.rank, r.exitcode, r.error) for r in cold]
+    errs = " ".join(r.error for r in cold)
+    assert "the first op to rank 1 on p2p:1>0 (RECV_B/s1/mb0) blocked" in errs, errs
+    assert "connects: waits for rank 1's first op on this communicator" in errs, errs
+    warm = launch(_first_posts_worker, 2, (True,), timeout_s=60)
+    check_ok(warm)
+    assert warm[0].value == warm[1].value == ["p2p:0>1", "p2p:1>0", "world"], warm[0].value
 
 
 def _mismatch_worker(rank, world):
