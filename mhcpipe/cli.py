@@ -18,6 +18,7 @@ SUBCOMMANDS = (
     "mhcpipe.analysis_cli",
     "mhcpipe.diagnose_cli",
     "mhcpipe.comm_cli",
+    "mhcpipe.layout_cli",
     "mhcpipe.predict_cli",
     "mhcpipe.tune_cli",
     "mhcpipe.checkpoint_cli",

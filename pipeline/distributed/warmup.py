@@ -29,14 +29,20 @@ from pipeline.distributed.errors import PipelineError, describe
 _CHANNEL = re.compile(r"p2p:(\d+)>(\d+)")
 
 
+def warmup_order(items: list, name=lambda g: g.name) -> list:
+    """`items` (groups, or anything with a group name) in the walk's order: by name, the same string on every
+    member."""
+    return sorted(items, key=name)
+
+
 def warmup_plan(groups) -> list[tuple[str, object]]:
-    """(name, group) of every group this rank's runtime uses, in the walk's order (by name)."""
+    """(name, group) of every group this rank's runtime uses, in the walk's order."""
     used = {}
     for g in (*(groups.p2p_channels or {}).values(), *(groups.ep_groups or {}).values(), groups.dense_grad_group,
               groups.expert_grad_group, groups.world_group):
         if g is not None:
             used[groups.name_of(g)] = g
-    return sorted(used.items())
+    return warmup_order(list(used.items()), name=lambda item: item[0])
 
 
 def warm_up(groups, device: torch.device, timeout_s: float, strict=None) -> list[str]:

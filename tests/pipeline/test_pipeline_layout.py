@@ -70,3 +70,47 @@ def test_groups_from_the_mesh():
         assert not v["same_ep_group"], "forward and backward all-to-alls share a process group"
         assert v["dense"] == [0, 1, 2, 3]  # DualPipe's mirrored pipeline ranks x both replicas
         assert v["expert"] == [dp_rank, 2 + dp_rank]  # this EP rank's copies on both mirrored pipeline ranks
+
+
+PLANNED = [Layout(4, 1, 1, "1f1b"), Layout(2, 2, 2, "dualpipe"), Layout(2, 2, 2, "dualpipev"),
+           Layout(2, 2, 1, "zb1p"), Layout(1, 4, 2, "dualpipev"), Layout(2, 2, 1, "dualpipe")]
+
+
+def _real_groups_worker(rank, world, layouts):
+    """For each layout: the named groups build_groups gives this rank, and the rank sets of every group it joined
+    (torch's group registry: test-only, to check the plan's count)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from pipeline.distributed.layout import build_groups
+
+    out = []
+    for lay in layouts:
+        before = set(c10d._world.pg_map)
+        g = build_groups(lay, rank, "cpu")
+        joined = sorted(sorted(dist.get_process_group_ranks(pg)) for pg in set(c10d._world.pg_map) - before)
+        names = g.comm_groups()
+        if g.pp_group not in (None, g.world_group) and g.p2p_channels is not None:  # named, never posted on
+            names.pop(g.name_of(g.pp_group), None)
+        out.append((names, [m for m in joined if len(m) > 1]))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_group_plan_is_what_the_start_up_makes():
+    """`mhcpipe layout` reads pipeline.distributed.group_plan: on 4 gloo ranks, for six layouts, every group a rank
+    uses has the plan's name and members, and the groups the rank joined at start-up (groups of one rank aside)
+    are the plan's groups that hold it, used or not."""
+    from pipeline.distributed.group_plan import groups_of, plan_groups
+
+    results = launch(_real_groups_worker, 4, (PLANNED,), timeout_s=100)
+    check_ok(results)
+    for i, lay in enumerate(PLANNED):
+        plan = plan_groups(lay)
+        for r in results:
+            names, joined = r.value[i]
+            want = {g.name: sorted(g.members) for g in groups_of(plan, r.rank) if g.used}
+            assert names == want, (lay, r.rank, names, want)
+            planned = sorted(sorted(g.members) for g in groups_of(plan, r.rank) if g.name != "world")
+            assert joined == planned, (lay, r.rank, joined, planned)

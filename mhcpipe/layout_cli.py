@@ -1,0 +1,129 @@
+"""`mhcpipe layout`: the process groups a launch makes, before launching it (no GPU, no process group).
+
+    mhcpipe layout --config CONFIG [--pp P] [--dp D] [--ep EP] [--schedule KIND] [--p2p-groups channel|shared]
+                   [--rank R] [--buffsize-mib 4] [--channels 2] [--json OUT]
+
+example: mhcpipe layout --config v4-pro --dp 128
+
+Prints the groups the start-up creates (each creation is collective over the whole world: a `new_group`, or a split
+of the world's communicator on NCCL), which the runtime uses and which it never posts on, the communicators per rank,
+a rough estimate of NCCL's buffer memory per rank, and one rank's groups in the order the start-up warm-up connects
+them (pipeline.distributed.warmup). The groups come from pipeline.distributed.group_plan, which a test checks against
+a real start-up. Micro-batches do not change the groups: a count that does not divide over --dp is rounded up here.
+
+NCCL memory model (rough, an upper bound of the buffers alone): a rank connects to 1 peer on a two-rank group, to its
+2 ring neighbours on an all-reduce group and to every other member on an all-to-all (expert) group; each connection
+holds `--channels` channels of NCCL_BUFFSIZE (`--buffsize-mib`, NCCL's default 4 MiB) for each direction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+HELP = "the process groups a layout makes: creations, communicators per rank, NCCL buffers, the warm-up's order"
+EXAMPLE = "mhcpipe layout --config v4-pro --dp 128"
+SHOWN = 12  # groups listed for the chosen rank before "... and K more"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("layout", help=HELP, description=f"{HELP}\n\nexample: {EXAMPLE}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="preset name or YAML file")
+    p.add_argument("--pp", type=int, help="pipeline ranks (parallel.ranks)")
+    p.add_argument("--dp", type=int, help="data-parallel replicas (parallel.data_parallel)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (parallel.expert_parallel)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"))
+    p.add_argument("--p2p-groups", choices=("channel", "shared"), help="parallel.p2p_groups")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose groups are listed (default 0)")
+    p.add_argument("--buffsize-mib", type=float, default=4.0, help="NCCL_BUFFSIZE in MiB (default 4)")
+    p.add_argument("--channels", type=int, default=2, help="NCCL channels per connection (default 2)")
+    p.add_argument("--json", dest="json_out", type=Path, help="write the plan and the counts as JSON here")
+    p.set_defaults(func=run_layout)
+
+
+def _config(args):
+    from configs import load_config, load_config_data
+
+    for flag in ("pp", "dp", "ep", "channels"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} {value}: must be >= 1")
+    if args.buffsize_mib <= 0:
+        raise ValueError(f"--buffsize-mib {args.buffsize_mib:g}: must be > 0")
+    par: dict = {}
+    for flag, field in (("pp", "ranks"), ("dp", "data_parallel"), ("ep", "expert_parallel"),
+                        ("schedule", "schedule"), ("p2p_groups", "p2p_groups")):
+        if getattr(args, flag) is not None:
+            par[field] = getattr(args, flag)
+    data, _ = load_config_data(args.config, {"parallel": par})
+    raw = data.get("parallel", {})
+    dp, pp = int(raw.get("data_parallel", 1)), int(raw.get("ranks", 1))
+    per_pipeline = max(math.ceil(int(raw.get("microbatches", dp)) / dp), 2 * pp)
+    par["microbatches"] = dp * (per_pipeline + per_pipeline % 2)  # any schedule takes it; the groups ignore it
+    return load_config(args.config, {"parallel": par})
+
+
+def _peers(role: str, size: int) -> int:
+    if size == 2:
+        return 1
+    return size - 1 if role.startswith("ep") else 2
+
+
+def summarize(layout, plan, buffsize_mib: float, channels: int) -> dict:
+    from pipeline.distributed.group_plan import groups_of
+
+    per_rank = [groups_of(plan, r) for r in range(layout.world)]
+    comms = [len(g) for g in per_rank]
+    used = [sum(1 for s in g if s.used) for g in per_rank]
+    mem = [sum(_peers(s.role, len(s.members)) * channels * 2 * buffsize_mib for s in g) for g in per_rank]
+    return {
+        "world": layout.world, "num_groups": len(plan), "used": sum(1 for g in plan if g.used),
+        "unused": sum(1 for g in plan if not g.used),
+        "creations": len(plan) - 1,  # the world group exists before the start-up
+        "by_role": dict(Counter(f"{g.role}{'' if g.used else ' (unused)'}" for g in plan)),
+        "communicators_per_rank": [min(comms), max(comms)], "used_per_rank": [min(used), max(used)],
+        "nccl_buffer_mib_per_rank": [min(mem), max(mem)],
+    }
+
+
+def run_layout(args) -> int:
+    from pipeline.distributed.group_plan import groups_of, plan_groups
+    from pipeline.distributed.layout import Layout
+    from pipeline.distributed.warmup import warmup_order
+
+    cfg = _config(args)
+    layout = Layout.of(cfg)
+    layout.check(cfg)
+    if not 0 <= args.rank < layout.world:
+        raise ValueError(f"--rank {args.rank}: the layout has ranks 0..{layout.world - 1}")
+    plan = plan_groups(layout, cfg.parallel.p2p_groups)
+    s = summarize(layout, plan, args.buffsize_mib, args.channels)
+    pp_rank, dp_rank = layout.coords(args.rank)
+    print(f"layout {cfg.model.name}: {layout.schedule} PP{layout.pp} x DP{layout.dp} (EP{layout.ep} inside DP, "
+          f"D_e {layout.edp}), {layout.world} ranks, P2P groups: {cfg.parallel.p2p_groups}")
+    print(f"start-up: {s['creations']} group creations, each collective over all {layout.world} ranks; "
+          f"{s['used']} groups used, {s['unused']} never posted on")
+    print("  by role: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_role"].items())))
+    lo, hi = s["communicators_per_rank"]
+    ulo, uhi = s["used_per_rank"]
+    mlo, mhi = s["nccl_buffer_mib_per_rank"]
+    print(f"per rank: {lo}..{hi} communicators ({ulo}..{uhi} used); NCCL buffers about {mlo:,.0f}..{mhi:,.0f} MiB "
+          f"({args.channels} channels x NCCL_BUFFSIZE {args.buffsize_mib:g} MiB per direction and peer)")
+    mine = groups_of(plan, args.rank)
+    order = warmup_order([g for g in mine if g.used])
+    print(f"rank {args.rank} (pp {pp_rank}, dp {dp_rank}): {len(mine)} groups; the warm-up connects its "
+          f"{len(order)} used ones in this order:")
+    for i, g in enumerate(order[:SHOWN]):
+        print(f"  {i + 1:>3}. {g.name if len(g.name) <= 60 else g.name[:57] + '...'} ({len(g.members)} ranks)")
+    if len(order) > SHOWN:
+        print(f"  ... and {len(order) - SHOWN} more")
+    if args.json_out is not None:
+        out = dict(s, rank=args.rank, warmup_order=[g.name for g in order],
+                   groups=[{"name": g.name, "role": g.role, "members": list(g.members), "used": g.used}
+                           for g in plan])
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(out))
+    return 0

@@ -1,0 +1,44 @@
+"""`mhcpipe layout` (mhcpipe/layout_cli.py): the groups of a layout before a launch, at DeepSeek-V4-Pro scale
+(PP16 x DP128, EP64: 2,048 ranks). That the plan is what a start-up makes is
+test_pipeline_layout.py::test_the_group_plan_is_what_the_start_up_makes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _pipeline_helpers import mhcpipe_in_process
+from pipeline.distributed.group_plan import groups_of, plan_groups
+from pipeline.distributed.layout import Layout
+
+
+def test_v4_pro_at_2048_ranks(tmp_path):
+    out = mhcpipe_in_process("layout", "--config", "v4-pro", "--dp", "128", "--rank", "130",
+                             "--json", str(tmp_path / "l.json"))
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "l.json").read_text())
+    lay = Layout(16, 128, 64, "dualpipe")
+    plan = plan_groups(lay)
+    # counted here from the layout's own rules: 2 directions x 15 links x 128 rows; EP groups of 64 per pipeline
+    # rank and expert replica (16 x 2), twice (forward and backward exchanges)
+    assert got["by_role"]["p2p"] == 2 * 15 * 128 and got["by_role"]["ep-F"] == got["by_role"]["ep-B"] == 16 * 2
+    assert got["num_groups"] == len(plan) and got["creations"] == len(plan) - 1 and got["world"] == 2048
+    assert got["used"] + got["unused"] == got["num_groups"] == len(got["groups"])
+    mine = groups_of(plan, 130)
+    assert got["warmup_order"] == sorted(g.name for g in mine if g.used)
+    assert "p2p:2>130" in got["warmup_order"] and "p2p:130>258" in got["warmup_order"]  # its pipeline neighbours
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("layout v4-pro: dualpipe PP16 x DP128 (EP64") and "2048 ranks" in lines[0]
+    assert f"start-up: {len(plan) - 1} group creations" in lines[1]
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--config", "v4-pro", "--dp", "96"], "--ep 64) must divide parallel.data_parallel"),
+    (["--config", "tiny", "--rank", "4"], "--rank 4: the layout has ranks 0..3"),
+    (["--config", "tiny", "--dp", "0"], "--dp 0"),
+    (["--config", "no-such-preset"], "unknown preset"),
+])
+def test_bad_input_is_one_line(args, field):
+    out = mhcpipe_in_process("layout", *args)
+    err = out.stderr.strip()
+    assert out.returncode == 2 and len(err.splitlines()) == 1 and field in err, err
