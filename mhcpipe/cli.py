@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = (
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, FileNotFoundError) as err:
         print(f"mhcpipe {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`mhcpipe ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

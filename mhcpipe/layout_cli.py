@@ -104,8 +104,13 @@ def run_layout(args) -> int:
     pp_rank, dp_rank = layout.coords(args.rank)
     print(f"layout {cfg.model.name}: {layout.schedule} PP{layout.pp} x DP{layout.dp} (EP{layout.ep} inside DP, "
           f"D_e {layout.edp}), {layout.world} ranks, P2P groups: {cfg.parallel.p2p_groups}")
+    before = plan_groups(layout, cfg.parallel.p2p_groups, dense_meshes=True)
+    joined = [len(groups_of(before, r)) for r in range(layout.world)]
+    s["dense_meshes"] = {"creations": len(before) - 1, "unused": sum(1 for g in before if not g.used),
+                         "communicators_per_rank": [min(joined), max(joined)]}
     print(f"start-up: {s['creations']} group creations, each collective over all {layout.world} ranks; "
-          f"{s['used']} groups used, {s['unused']} never posted on")
+          f"{s['used']} groups used, {s['unused']} never posted on (multi-dimensional meshes would make "
+          f"{s['dense_meshes']['creations']}, {s['dense_meshes']['unused']} of them never used)")
     print("  by role: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_role"].items())))
     lo, hi = s["communicators_per_rank"]
     ulo, uhi = s["used_per_rank"]

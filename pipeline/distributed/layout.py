@@ -10,18 +10,17 @@ pipeline's P2P crosses nodes). EP cuts dp into D / EP blocks of EP consecutive r
 ep_rank. An EP group exchanges tokens; the ranks with the same pp and ep rank (the edp group) hold the same
 experts.
 
-Process groups, all created from DeviceMesh objects (collectively, on every rank) and passed in:
-* `mesh` (pp, dp) from `init_device_mesh`: the data-parallel group (`dp`), and the pipeline rows (`pp`) whose
-  links carry the P2P: one two-rank group per direction of each link of a row (`p2p:<src>><dst>`, global ranks),
-  so a communicator only ever carries one channel's messages, in one order on both ends
+Process groups, created collectively on every rank, each dimension the runtime posts on as a one-dimensional
+DeviceMesh (a multi-dimensional mesh would also make every other dimension's groups, which nothing uses), passed in:
+* the P2P channels: one two-rank group per direction of each link of a pipeline row (`p2p:<src>><dst>`, global
+  ranks), so a communicator only ever carries one channel's messages, in one order on both ends
   (docs/communication.md says why that cannot deadlock under NCCL's rules);
-* `expert_mesh` (pp, edp, ep): the EP group of the all-to-all and the edp group of the expert replicas; a
-  second EP group over the same ranks (its own process group, wrapped in a mesh) carries the backward's
-  all-to-alls (pipeline.distributed.expert);
+* the EP group of the all-to-all (`ep-F`), and a second group over the same ranks for the backward's all-to-alls
+  (`ep-B`, pipeline.distributed.expert);
 * gradient groups, the ranks that sum one stage's gradients: dense parameters over dp, expert parameters over
   edp. DualPipe holds every model chunk on two pipeline ranks (r and P-1-r), so its groups also span the
   mirrored rank: DeepSeek's reduction of the duplicated copies and data parallelism are one all-reduce
-  (meshes (P/2, 2D) and (P/2, EP, 2D_e) built from explicit rank tensors).
+  (the rank sets of `dense_grad_ranks` and `expert_grad_ranks`).
 The world group (loss, statistics, barriers) is the default group, taken once here and passed on.
 
 Multi-node is torchrun's rendezvous: every node runs the same command with --nnodes, --node-rank (or
@@ -132,7 +131,7 @@ class ParallelGroups:
     pp_rank: int
     dp_rank: int
     ep_rank: int
-    pp_group: dist.ProcessGroup | None = None  # None: the default group (a pure pipeline), or no process group at all
+    pp_group: dist.ProcessGroup | None = None  # the pipeline row's group, made for p2p_groups 'shared' only
     ep_groups: dict | None = None  # "F" / "B": the EP ranks, one group for forward and one for backward exchanges
     dense_grad_group: dist.ProcessGroup | None = None
     dense_grad_size: int = 1
@@ -184,20 +183,19 @@ def _members(group) -> str:
     return ",".join(map(str, dist.get_process_group_ranks(group)))
 
 
-def build_p2p_channels(mesh, rank: int) -> tuple[dict, dict]:
+def build_p2p_channels(layout: Layout, rank: int) -> tuple[dict, dict]:
     """One two-rank process group per direction of every link between neighbouring pipeline ranks, for every
-    pipeline row of `mesh` ([P, D] global ranks): created on every rank in the same order (each `new_group` is
-    collective over the world), so each is one communicator on both of its members. Neighbours are the only
-    pipeline ranks that exchange activations in the five schedules (a V's turn is a local hand-off). Returns this
-    rank's row as {(src pp rank, dst pp rank): group} and {id(group): name}."""
+    pipeline row: created on every rank in the same order (each `new_group` is collective over the world), so each
+    is one communicator on both of its members. Neighbours are the only pipeline ranks that exchange activations in
+    the five schedules (a V's turn is a local hand-off). Returns this rank's row as {(src pp rank, dst pp rank):
+    group} and {id(group): name}."""
     import torch.distributed as dist
 
-    ranks = mesh.mesh.tolist()  # [P][D]
     mine, names = {}, {}
-    for d in range(len(ranks[0])):
-        for p in range(len(ranks) - 1):
+    for d in range(layout.dp):
+        for p in range(layout.pp - 1):
             for src, dst in ((p, p + 1), (p + 1, p)):
-                a, b = ranks[src][d], ranks[dst][d]
+                a, b = layout.rank(src, d), layout.rank(dst, d)
                 group = dist.new_group([a, b])  # collective: every rank calls it, members or not
                 if rank in (a, b):
                     mine[(src, dst)] = group
@@ -205,59 +203,75 @@ def build_p2p_channels(mesh, rank: int) -> tuple[dict, dict]:
     return mine, names
 
 
-def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = "channel") -> ParallelGroups:
-    """Create the meshes and groups (collective: every rank of the world calls it, in the same order).
-    `p2p_groups`: 'channel' (one group per direction of each pipeline link) or 'shared' (the mesh's `pp` group
-    for all P2P: reproduces the design that deadlocks under NCCL's rules)."""
+def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: list, new: bool = False):
+    """This rank's group among `sets` (disjoint rank lists that cover the world), as a one-dimensional DeviceMesh (kept
+    in `meshes`): one group per set, each creation collective over the world. A set of the whole world is the
+    default group unless `new` (a group that must differ from every other); sets of one rank make none (None).
+    Only the dimensions the runtime posts on are made: a multi-dimensional mesh would make every dimension's
+    groups, most of them never used (mhcpipe layout counts them)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
+    if len(sets[0]) < 2:
+        return None
+    if len(sets) == 1 and len(sets[0]) == dist.get_world_size() and not new:
+        group = dist.group.WORLD
+    else:
+        group, _ = dist.new_subgroups_by_enumeration(sets)
+    meshes.append(DeviceMesh.from_group(group, device_type, mesh_dim_names=(axis.value,)))
+    return group
+
+
+def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = "channel") -> ParallelGroups:
+    """Create the groups the runtime posts on (collective: every rank of the world calls it, in the same order).
+    `p2p_groups`: 'channel' (one group per direction of each pipeline link) or 'shared' (each pipeline row's one
+    group for all P2P: reproduces the design that deadlocks under NCCL's rules). pipeline.distributed.group_plan
+    lists the same groups without creating them."""
+    import torch.distributed as dist
+
+    if p2p_groups not in ("channel", "shared"):
+        raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
     pp_rank, dp_rank = layout.coords(rank)
     ep_rank = dp_rank % layout.ep
-    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=(MeshAxis.PP, MeshAxis.DP))
-    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, pp_group=mesh.get_group(MeshAxis.PP),
-                       world_group=dist.group.WORLD, meshes=(mesh,))
+    meshes: list = []
+    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, world_group=dist.group.WORLD)
     g.names[id(dist.group.WORLD)] = "world"
-    g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
-    if p2p_groups == "channel":
-        g.p2p_channels, names = build_p2p_channels(mesh, rank)
+    P, D = layout.pp, layout.dp
+    if p2p_groups == "shared":
+        g.pp_group = _dimension([[layout.rank(p, d) for p in range(P)] for d in range(D)], MeshAxis.PP,
+                                device_type, meshes)
+        if g.pp_group is not None:
+            g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
+    else:
+        g.p2p_channels, names = build_p2p_channels(layout, rank)
         g.names.update(names)
-    elif p2p_groups != "shared":
-        raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
     if layout.ep > 1:
-        em = DeviceMesh(device_type, layout.expert_ranks(), mesh_dim_names=(MeshAxis.PP, MeshAxis.EDP, MeshAxis.EP))
-        # The backward's exchanges need process groups of their own over the same ranks (pipeline.distributed.expert). A
-        # second DeviceMesh of the same ranks would hand back the very same groups (DeviceMesh reuses a group per
-        # rank set), so they are created as new subgroups and wrapped in a mesh of their own.
+        # the backward's exchanges have groups of their own over the same ranks (pipeline.distributed.expert):
+        # every creation makes a new group, so the two sides never share one
         blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()
-        mine, _ = dist.new_subgroups_by_enumeration(blocks)
-        bm = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(MeshAxis.EP,))
-        g.meshes += (em, bm)
-        g.ep_groups = {"F": em.get_group(MeshAxis.EP), "B": bm.get_group(MeshAxis.EP)}
+        g.ep_groups = {side: _dimension(blocks, MeshAxis.EP, device_type, meshes, new=True) for side in ("F", "B")}
         for side, group in g.ep_groups.items():
             g.names[id(group)] = f"ep-{side}:{_members(group)}"
         if g.ep_groups["F"] is g.ep_groups["B"]:
             raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
                                "collectives could pair up across the two halves of an F&B pair")
     if layout.mirrored:
-        dm = DeviceMesh(device_type, layout.dense_grad_ranks(), mesh_dim_names=(MeshAxis.HOLDERS, MeshAxis.GRAD))
-        g.meshes += (dm,)
-        g.dense_grad_group, g.dense_grad_size = dm.get_group(MeshAxis.GRAD), 2 * layout.dp
-    elif layout.dp > 1:
-        g.dense_grad_group, g.dense_grad_size = mesh.get_group(MeshAxis.DP), layout.dp
+        g.dense_grad_group = _dimension(layout.dense_grad_ranks().tolist(), MeshAxis.GRAD, device_type, meshes)
+        g.dense_grad_size = 2 * D
+    elif D > 1:
+        g.dense_grad_group = _dimension([[layout.rank(p, d) for d in range(D)] for p in range(P)], MeshAxis.DP,
+                                        device_type, meshes)
+        g.dense_grad_size = D
     copies = 2 * layout.edp if layout.mirrored else layout.edp
     if copies > 1:
         if layout.ep == 1:
             g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
-        elif layout.mirrored:
-            xm = DeviceMesh(device_type, layout.expert_grad_ranks(),
-                            mesh_dim_names=(MeshAxis.HOLDERS, MeshAxis.EP, MeshAxis.GRAD))
-            g.meshes += (xm,)
-            g.expert_grad_group = xm.get_group(MeshAxis.GRAD)
         else:
-            g.expert_grad_group = em.get_group(MeshAxis.EDP)
+            sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().transpose(1, 2)
+            g.expert_grad_group = _dimension(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes)
         g.expert_grad_size = copies
     for role, group in (("grad", g.dense_grad_group), ("grad-experts", g.expert_grad_group)):
         if group is not None and id(group) not in g.names:
             g.names[id(group)] = f"{role}:{_members(group)}"
+    g.meshes = tuple(meshes)
     return g

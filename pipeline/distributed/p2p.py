@@ -51,9 +51,9 @@ class Transport:
     def _peer(self, peer: int) -> int:
         """The global rank of pipeline rank `peer` (looked up once per peer)."""
         g = self._global.get(peer)
-        if g is None:
-            pp = None if self.groups is None else self.groups.pp_group
-            g = self._global[peer] = peer if pp is None else dist.get_global_rank(pp, peer)
+        if g is None:  # this rank's pipeline row of the layout
+            g = self._global[peer] = peer if self.groups is None else self.groups.layout.rank(peer,
+                                                                                            self.groups.dp_rank)
         return g
 
     def _channel(self, src: int, dst: int) -> tuple[object, str]:

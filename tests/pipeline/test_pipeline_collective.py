@@ -185,19 +185,21 @@ def test_p2p_wait_errors_name_the_peers_global_rank(monkeypatch):
         def wait(self, timeout=None):
             raise RuntimeError("Connection closed by peer [10.0.0.3]:1234")
 
-    pipeline_group = object()  # stands for the mesh's pp group of ranks (0, 2)
-    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: {0: 0, 1: 2}[r] if group is pipeline_group
-                        else r)
+    from pipeline.distributed.layout import Layout
+
+    channel = object()  # stands for the channel group p2p:2>0
     monkeypatch.setattr(dist, "P2POp", lambda *a, **k: None)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [DeadPeerWork() for _ in ops])
+
     class Groups:  # the rank's layout.ParallelGroups, as far as the transport reads it
-        pp_group = pipeline_group
+        layout = Layout(2, 2, 1, "1f1b")
+        dp_rank = 0
 
         def channel(self, src, dst):
-            return pipeline_group
+            return channel
 
         def name_of(self, group):
-            return "pp:0,2"
+            return "p2p:2>0"
 
     comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, watch_p2p=False)
     tr = Transport(0, torch.device("cpu"), comms, groups=Groups())

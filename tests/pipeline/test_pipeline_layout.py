@@ -51,7 +51,8 @@ def _groups_worker(rank, world, cfg_dict):
 
     g = make_groups(parse_config(cfg_dict), rank, world, torch.device("cpu"))
     ranks = lambda grp: None if grp is None else dist.get_process_group_ranks(grp)  # noqa: E731
-    return {"pp": ranks(g.pp_group), "ep_f": ranks(g.ep_groups["F"]), "ep_b": ranks(g.ep_groups["B"]),
+    return {"pp": ranks(g.pp_group), "channels": sorted(g.name_of(c) for c in g.p2p_channels.values()),
+            "ep_f": ranks(g.ep_groups["F"]), "ep_b": ranks(g.ep_groups["B"]),
             "same_ep_group": g.ep_groups["F"] is g.ep_groups["B"], "dense": ranks(g.dense_grad_group),
             "expert": ranks(g.expert_grad_group), "coords": (g.pp_rank, g.dp_rank, g.ep_rank)}
 
@@ -65,7 +66,8 @@ def test_groups_from_the_mesh():
         v = r.value
         pp_rank, dp_rank = divmod(r.rank, 2)
         assert v["coords"] == (pp_rank, dp_rank, dp_rank)
-        assert v["pp"] == [dp_rank, 2 + dp_rank]  # the pipeline of this replica
+        assert v["pp"] is None  # no group for the pipeline row: its links are the channels (only 'shared' has one)
+        assert v["channels"] == sorted([f"p2p:{dp_rank}>{2 + dp_rank}", f"p2p:{2 + dp_rank}>{dp_rank}"])
         assert v["ep_f"] == v["ep_b"] == [2 * pp_rank, 2 * pp_rank + 1]
         assert not v["same_ep_group"], "forward and backward all-to-alls share a process group"
         assert v["dense"] == [0, 1, 2, 3]  # DualPipe's mirrored pipeline ranks x both replicas
@@ -73,7 +75,7 @@ def test_groups_from_the_mesh():
 
 
 PLANNED = [Layout(4, 1, 1, "1f1b"), Layout(2, 2, 2, "dualpipe"), Layout(2, 2, 2, "dualpipev"),
-           Layout(2, 2, 1, "zb1p"), Layout(1, 4, 2, "dualpipev"), Layout(2, 2, 1, "dualpipe")]
+           Layout(2, 2, 1, "zb1p"), Layout(1, 4, 2, "dualpipev"), Layout(2, 2, 1, "dualpipe"), Layout(1, 4, 4, "1f1b")]
 
 
 def _real_groups_worker(rank, world, layouts):
@@ -99,7 +101,7 @@ def _real_groups_worker(rank, world, layouts):
 
 @pytest.mark.timeout(120)
 def test_the_group_plan_is_what_the_start_up_makes():
-    """`mhcpipe layout` reads pipeline.distributed.group_plan: on 4 gloo ranks, for six layouts, every group a rank
+    """`mhcpipe layout` reads pipeline.distributed.group_plan: on 4 gloo ranks, for seven layouts, every group a rank
     uses has the plan's name and members, and the groups the rank joined at start-up (groups of one rank aside)
     are the plan's groups that hold it, used or not."""
     from pipeline.distributed.group_plan import groups_of, plan_groups
