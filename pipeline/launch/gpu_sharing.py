@@ -5,7 +5,7 @@ With at least as many visible GPUs as local ranks, each rank takes GPU LOCAL_RAN
 two launches look alike: every rank sees one and the same GPU (several ranks on one device), or every rank sees
 only its own (SLURM `--gpus-per-task=1`, a CUDA_VISIBLE_DEVICES per rank), where `device_count()` is 1 on every
 rank although no GPU is shared. The ranks of the node then compare their GPUs' UUIDs through torchrun's store,
-before any process group exists.
+before any process group exists (torchrun's agent store; without it, fewer GPUs than ranks counts as sharing).
 """
 from __future__ import annotations
 
@@ -32,7 +32,12 @@ def gpu_shared_with_another_rank(device: torch.device, local_rank: int, local_wo
     """For a rank started by torchrun on `device` (a CUDA device): see the module docstring."""
     if local_world <= 1 or torch.cuda.device_count() >= local_world:
         return False
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    # the UUIDs travel through the launcher's store, which exists before any rank's process group only when
+    # torchrun hosts it (its agent store); elsewhere, or without UUIDs, fewer GPUs than ranks means sharing
+    if uuid is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return True
+    uuid = str(uuid)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     # the node (torchrun's GROUP_RANK) and the restart: a restarted job must not read the last attempt's keys
