@@ -6,7 +6,7 @@
 example: mhcpipe layout --config v4-pro --dp 128
 
 Prints the groups the start-up creates (each creation is collective over the whole world: a `new_group`, or a split
-of the world's communicator on NCCL), which the runtime uses and which it never posts on, the communicators per rank,
+of the world's communicator on NCCL; the runtime makes only groups it posts on), the communicators per rank,
 a rough estimate of NCCL's buffer memory per rank, and one rank's groups in the order the start-up warm-up connects
 them (pipeline.distributed.warmup). The groups come from pipeline.distributed.group_plan, which a test checks against
 a real start-up. Micro-batches do not change the groups: a count that does not divide over --dp is rounded up here.
@@ -77,15 +77,12 @@ def summarize(layout, plan, buffsize_mib: float, channels: int) -> dict:
 
     per_rank = [groups_of(plan, r) for r in range(layout.world)]
     comms = [len(g) for g in per_rank]
-    used = [sum(1 for s in g if s.used) for g in per_rank]
     mem = [sum(_peers(s.role, len(s.members)) * channels * 2 * buffsize_mib for s in g) for g in per_rank]
     return {
-        "world": layout.world, "num_groups": len(plan), "used": sum(1 for g in plan if g.used),
-        "unused": sum(1 for g in plan if not g.used),
+        "world": layout.world, "num_groups": len(plan),
         "creations": len(plan) - 1,  # the world group exists before the start-up
-        "by_role": dict(Counter(f"{g.role}{'' if g.used else ' (unused)'}" for g in plan)),
-        "communicators_per_rank": [min(comms), max(comms)], "used_per_rank": [min(used), max(used)],
-        "nccl_buffer_mib_per_rank": [min(mem), max(mem)],
+        "by_role": dict(Counter(g.role for g in plan)),
+        "communicators_per_rank": [min(comms), max(comms)], "nccl_buffer_mib_per_rank": [min(mem), max(mem)],
     }
 
 
@@ -104,31 +101,23 @@ def run_layout(args) -> int:
     pp_rank, dp_rank = layout.coords(args.rank)
     print(f"layout {cfg.model.name}: {layout.schedule} PP{layout.pp} x DP{layout.dp} (EP{layout.ep} inside DP, "
           f"D_e {layout.edp}), {layout.world} ranks, P2P groups: {cfg.parallel.p2p_groups}")
-    before = plan_groups(layout, cfg.parallel.p2p_groups, dense_meshes=True)
-    joined = [len(groups_of(before, r)) for r in range(layout.world)]
-    s["dense_meshes"] = {"creations": len(before) - 1, "unused": sum(1 for g in before if not g.used),
-                         "communicators_per_rank": [min(joined), max(joined)]}
-    print(f"start-up: {s['creations']} group creations, each collective over all {layout.world} ranks; "
-          f"{s['used']} groups used, {s['unused']} never posted on (multi-dimensional meshes would make "
-          f"{s['dense_meshes']['creations']}, {s['dense_meshes']['unused']} of them never used)")
+    print(f"start-up: {s['creations']} group creations, each collective over all {layout.world} ranks; every group "
+          "is one the runtime posts on")
     print("  by role: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_role"].items())))
     lo, hi = s["communicators_per_rank"]
-    ulo, uhi = s["used_per_rank"]
     mlo, mhi = s["nccl_buffer_mib_per_rank"]
-    print(f"per rank: {lo}..{hi} communicators ({ulo}..{uhi} used); NCCL buffers about {mlo:,.0f}..{mhi:,.0f} MiB "
+    print(f"per rank: {lo}..{hi} communicators; NCCL buffers about {mlo:,.0f}..{mhi:,.0f} MiB "
           f"({args.channels} channels x NCCL_BUFFSIZE {args.buffsize_mib:g} MiB per direction and peer)")
-    mine = groups_of(plan, args.rank)
-    order = warmup_order([g for g in mine if g.used])
-    print(f"rank {args.rank} (pp {pp_rank}, dp {dp_rank}): {len(mine)} groups; the warm-up connects its "
-          f"{len(order)} used ones in this order:")
+    order = warmup_order(groups_of(plan, args.rank))
+    print(f"rank {args.rank} (pp {pp_rank}, dp {dp_rank}): the warm-up connects its {len(order)} groups in this "
+          "order:")
     for i, g in enumerate(order[:SHOWN]):
         print(f"  {i + 1:>3}. {g.name if len(g.name) <= 60 else g.name[:57] + '...'} ({len(g.members)} ranks)")
     if len(order) > SHOWN:
         print(f"  ... and {len(order) - SHOWN} more")
     if args.json_out is not None:
         out = dict(s, rank=args.rank, warmup_order=[g.name for g in order],
-                   groups=[{"name": g.name, "role": g.role, "members": list(g.members), "used": g.used}
-                           for g in plan])
+                   groups=[{"name": g.name, "role": g.role, "members": list(g.members)} for g in plan])
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(out))
     return 0
