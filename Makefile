@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint readme bench clean
+.PHONY: demo test lint readme gpu-check-cpu bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(STAMP)
 # every command the README shows, run in its order in a scratch directory (tests/readme_walk.py; CI runs it)
 readme: $(STAMP)
 	$(PY) tests/readme_walk.py
+
+# the GPU check's whole script on CPU (bench/gpu_check.sh --cpu; CI runs it): every step's code path, small shapes
+gpu-check-cpu: $(STAMP)
+	OUT=runs/gpu_check_cpu bash bench/gpu_check.sh --cpu
 
 bench: $(STAMP)
 	$(PY) bench/schedule_bench.py

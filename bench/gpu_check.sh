@@ -6,9 +6,12 @@
 #   bash bench/gpu_check.sh --gpus N     # a node with N >= 2 GPUs (N even): install, env, multi_gpu only
 #   bash bench/gpu_check.sh --gpus N --cpu   # the multi_gpu plumbing on CPU: its "NCCL" side falls back to gloo
 #
-# Steps, in this order (each with a time limit, its output in OUT/<step>.log; a failing step never stops the
-# later ones; a step that would start with under 15 s of the budget left is skipped and says so):
-#   install         pydantic / nvtx / pyyaml from .whl/ when the image lacks them (gpu.md §1: no network there)
+# Steps, in this order (each with its own time limit, listed by --plan; the GPU limits add up to less than the
+# budget, so every step gets its full limit; a failing step never stops the later ones; a step that cannot run,
+# because the budget is spent or what it needs is missing, is reported SKIP with the reason, not as a failure;
+# output of each step in OUT/<step>.log):
+#   install         pydantic / nvtx / pyyaml / pytest from .whl/ when the image lacks them (no network there;
+#                   bench/stage_wheels.sh fills .whl/ on a machine with network)
 #   env             versions, device, stream priorities, NVTX (bench/gpu_report.py env)
 #   fb_pair_cuda    the threaded F&B pair on CUDA streams: DualPipeV rank 0 (P=2, M=8, 11 pairs) of a MoE model
 #                   with a world-size-1 NCCL group, two 1-rank EP groups (F, B) whose all-to-alls really run, and
@@ -35,12 +38,9 @@
 #                   1e-4 relative, one table (bench/gpu_multi.py; also OUT/multi_table.txt)
 #   then the final table (bench/gpu_report.py table OUT; also OUT/summary.json). Exit 0 only when every step is ok.
 #
-# Preparing the wheels (the H200 image has no pydantic, no nvtx and no PyYAML, and no network), once, on a dev
-# machine with network, from the repository root (.whl/ is git-ignored; about 7 MB):
-#
-#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-#       -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions nvtx pyyaml
+# Preparing the wheels (the GPU image lacks pydantic, nvtx and PyYAML, maybe pytest, and has no network), once,
+# on a machine with network, from the repository root: `bash bench/stage_wheels.sh` (into .whl/, git-ignored,
+# about 9 MiB).
 #
 # A session then runs this through the device tool with carry: [".whl"], e.g.
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
@@ -49,7 +49,7 @@
 # dependencies too, so the wheels' typing-extensions, which pydantic needs at >= its pinned minimum, shadows an
 # older one in the image).
 #
-# Environment: OUT (output folder), GPU_CHECK_BUDGET (seconds for all steps; default 460 on GPU, 900 on CPU, 1800
+# Environment: OUT (output folder), GPU_CHECK_BUDGET (seconds for all steps; default 460 on GPU (the step limits add up to 450), 900 on CPU, 1800
 # with --gpus, 3600 with --gpus --cpu), WHEEL_DIR (default .whl), SITE_DIR (default /tmp/gpu_check_site), PYTHON
 # (interpreter; default .venv/bin/python when present, else python3), GPU_CHECK_CPU=1 (same as --cpu),
 # GPU_CHECK_ONLY=step,step (run only these steps, plus install and env; e.g. fb_pair_cuda,hp_bitwise,world1_nccl).
@@ -59,14 +59,16 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 
 MODE=gpu
+PLAN=0  # --plan: print the steps with their limits and the budget, run nothing
 GPUS=0  # 0: the one-GPU steps; N >= 2: the multi-GPU mode (multi_gpu step)
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
         --gpus) GPUS=${2:-}; shift ;;
         --gpus=*) GPUS=${1#--gpus=} ;;
-        -h|--help) sed -n '2,55p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument '$1' (use --cpu, --gpus N, or nothing)" >&2; exit 2 ;;
+        --plan) PLAN=1 ;;
+        -h|--help) sed -n '2,52p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (use --cpu, --gpus N, --plan, or nothing)" >&2; exit 2 ;;
     esac
     shift
 done
@@ -83,14 +85,33 @@ elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"
 else PY=$(command -v python3 || command -v python); fi
 if [ -z "$PY" ]; then echo "gpu_check.sh: no python3 on PATH" >&2; exit 2; fi
 
+if [ "$GPUS" != 0 ]; then
+    if [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-3600}; else BUDGET=${GPU_CHECK_BUDGET:-1800}; fi
+elif [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-900}; else BUDGET=${GPU_CHECK_BUDGET:-460}; fi
+
+# Per-step limits in seconds. GPU: they add up to 450 s, under the 460 s budget, so the whole check fits one
+# 8-minute device call with room for the machine's start; CPU (--cpu, 810 s of 900): Triton interpreted.
+STEPS=(install env fb_pair_cuda hp_bitwise world1_nccl kernel_parity stage kernel_bench pipeline_2rank kernel_tests)
+declare -A LIM_GPU=([install]=30 [env]=20 [fb_pair_cuda]=50 [hp_bitwise]=40 [world1_nccl]=70 [kernel_parity]=40
+                    [stage]=60 [kernel_bench]=40 [pipeline_2rank]=60 [kernel_tests]=40)
+declare -A LIM_CPU=([install]=60 [env]=30 [fb_pair_cuda]=60 [hp_bitwise]=60 [world1_nccl]=90 [kernel_parity]=60
+                    [stage]=60 [kernel_bench]=60 [pipeline_2rank]=90 [kernel_tests]=240)
+lim() { if [ "$MODE" = cpu ]; then echo "${LIM_CPU[$1]}"; else echo "${LIM_GPU[$1]}"; fi; }
+
+if [ "$PLAN" = 1 ]; then
+    total=0
+    printf '%-16s %6s\n' step "limit"
+    for st in "${STEPS[@]}"; do printf '%-16s %6s\n' "$st" "$(lim "$st")"; total=$((total + $(lim "$st"))); done
+    echo "sum of limits ${total}s, budget ${BUDGET}s ($MODE)"
+    [ "$total" -le "$BUDGET" ] || { echo "gpu_check.sh: the step limits add up to more than the budget" >&2; exit 1; }
+    exit 0
+fi
+
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 STATUS="$OUT/status.tsv"
 : > "$STATUS"
-if [ "$GPUS" != 0 ]; then
-    if [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-3600}; else BUDGET=${GPU_CHECK_BUDGET:-1800}; fi
-elif [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-900}; else BUDGET=${GPU_CHECK_BUDGET:-460}; fi
 WHEELS=${WHEEL_DIR:-$ROOT/.whl}
 SITE=${SITE_DIR:-/tmp/gpu_check_site}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -98,6 +119,13 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s.%N)
 
 elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%d", b - a }'; }
+
+# skip_step NAME REASON: a row that says the step did not run and why (not a failure).
+skip_step() {
+    echo "skipped: $2" > "$OUT/$1.log"
+    printf '%s\tskip\t0\t0\t%s\n' "$1" "$1.log" >> "$STATUS"
+    echo "[$1] SKIP ($2)"
+}
 
 # run_step NAME LIMIT_S CMD...: run under `timeout` (the whole process group is killed at the limit), capped by
 # what is left of the budget; log to OUT/NAME.log; append "name rc seconds limit log" to status.tsv.
@@ -111,9 +139,7 @@ run_step() {
         return  # not selected: no row at all
     fi
     if [ "$left" -lt 15 ]; then
-        echo "budget of ${BUDGET}s used up: step $name skipped" > "$OUT/$log"
-        printf '%s\tskip\t0\t0\t%s\n' "$name" "$log" >> "$STATUS"
-        echo "[$name] SKIP (budget used up)"
+        skip_step "$name" "the ${BUDGET}s budget is used up"
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
@@ -132,19 +158,20 @@ run_step() {
 # ---- install: only what the interpreter lacks, from the wheel folder ----------------------------------------
 MISSING=$("$PY" - <<'EOF'
 import importlib.util
-need = {"pydantic": "pydantic", "nvtx": "nvtx", "yaml": "pyyaml"}
+need = {"pydantic": "pydantic", "nvtx": "nvtx", "yaml": "pyyaml", "pytest": "pytest"}
 print(" ".join(dist for mod, dist in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )
 if [ -n "$MISSING" ]; then
     if [ -d "$WHEELS" ]; then
-        run_step install 120 "$PY" -m pip install --no-index --find-links "$WHEELS" --target "$SITE" \
+        run_step install "$(lim install)" "$PY" -m pip install --no-index --find-links "$WHEELS" --target "$SITE" \
             --disable-pip-version-check --no-warn-script-location $MISSING
         export PYTHONPATH="$SITE:$PYTHONPATH"
     else
-        echo "missing $MISSING and no wheel folder $WHEELS (see the top of this script)" > "$OUT/install.log"
+        echo "missing $MISSING and no wheel folder $WHEELS: run bash bench/stage_wheels.sh where there is network" \
+            "and carry .whl" > "$OUT/install.log"
         printf 'install\t1\t0\t0\tinstall.log\n' >> "$STATUS"
-        echo "[install] FAIL: missing $MISSING and no $WHEELS"
+        echo "[install] FAIL: missing $MISSING and no $WHEELS (bash bench/stage_wheels.sh makes it)"
     fi
 fi
 
@@ -156,10 +183,7 @@ else
     KB=(--device cuda --no-compile)
 fi
 
-# Per-step limits in seconds, GPU vs CPU (the CPU run interprets the Triton kernels, hence the longer tests).
-lim() { if [ "$MODE" = cpu ]; then echo "$2"; else echo "$1"; fi; }
-
-run_step env "$(lim 60 60)" "$PY" bench/gpu_report.py env --out "$OUT/env.json"
+run_step env "$(lim env)" "$PY" bench/gpu_report.py env --out "$OUT/env.json"
 
 finish() {
     echo
@@ -181,14 +205,14 @@ fi
 
 # fb_pair_cuda: the threaded F&B pair (helper thread, EP all-to-alls on 1-rank F/B groups, NCCL world size 1 on
 # CUDA, gloo on CPU), loss and grads against overlap off, step time overlap vs serial.
-run_step fb_pair_cuda "$(lim 90 120)" "$PY" bench/gpu_pair_check.py "${SMALL[@]}" --out "$OUT/fb_pair.json" \
+run_step fb_pair_cuda "$(lim fb_pair_cuda)" "$PY" bench/gpu_pair_check.py "${SMALL[@]}" --out "$OUT/fb_pair.json" \
     --trace-out "$OUT/fb_pair_trace.json"
 # hp_bitwise: mhc and mhc-sp with the hp stream placement vs without (torch.equal), plus a determinism baseline.
-run_step hp_bitwise "$(lim 90 120)" "$PY" bench/gpu_hp_check.py "${SMALL[@]}" --out "$OUT/hp_bitwise.json"
+run_step hp_bitwise "$(lim hp_bitwise)" "$PY" bench/gpu_hp_check.py "${SMALL[@]}" --out "$OUT/hp_bitwise.json"
 # world1_nccl: one rank on NCCL (the CPU run: gloo) - the runtime's every blocking collective (barriers, loss and
 # statistics all-reduces, clock all-gather), CUDA-event spans and hp stream, and a torch.distributed.checkpoint save
 # and resume on the device: 3 steps uninterrupted vs 2 steps + resume, the resumed step's loss must match.
-run_step world1_nccl "$(lim 120 240)" bash -c '
+run_step world1_nccl "$(lim world1_nccl)" bash -c '
     set -e
     W="$1"; rm -rf "$W"; mkdir -p "$W"
     run() { "$0" -m torch.distributed.run --standalone --nproc-per-node 1 -m pipeline --config configs/tiny.yaml \
@@ -202,14 +226,14 @@ run_step world1_nccl "$(lim 120 240)" bash -c '
 ' "$PY" "$OUT/world1" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)"
 
 if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
-run_step kernel_parity "$(lim 90 120)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
-run_step stage "$(lim 150 120)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
-run_step kernel_bench "$(lim 90 120)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
+run_step kernel_parity "$(lim kernel_parity)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
+run_step stage "$(lim stage)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
+run_step kernel_bench "$(lim kernel_bench)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
 # pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
 CFG="$OUT/pipeline_2rank.yaml"
 TRACE_DIR="$OUT/pipeline_2rank_trace"
 rm -rf "$TRACE_DIR"
-run_step pipeline_2rank "$(lim 120 180)" bash -c '
+run_step pipeline_2rank "$(lim pipeline_2rank)" bash -c '
     set -e
     "$0" bench/stage.py "${@:4}" --write-config "$1" --config-ranks 2 --config-blocks-per-stage 1 --config-steps 2
     "$0" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeline --config "$1" \
@@ -218,6 +242,10 @@ run_step pipeline_2rank "$(lim 120 180)" bash -c '
 ' "$PY" "$CFG" "$TRACE_DIR" "$([ "$MODE" = cpu ] && echo cpu || echo cuda)" "${SMALL[@]}"
 
 # Last: the small-shape kernel tests (CI runs them under the interpreter; here compiled) get what is left.
-run_step kernel_tests "$(lim 100 300)" "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
+if "$PY" -c "import pytest" 2>/dev/null; then
+    run_step kernel_tests "$(lim kernel_tests)" "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
+else
+    skip_step kernel_tests "pytest is not importable (bash bench/stage_wheels.sh stages it into .whl/)"
+fi
 
 finish

@@ -7,20 +7,25 @@ Shape letters: N processes (one GPU each), P pipeline ranks, D data-parallel rep
 M micro-batches of the global batch.
 
 For each schedule (gpipe 1f1b zb1p dualpipe dualpipev) and layout
-* `pp=N`: configs/tiny (mHC n=4, float32) as a pure pipeline of N ranks;
-* `pp=N/2 dp=2 ep=2`: configs/tiny-moe (8 experts top-2 + a shared one, float64), N/2 pipeline ranks x 2 replicas,
-  the experts of every stage split over the 2 replicas (all-to-all token exchange inside dp);
+* `pp=N`: a pure pipeline of N ranks (EP=1: every rank routes its own tokens, the count read is local);
+* `pp=N/2 dp=2 ep=2`: N/2 pipeline ranks x 2 replicas, the experts of every stage split over the 2 replicas
+  (all-to-all token exchange inside dp);
 the same job runs twice with torchrun (`--nproc-per-node N -m pipeline ... --steps 3`): `--device cuda` (one GPU
 per rank, NCCL) and `--device cpu` (gloo). Rank 0 prints one line per step (`step 1/3  loss 4.123456 ...`,
 pipeline/runtime/train.py StepStats.line); the losses of the two runs must agree step by step to |a - b| <= 1e-4 |b|.
-Why that tolerance: the CUDA run computes with other kernels (cuBLAS, the fused Triton mHC kernels) than the CPU run
-(CPU BLAS, the eager ops), which sum in other orders, and reductions over NCCL and gloo also differ in order; in
-float32 that moves a loss by ~1e-6 relative after 3 AdamW steps (the line prints 6 decimals, ~2e-7 relative), so
-1e-4 flags a wrong result, not rounding; the float64 tiny-moe runs should agree to ~1e-12.
 
-Configs are written per N into the work folder (the preset with num_blocks = max(8, 2P) so that DualPipeV's 2P
-stages fill, and M = max(preset M, 2 P D) so that every schedule's M >= 2P per replica holds). A layout that cannot
-run at this N (DualPipe on an odd pp, pp = N/2 < 1) is skipped with the reason; any other layout error is a FAIL.
+The model (`--size large`, the default on GPUs) is built to meet NCCL where gloo cannot show it: float64, mHC
+n=4, C=512, 1024 tokens per micro-batch, so one stage message (n x T x C x 8 bytes) is 16 MiB, four times NCCL's
+default 4 MiB channel buffer (NCCL_BUFFSIZE): a send then completes only while its receive runs (rendezvous), as
+the runtime's posting order must allow; and 3 MoE blocks in every stage (8 experts top-2 + a shared one, no dense
+block), so an overlapped DualPipe pair reads expert counts while the other micro-batch's P2P is in flight (the
+count-read stall of issue 44 needs >= 3 such reads per stage). Blocks: 3 per stage, so 3P for gpipe/1f1b/zb1p and
+6P for DualPipe's 2P stages. `--size small` (the default with `--cpu`) is the same structure at tiny-moe's shapes.
+Why the tolerance: both sides run float64, but the CUDA run computes with other kernels (cuBLAS) than the CPU run
+(CPU BLAS) and NCCL and gloo reduce in other orders: ~1e-12 relative after 3 AdamW steps; 1e-4 flags a wrong
+result, not rounding. M = 2 P D (every schedule's M >= 2P per replica).
+A layout that cannot run at this N (DualPipe on an odd pp, pp = N/2 < 1) is skipped with the reason; any other
+layout error is a FAIL.
 `--cpu`: the "nccl" side also runs on gloo (--device cpu), for checking this script on a machine without GPUs (the
 two sides then compute the same thing; the comparison only proves the plumbing).
 Writes the JSON (--out), one log per run (--workdir/logs) and prints one table.
@@ -42,8 +47,13 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not ins
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 REL_TOL = 1e-4
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss ([-\d.eE+naif]+)", re.M)
-WHY_TOL = ("|a-b| <= 1e-4 |b|: GPU kernels (cuBLAS, fused Triton mHC) and CPU ones (BLAS, eager ops) and NCCL vs "
-           "gloo reductions sum in other orders; fp32 (tiny) moves ~1e-6 rel over 3 steps, fp64 (tiny-moe) ~1e-12")
+WHY_TOL = ("|a-b| <= 1e-4 |b|: float64 on both sides; cuBLAS vs CPU BLAS and NCCL vs gloo reductions sum in other "
+           "orders (~1e-12 rel over 3 steps)")
+# The model of each size: (hidden, heads x head_dim, expert hidden, micro-batch size, seq_len). large: one stage
+# message n x T x C x 8 B = 4 x 1024 x 512 x 8 = 16 MiB > NCCL's 4 MiB buffers.
+SIZES = {"large": dict(hidden=512, num_heads=8, head_dim=64, expert_hidden=128, microbatch_size=1, seq_len=1024),
+         "small": dict(hidden=64, num_heads=4, head_dim=16, expert_hidden=32, microbatch_size=2, seq_len=32)}
+MOE_BLOCKS_PER_STAGE = 3
 
 
 def parse_args(argv=None):
@@ -52,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="both sides on gloo (--device cpu): plumbing check")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all five)")
     ap.add_argument("--layouts", default="pp,ppdpep", help="'pp' (pp=N), 'ppdpep' (pp=N/2 dp=2 ep=2); default both")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None,
+                    help="model size: large (16 MiB stage messages; default on GPUs) or small (default with --cpu)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per torchrun job (default 300)")
     ap.add_argument("--workdir", type=Path, default=None, help="configs and logs (default: next to --out)")
@@ -69,6 +81,8 @@ def parse_args(argv=None):
         ap.error("--layouts: use pp and/or ppdpep")
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.size is None:
+        args.size = "small" if args.cpu else "large"
     if args.out is None:
         args.out = ROOT / "bench" / "results" / f"multi_{args.gpus}{'_cpu' if args.cpu else ''}.json"
     if args.workdir is None:
@@ -79,34 +93,59 @@ def parse_args(argv=None):
 def layouts(n: int, wanted: list[str]) -> list[dict]:
     out = []
     if "pp" in wanted:
-        out.append({"key": "pp", "label": f"pp={n}", "preset": "tiny", "pp": n, "dp": 1, "ep": 1})
+        out.append({"key": "pp", "label": f"pp={n}", "pp": n, "dp": 1, "ep": 1})
     if "ppdpep" in wanted:
-        out.append({"key": "ppdpep", "label": f"pp={n // 2} dp=2 ep=2", "preset": "tiny-moe", "pp": n // 2,
-                    "dp": 2, "ep": 2})
+        out.append({"key": "ppdpep", "label": f"pp={n // 2} dp=2 ep=2", "pp": n // 2, "dp": 2, "ep": 2})
     return out
 
 
-def write_config(lay: dict, workdir: Path) -> Path:
-    """The preset with enough blocks for 2P stages and M >= 2 P D, as JSON (which YAML reads)."""
+def stages_of(schedule: str, pp: int) -> int:
+    """Pipeline stages of a schedule on pp ranks: DualPipe and DualPipeV place two stages on each rank."""
+    return 2 * pp if schedule in ("dualpipe", "dualpipev") else pp
+
+
+def stage_message_bytes(size: str, n: int = 4) -> int:
+    """Bytes of one stage-boundary activation: n streams x tokens of a micro-batch x hidden, float64."""
+    z = SIZES[size]
+    return n * z["microbatch_size"] * z["seq_len"] * z["hidden"] * 8
+
+
+def write_config(lay: dict, workdir: Path, size: str = "small", schedule: str = "dualpipev") -> Path:
+    """tiny-moe's structure at this size: 3 MoE blocks in each of the schedule's stages, M = 2 P D, float64."""
     from configs import load_config, parse_config
 
-    cfg = load_config(lay["preset"])
-    data = cfg.model_dump(mode="json")
-    data["model"]["num_blocks"] = max(cfg.model.num_blocks, 2 * lay["pp"])
-    data["parallel"]["microbatches"] = max(cfg.parallel.microbatches, 2 * lay["pp"] * lay["dp"])
-    path = workdir / "configs" / f"{lay['preset']}_{lay['key']}.yaml"
+    data = load_config("tiny-moe").model_dump(mode="json")
+    z = SIZES[size]
+    stages = stages_of(schedule, max(lay["pp"], 1))
+    m = data["model"]
+    m.update(num_blocks=MOE_BLOCKS_PER_STAGE * stages, hidden=z["hidden"], num_heads=z["num_heads"],
+             head_dim=z["head_dim"], mlp_hidden=2 * z["hidden"], name=f"multi-{size}")
+    m["moe"].update(expert_hidden=z["expert_hidden"], first_dense_blocks=0)
+    data["parallel"].update(schedule=schedule, ranks=max(lay["pp"], 1), data_parallel=lay["dp"],
+                            expert_parallel=lay["ep"], microbatches=2 * max(lay["pp"], 1) * lay["dp"],
+                            microbatch_size=z["microbatch_size"], seq_len=z["seq_len"])
+    data["train"]["dtype"] = "float64"
+    path = workdir / "configs" / f"{size}_{lay['key']}_{schedule}.yaml"
     parse_config(data, str(path))  # fail here, not in torchrun
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
 
-def skip_reason(schedule: str, lay: dict, cfg_path: Path, n: int) -> str | None:
-    """Why this layout cannot run at this N (None: it can); raises ValueError for any other layout error."""
+def cannot_run(schedule: str, lay: dict, n: int) -> str | None:
+    """Why this layout cannot run at this N at all (None: it can)."""
     if lay["pp"] < 1:
         return f"pp = N/2 = {lay['pp']} < 1"
     if schedule == "dualpipe" and lay["pp"] % 2:
         return f"dualpipe needs an even pp (pp={lay['pp']} at N={n})"
+    return None
+
+
+def skip_reason(schedule: str, lay: dict, cfg_path: Path, n: int) -> str | None:
+    """Why this layout cannot run at this N (None: it can); raises ValueError for any other layout error."""
+    reason = cannot_run(schedule, lay, n)
+    if reason is not None:
+        return reason
     from pipeline.__main__ import add_run_arguments
     from pipeline.launch.run_args import config_from_args
 
@@ -193,7 +232,9 @@ def compare(a: list, b: list) -> tuple[float | None, list[str]]:
 
 def table(res: dict) -> str:
     n, side = res["gpus"], res["nccl_side"]
-    lines = [f"multi-GPU check, N={n}: '{side}' vs 'cpu/gloo', {res['steps']} steps each; tolerance {WHY_TOL}"]
+    lines = [f"multi-GPU check, N={n}: '{side}' vs 'cpu/gloo', {res['steps']} steps each, model '{res['size']}' "
+             f"(stage message {res['stage_message_bytes'] / 2**20:.2f} MiB, {res['moe_blocks_per_stage']} MoE "
+             f"blocks per stage); tolerance {WHY_TOL}"]
     w = max([len(r["layout"]) for r in res["rows"]] + [6])
     lines.append(f"{'schedule':<10} {'layout':<{w}}  {'status':<6} {'max rel':>8}  {'nccl losses':<30} "
                  f"{'gloo losses':<30} s")
@@ -234,14 +275,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = []
     lays = layouts(n, args.layout_list)
-    cfg_paths = {lay["key"]: write_config(lay, args.workdir) for lay in lays if lay["pp"] >= 1}
     for schedule in args.schedule_list:
         for lay in lays:
-            row = {"schedule": schedule, "layout": f"{lay['label']} ({lay['preset']})", "preset": lay["preset"],
+            row = {"schedule": schedule, "layout": lay["label"], "size": args.size,
                    "pp": lay["pp"], "dp": lay["dp"], "ep": lay["ep"]}
             rows.append(row)
             try:
-                reason = skip_reason(schedule, lay, cfg_paths.get(lay["key"]), n)
+                reason = cannot_run(schedule, lay, n)
+                if reason is None:
+                    cfg = write_config(lay, args.workdir, args.size, schedule)
+                    reason = skip_reason(schedule, lay, cfg, n)
             except ValueError as err:
                 row.update(status="FAIL", problems=[f"layout refused: {err}"])
                 print(f"[{schedule} {lay['label']}] FAIL: layout refused: {err}", flush=True)
@@ -250,7 +293,6 @@ def main(argv=None) -> int:
                 row.update(status="SKIP", reason=reason)
                 print(f"[{schedule} {lay['label']}] SKIP: {reason}", flush=True)
                 continue
-            cfg = cfg_paths[lay["key"]]
             tag = f"{schedule}_{lay['key']}"
             row["config"] = str(cfg)
             row["nccl"] = run_job(args, schedule, lay, cfg, nccl_device, args.workdir / "logs" / f"{tag}_nccl.log")
@@ -263,7 +305,9 @@ def main(argv=None) -> int:
                   f"{row['gloo']['losses']} ({row['nccl']['seconds'] + row['gloo']['seconds']:.0f} s)", flush=True)
     counts = {"ok": sum(r["status"] == "ok" for r in rows), "fail": sum(r["status"] == "FAIL" for r in rows),
               "skip": sum(r["status"] == "SKIP" for r in rows)}
-    res = {"gpus": n, "cpu_fallback": args.cpu, "nccl_side": "cpu/gloo (--cpu fallback)" if args.cpu else "cuda/NCCL",
+    res = {"gpus": n, "cpu_fallback": args.cpu, "size": args.size,
+           "stage_message_bytes": stage_message_bytes(args.size), "moe_blocks_per_stage": MOE_BLOCKS_PER_STAGE,
+           "nccl_side": "cpu/gloo (--cpu fallback)" if args.cpu else "cuda/NCCL",
            "steps": args.steps, "rel_tol": REL_TOL, "tolerance_why": WHY_TOL, "rows": rows, "counts": counts,
            "seconds": time.perf_counter() - t0, "ok": counts["fail"] == 0 and counts["ok"] > 0}
     text = table(res)

@@ -292,15 +292,21 @@ def table(out: Path) -> tuple[str, bool]:
         if len(parts) < 5:
             continue
         name, rc, sec, limit, log = parts[:5]
-        rows.append((name, status_word(rc), sec, limit, summary(name, out, out / log, failed=rc != "0")))
-    all_ok = all(r[1] == "ok" for r in rows)
+        result = _tail(out / log) if rc == "skip" else summary(name, out, out / log, failed=rc != "0")
+        rows.append((name, status_word(rc), sec, limit, result))
+    # A skipped step did not run (budget spent, or what it needs is absent): it is reported, and it is not a failure.
+    all_ok = bool(rows) and all(r[1] in ("ok", "SKIP") for r in rows)
+    counts = {w: sum(1 for r in rows if r[1].split()[0] == w) for w in ("ok", "SKIP")}
+    counts["failed"] = len(rows) - counts["ok"] - counts["SKIP"]
     (out / "summary.json").write_text(json.dumps({
-        "ok": all_ok, "steps": [{"step": n, "status": st, "seconds": float(sec), "limit_s": float(lim), "result": res}
-                                for n, st, sec, lim, res in rows]}, indent=1) + "\n")
+        "ok": all_ok, "counts": counts,
+        "steps": [{"step": n, "status": st, "seconds": float(sec), "limit_s": float(lim), "result": res}
+                  for n, st, sec, lim, res in rows]}, indent=1) + "\n")
     w = max(len(r[0]) for r in rows) if rows else 4
     text = [f"{'step':<{w}}  {'status':<8}{'s':>6}{'limit':>6}  result"]
     for name, st, sec, limit, res in rows:
         text.append(f"{name:<{w}}  {st:<8}{float(sec):>6.0f}{limit:>6}  {res}")
+    text.append(f"{counts['ok']} ok, {counts['failed']} failed, {counts['SKIP']} skipped of {len(rows)} steps")
     return "\n".join(text), all_ok
 
 

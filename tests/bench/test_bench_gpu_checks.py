@@ -90,13 +90,18 @@ def test_multi_gpu_plumbing_skips_and_table(tmp_path):
     assert "+ " in Path(rows[("gpipe", 2)]["nccl"]["log"]).read_text()
     table = (tmp_path / "multi_table.txt").read_text()
     assert "1e-4" in table and "dualpipe" in table and "SKIP" in table
-    # the derived configs fill DualPipeV's 2P stages and every schedule's M rule at larger N
+    # the derived configs: 3 MoE blocks in each of the schedule's stages, M = 2 P D, float64; the GPU size's stage
+    # message is 16 MiB (over NCCL's 4 MiB buffers: sends rendezvous with their receives)
     lay = mg.layouts(8, ["pp", "ppdpep"])
-    cfgs = [json.loads(mg.write_config(x, tmp_path).read_text()) for x in lay]
-    assert cfgs[0]["model"]["num_blocks"] == 16 and cfgs[0]["parallel"]["microbatches"] == 16
-    assert cfgs[1]["parallel"]["microbatches"] == 16 and cfgs[1]["model"]["moe"] is not None
+    assert mg.stage_message_bytes("large") == 16 * 2**20 and mg.stage_message_bytes("small") < 2**20
     for schedule in mg.SCHEDULES:
-        assert mg.skip_reason(schedule, lay[0], mg.write_config(lay[0], tmp_path), 8) is None
+        for x in lay:
+            path = mg.write_config(x, tmp_path, "large", schedule)
+            cfg = json.loads(path.read_text())
+            stages = (2 if schedule.startswith("dualpipe") else 1) * x["pp"]
+            assert cfg["model"]["num_blocks"] == 3 * stages and cfg["model"]["moe"]["first_dense_blocks"] == 0
+            assert cfg["parallel"]["microbatches"] == 2 * x["pp"] * x["dp"] and cfg["train"]["dtype"] == "float64"
+            assert mg.skip_reason(schedule, x, path, 8) is None
 
 
 def test_multi_gpu_compare_tolerance():
@@ -123,3 +128,44 @@ def test_report_rows_of_the_new_steps(pair_json, tmp_path):
     assert "pairs/step threaded" in lines["fb_pair_cuda"] and " ok " in lines["fb_pair_cuda"]
     assert "mhc:4" in lines["hp_bitwise"] and "plumbing only" in lines["hp_bitwise"]
     assert "FAIL 1" in lines["multi_gpu"] and "no GPUs" in lines["multi_gpu"]
+
+
+def _gpu_check(args: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.parametrize("mode", [[], ["--cpu"]])
+def test_gpu_check_step_limits_fit_its_budget(mode):
+    """Every step gets its full limit: the limits add up to less than the budget (GPU: one 8-minute device call)."""
+    proc = _gpu_check(["--plan", *mode])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1].split()
+    total, budget = int(last[3].rstrip("s,")), int(last[5].rstrip("s"))
+    assert total <= budget and (mode or budget <= 480), last
+    assert _gpu_check(["--plan", *mode], env={"GPU_CHECK_BUDGET": str(total - 1)}).returncode == 1
+
+
+def test_gpu_check_reports_a_skipped_step_as_skipped(tmp_path):
+    """A step the budget cannot hold is a SKIP row with its reason, and the run still ends green."""
+    out = tmp_path / "gc"
+    proc = _gpu_check(["--cpu"], env={"OUT": str(out), "GPU_CHECK_BUDGET": "15", "GPU_CHECK_ONLY": "stage"},
+                      timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = {s["step"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
+    assert rows["env"]["status"] == "ok" and rows["stage"]["status"] == "SKIP", rows
+    assert "budget" in rows["stage"]["result"]
+    assert "1 ok, 0 failed, 1 skipped of 2 steps" in proc.stdout
+
+
+def test_gpu_report_table_fails_on_a_failed_step_not_on_a_skip(tmp_path):
+    rep = _load("gpu_report")
+    (tmp_path / "a.log").write_text("fine\n")
+    (tmp_path / "b.log").write_text("skipped: pytest is not importable\n")
+    (tmp_path / "status.tsv").write_text("env\t0\t1.0\t20\ta.log\nkernel_tests\tskip\t0\t0\tb.log\n")
+    text, ok = rep.table(tmp_path)
+    assert ok and "pytest is not importable" in text and "1 skipped" in text
+    (tmp_path / "status.tsv").write_text("env\t0\t1.0\t20\ta.log\nkernel_tests\t1\t3.0\t40\tb.log\n")
+    assert rep.table(tmp_path)[1] is False
+    (tmp_path / "status.tsv").write_text("env\t124\t20.0\t20\ta.log\n")
+    assert rep.table(tmp_path)[1] is False
