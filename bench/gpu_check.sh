@@ -21,7 +21,8 @@
 #   hp_bitwise      mhc:4 and mhc-sp:4, DualPipeV ranks 0 and 1: loss, sends and grads with the priority -1 hp
 #                   stream placement torch.equal to the same runtime with env.hp = None, fresh random inputs per
 #                   check, plus a no-hp vs no-hp determinism baseline (bench/gpu_hp_check.py)
-#   world1_nccl     one rank on NCCL: every blocking collective of the runtime, CUDA-event spans, and a
+#   world1_nccl     one rank on NCCL, tiny-moe (EP=1: the MoE count read on CUDA): every blocking collective of
+#                   the runtime, CUDA-event spans, the channel and collective warm-up, and a
 #                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_parity   fused kernels vs float64 reference at full size, T=4096, C=2560/4096/7168 (bench/kernel_parity.py)
 #   stage           one DualPipeV rank's action list at the paper-27B block shape, n=1 vs n=4, loopback
@@ -209,13 +210,13 @@ run_step fb_pair_cuda "$(lim fb_pair_cuda)" "$PY" bench/gpu_pair_check.py "${SMA
     --trace-out "$OUT/fb_pair_trace.json"
 # hp_bitwise: mhc and mhc-sp with the hp stream placement vs without (torch.equal), plus a determinism baseline.
 run_step hp_bitwise "$(lim hp_bitwise)" "$PY" bench/gpu_hp_check.py "${SMALL[@]}" --out "$OUT/hp_bitwise.json"
-# world1_nccl: one rank on NCCL (the CPU run: gloo) - the runtime's every blocking collective (barriers, loss and
-# statistics all-reduces, clock all-gather), CUDA-event spans and hp stream, and a torch.distributed.checkpoint save
+# world1_nccl: one rank on NCCL (the CPU run: gloo) - the runtime's every blocking collective (barriers, the
+# statistics and clock all-gathers), MoE blocks whose expert counts the host reads from the GPU, CUDA-event spans and hp stream, and a torch.distributed.checkpoint save
 # and resume on the device: 3 steps uninterrupted vs 2 steps + resume, the resumed step's loss must match.
 run_step world1_nccl "$(lim world1_nccl)" bash -c '
     set -e
     W="$1"; rm -rf "$W"; mkdir -p "$W"
-    run() { "$0" -m torch.distributed.run --standalone --nproc-per-node 1 -m pipeline --config configs/tiny.yaml \
+    run() { "$0" -m torch.distributed.run --standalone --nproc-per-node 1 -m pipeline --config configs/tiny-moe.yaml \
         --pp 1 --schedule 1f1b --device "$2" "${@:3}"; }
     run "$W" "$2" --steps 3 --trace-dir "$W/trace" | tee "$W/full.log"
     run "$W" "$2" --steps 2 --checkpoint-dir "$W/ckpt"

@@ -23,8 +23,8 @@ on its own streams).
 
 Two runtimes of the same seed are built: overlap on (the threaded pairs) and off (`parallel.overlap: false`: F,
 then B, every all-to-all waited right after its post). After warm-up steps their timed steps alternate
-(O, S, S, O, ...); every step is a full `RankRuntime.step` (loss all-reduce on the world group, AdamW, bounded
-synchronize), timed by its own CUDA-synchronised wall clock.
+(O, S, S, O, ...); every step is a full `RankRuntime.step` (AdamW, bounded synchronize, the statistics and loss
+all-gather on the world group), timed by its own CUDA-synchronised wall clock.
 
 Checks (exit 1 when one fails):
 * the overlapped trace has spans of both halves of pairs on the compute stream (`F/s../mb../L...`,

@@ -74,6 +74,9 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store, comm=expert)
                                      for b in spec.blocks})
         self.head = build_head(mc, seed, store) if spec.has_head else None
+        for m in self.blocks.modules():  # the EP=1 count read waits no longer than every other wait of the run
+            if hasattr(m, "read_timeout_s"):
+                m.read_timeout_s = cfg.train.timeout_s
         subs = [(layer, m, layer % 2 == 1) for b in spec.blocks for layer, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
         self.expert = expert

@@ -166,14 +166,12 @@ class RankRuntime:
             loss_sum = self.executor.run_step(batch)
             if self.grads_reducer.active:
                 self.grads_reducer.finish()
-            if self.strict is not None:  # before the loss all-reduce: no rank leaves while another still compares
+            if self.strict is not None:  # before the statistics exchange: no rank leaves while another compares
                 self.strict.check_collectives()
-            world = self.groups.world_group
-            loss_sum = loss_sum.to(group_device(world, self.device))
-            collective(dist.all_reduce, loss_sum, what="the loss all-reduce", rank=self.rank,
-                       timeout_s=self.timeout_s, group=world)
             with self.recorder.range("OPT", None, None, name="OPT"):
                 self.optimizer.step()
+            # The step's one wait for the device (the step time needs it); the loss travels with the statistics
+            # below, so no collective waits on the GPU's compute before this.
             synchronize(self.device, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
                         self.rank)
         elapsed = time.perf_counter() - started
@@ -183,12 +181,18 @@ class RankRuntime:
             mem = torch.cuda.max_memory_allocated(self.device)
         else:
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        stats = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64,
-                             device=group_device(world, self.device))  # NCCL reduces cuda tensors only
-        collective(dist.all_reduce, stats, op=dist.ReduceOp.MAX, what="the step statistics all-reduce",
-                   rank=self.rank, timeout_s=self.timeout_s, group=world)
-        t, act, peak = stats.tolist()
-        return StepStats(step, float(loss_sum), t, self.total_tokens / t, int(act), int(peak))
+        world = self.groups.world_group
+        where = group_device(world, self.device)  # NCCL gathers cuda tensors only
+        host = torch.tensor([elapsed, float(self.saved.peak), float(mem)], dtype=torch.float64)
+        mine = torch.cat([loss_sum.detach().reshape(1).to(where, torch.float64), host.to(where)])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
+        collective(dist.all_gather, every, mine, what="the step statistics all-gather", rank=self.rank,
+                   timeout_s=self.timeout_s, group=world)
+        rows = torch.stack(every).tolist()  # one host read: [rank][loss, seconds, activation bytes, peak bytes]
+        # the loss: summed on the host in rank order (the same on every backend); the rest: the slowest rank's
+        loss = sum(r[0] for r in rows)
+        t, act, peak = (max(r[k] for r in rows) for k in (1, 2, 3))
+        return StepStats(step, loss, t, self.total_tokens / t, int(act), int(peak))
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
