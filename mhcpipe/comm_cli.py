@@ -2,6 +2,8 @@
 rendezvous sends, positional matching, host waits) and report deadlocks, order mismatches and unmatched ops.
 
     mhcpipe check-comm TRACE [--view group|pair|both] [--json OUT]
+    mhcpipe check-comm FR_DIR [--json OUT]
+
 
 example: mhcpipe check-comm runs/x/trace.json --view both
 
@@ -9,6 +11,12 @@ TRACE is a trace of ours recorded by `mhcpipe run ... --trace-dir DIR` (or that 
 everything a rank posts on one process group in one FIFO; `pair` gives P2P ops one queue per peer (two-rank
 communicators). Prints `ok: N ops in B batches on G groups (V view)` per view and exits 0, or the problems (first
 line a summary per view) and exits 1; bad input exits 2.
+
+FR_DIR is a folder of torch Flight Recorder dumps (`rank_<r>` pickles, written by NCCL's watchdog on a timeout into
+the run's flight_recorder folder, which the error line names) and our op ledgers (`actions_rank<r>.json`): it
+prints, per process group, the ranks that posted a collective the others never reached, and every NCCL op that did
+not complete, each with the pipeline action it carried (traces/flight_recorder.py). The dumps are read as data
+only; a file that is not one is refused in one line (exit 2).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import sys
 from pathlib import Path
 
 from traces.comm_replay import VIEWS, ReplayResult, replay
+from traces.flight_recorder import analyse, is_dump_folder
 from traces.io import load_trace
 
 MAX_LINES = 20
@@ -28,7 +37,8 @@ EXAMPLE = "mhcpipe check-comm runs/x/trace.json --view both --json runs/x/comm.j
 def register(subparsers) -> None:
     p = subparsers.add_parser("check-comm", help=HELP, description=f"{HELP}\n\nexample: {EXAMPLE}",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", metavar="TRACE", help="trace file of ours, or the run's trace folder")
+    p.add_argument("trace", metavar="TRACE", help="trace file of ours, the run's trace folder, or a folder of "
+                   "Flight Recorder dumps")
     p.add_argument("--view", choices=(*VIEWS, "both"), default="both",
                    help="queue per (rank, group), per (rank, group, peer) for P2P, or both (default)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON here")
@@ -48,6 +58,8 @@ def run_check_comm(args: argparse.Namespace) -> int:
     path = Path(args.trace)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder (pass a trace written by --trace-dir)")
+    if is_dump_folder(path):
+        return _check_flight_recorder(path, args.json_out)
     trace = load_trace(path)
     views = VIEWS if args.view == "both" else (args.view,)
     results = [replay(trace, v, source=str(path)) for v in views]
@@ -58,3 +70,16 @@ def run_check_comm(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps([r.to_dict() for r in results], indent=1))
     return 0 if all(r.ok for r in results) else 1
+
+
+def _check_flight_recorder(folder: Path, json_out: str | None) -> int:
+    rep = analyse(folder)
+    lines = [rep.summary(), *(f"  {p}" for p in rep.problems[:MAX_LINES])]
+    if len(rep.problems) > MAX_LINES:
+        lines.append(f"  ... and {len(rep.problems) - MAX_LINES} more")
+    sys.stdout.write("\n".join(lines) + "\n")
+    if json_out:
+        out = Path(json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rep.to_dict(), indent=1))
+    return 0 if rep.ok else 1

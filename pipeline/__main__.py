@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.distributed.errors import PipelineError
     from pipeline.distributed.p2p import init_distributed
+    from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
     from pipeline.launch.gpu_sharing import gpu_shared_with_another_rank
     from pipeline.runtime.train import pick_device, train, train_interleaved
 
+    fr_dir, backend = None, "gloo"
     try:
         device = pick_device(cfg, local_rank)
         staged = args.transport == "host"
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             if not staged and gpu_shared_with_another_rank(device, local_rank, local_world, cfg.train.timeout_s):
                 staged = True
         backend = "nccl" if device.type == "cuda" and not staged else "gloo"
+        fr_dir = flight_recorder_dir(args.trace_dir, os.environ)
+        flight_recorder_env(fr_dir, os.environ)  # before the process group exists: torch reads it at creation
         note = init_distributed(backend, cfg.train.timeout_s, device)
         if note and rank == 0:
             print(f"python -m pipeline: note: {note}", file=sys.stderr, flush=True)
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                   resume=args.resume, staged=staged, log=log)
     except PipelineError as err:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
+        if fr_dir is not None:
+            report_flight_recorder(fr_dir, rank, backend, cfg.train.timeout_s)
         os._exit(1)
     except ValueError as err:
         print(f"python -m pipeline: error (rank {rank}): {err}", file=sys.stderr, flush=True)
@@ -129,6 +135,35 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.destroy_process_group()
     return 0
+
+
+def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float) -> None:
+    """After a one-line error: this rank's op ledger next to Flight Recorder's dumps, and one line saying where they
+    are. NCCL: the watchdog writes the dumps when the stuck op reaches the process-group timeout (counted from its
+    post); the rank waits that long for its own (MHCPIPE_FR_WAIT_S overrides; 0 = do not wait), so that torchrun
+    does not stop the job before every rank has written."""
+    from pipeline.distributed.p2p import process_group_timeout_s
+    from pipeline.observability.flight_recorder import dump_prefix, wait_for_dump, write_ledger
+
+    try:
+        write_ledger(folder, rank)
+    except OSError as err:
+        print(f"mhcpipe: note: could not write the op ledger into {folder}: {err}", file=sys.stderr, flush=True)
+        return
+    prefix = dump_prefix(os.environ) or str(folder / "rank_")
+    if backend != "nccl":
+        if rank == 0:
+            print(f"mhcpipe: note: op ledgers in {folder} (Flight Recorder writes dumps on NCCL runs only, at the "
+                  "process-group timeout)", file=sys.stderr, flush=True)
+        return
+    wait = float(os.environ.get("MHCPIPE_FR_WAIT_S", process_group_timeout_s(backend, timeout_s) + 30))
+    if rank == 0:
+        print(f"mhcpipe: note: Flight Recorder dumps go to {prefix}<rank> when NCCL's watchdog reaches the stuck op "
+              f"(waiting up to {wait:.0f} s; MHCPIPE_FR_WAIT_S=0 skips); then: mhcpipe check-comm {folder}",
+              file=sys.stderr, flush=True)
+    got = wait_for_dump(prefix, rank, wait) if wait > 0 else False
+    print(f"mhcpipe: rank {rank}: Flight Recorder dump {'written: ' + prefix + str(rank) if got else 'not written'}"
+          f"; op ledger {folder}/actions_rank{rank}.json", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

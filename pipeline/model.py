@@ -31,7 +31,6 @@ from kernels import MHCSublayer, StreamExpand, contract
 from kernels import single_pass
 from kernels.xhc import XHCSublayer
 
-from pipeline.distributed.errors import PipelineError, poll
 from pipeline.weight_grad import DeferLinear, WeightGradStore, as_dtype
 
 NORM_EPS = 1e-6
@@ -131,7 +130,9 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.num_experts, self.layer = top_k, num_experts, layer
         self.comm = comm  # pipeline.distributed.expert.ExpertComm, or None: every expert here, nothing exchanged
-        self.read_timeout_s = 60.0  # the count read's deadline (EP=1, CUDA); the runtime sets train.timeout_s
+        # EP=1: counts -> a reader of them as a host list; the runtime passes a bounded, early one for CUDA
+        # (pipeline.distributed.expert.start_count_read); None reads them where they are needed
+        self.count_reader = None
         ep_size, ep_rank = (1, 0) if comm is None else (comm.size, comm.rank)
         self.num_local = num_experts // ep_size
         self.first_local = ep_rank * self.num_local
@@ -158,7 +159,7 @@ class MoE(nn.Module):
         local = self.comm is None or not self.comm.exchanging
         # EP=1: the sizes' copy to the host starts before the shared expert is queued, so the host waits for the
         # counts alone while the GPU runs the shared expert, not for a drained stream (counts.tolist() would)
-        read = start_count_read(counts, self.read_timeout_s) if local else None
+        read = (self.count_reader(counts) if self.count_reader is not None else counts.tolist) if local else None
         out = self.shared(h) if self.shared is not None else torch.zeros_like(h)
         rows = h.index_select(0, tok)  # [T*k, C]
         # [T*k, C], row i = expert output for slot order[i]
@@ -175,28 +176,6 @@ class MoE(nn.Module):
                 off += rows
         # no rows at all: keep the (empty) graph connected, so the backward still joins every all-to-all
         return torch.cat(outs) if outs else x * 0
-
-
-def start_count_read(counts: torch.Tensor, timeout_s: float):
-    """Start reading the per-expert row counts to the host (the per-expert slices need their sizes there: the
-    layer's one host wait, EP=1; with EP the count exchange's read in pipeline.distributed.expert is that one);
-    returns the reader. CUDA: a non-blocking copy into pinned memory and an event, queued now, and the reader polls
-    the event with a deadline, so the host waits for the kernels up to the counts and not for the ones queued after
-    them; elsewhere the reader reads the tensor."""
-    if not counts.is_cuda:
-        return counts.tolist
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def read() -> list[int]:
-        if not poll(done.query, timeout_s):
-            raise PipelineError(f"timed out after {timeout_s:g} s reading the MoE expert counts (the GPU did not "
-                                "reach them: a hung kernel, or an input a peer never sent)")
-        return host.tolist()
-
-    return read
 
 
 class Sublayer(nn.Module):

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed import op_ledger
 from pipeline.distributed.errors import PipelineError, describe, poll
 
 # backend name -> device types it serves (NCCL: cuda only); tests may replace an entry to mimic another backend
@@ -94,6 +95,7 @@ def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **
     if backend is None:  # a barrier: the group's own device
         served = group_backends(group)
         backend = served.get("cuda") if torch.cuda.is_available() and "cuda" in served else served.get("cpu")
+    op_ledger.note(group if group is not None else dist.group.WORLD, "coll", [what])
     try:
         work = fn(*args, async_op=True, group=group, **kwargs)
         ok = wait_work(work, timeout_s, polled=backend == "nccl")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.distributed.collective import check_devices, wait_work
+from pipeline.distributed import op_ledger
 from pipeline.distributed.errors import PipelineError, describe, poll
 
 __all__ = ["Comms", "Handle", "P2PWaiter", "wait_work"]
@@ -184,16 +185,19 @@ class Comms:
         self.waiter = P2PWaiter(self._signal) if watch_p2p and self.stream is None else None
 
     # -- posting -------------------------------------------------------------------------------------------
-    def launch(self, post, spans: list[tuple], group: str | None = None):
+    def launch(self, post, spans: list[tuple], group: str | None = None, pg=None, kind: str = "coll"):
         """Call `post()` (which issues one batch of async ops on the process group named `group` and returns
         their works) and open one comm span per (kind, stage, mb, peer, name) in `spans`, carrying the group and
-        the batch's number on it (per group, in posting order: traces.comm_replay): on CPU once the ops are in
+        the batch's number on it (per group, in posting order: traces.comm_replay); `pg` (the process group) and
+        `kind` ("coll" or "p2p") go to the op ledger for Flight Recorder (op_ledger): on CPU once the ops are in
         flight (posting is the compute thread's work), on CUDA from the communication stream, which first waits
         for the compute stream (the data is ready). Returns (works, tokens)."""
         rec = self.recorder
         with self._batch_lock:  # both halves of an F&B pair post (one at a time; the lock keeps it exact)
             batch = self._batches.get(group, 0)
             self._batches[group] = batch + 1
+            if pg is not None:
+                op_ledger.note(pg, kind, [span[-1].removesuffix("~comm") for span in spans], label=group)
         if self.stream is None:
             works = post()
             return works, [rec.begin_async(*span, group=group, batch=batch) for span in spans]
@@ -276,7 +280,7 @@ class Comms:
         try:
             work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
                                          [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")],
-                                         group=group_name)
+                                         group=group_name, pg=kwargs.get("group"))
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"rank {self.rank}: posting {name} ({peer}) failed: {describe(err)}") from None
         h = Handle(False, name, peer, stage, mb, work=work, token=token)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed.comm import Comms
+from pipeline.distributed.errors import PipelineError, poll
 from traces.trace import span_name
 
 
@@ -143,3 +144,25 @@ class _Exchange(torch.autograd.Function):
         g = comm.exchange(grad, in_splits, out_splits, op=ctx.op, chunk=chunk, layer=layer, part="dgrad", side="B",
                           resume=_Exchange.RESUME[ctx.op][1])
         return g, None, None, None, None
+
+
+def start_count_read(counts: torch.Tensor, timeout_s: float):
+    """Start reading the per-expert row counts to the host (the per-expert slices need their sizes there: the
+    layer's one host wait, EP=1; with EP the count exchange's read, `ExpertComm.counts`, is that one);
+    returns the reader. CUDA: a non-blocking copy into pinned memory and an event, queued now, and the reader polls
+    the event with a deadline, so the host waits for the kernels up to the counts and not for the ones queued after
+    them; elsewhere the reader reads the tensor."""
+    if not counts.is_cuda:
+        return counts.tolist
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[int]:
+        if not poll(done.query, timeout_s):
+            raise PipelineError(f"timed out after {timeout_s:g} s reading the MoE expert counts (the GPU did not "
+                                "reach them: a hung kernel, or an input a peer never sent)")
+        return host.tolist()
+
+    return read

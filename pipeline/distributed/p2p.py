@@ -105,7 +105,7 @@ class Transport:
             return [self.strict.post(group, gname, batch)] if batch is not None else dist.batch_isend_irecv(p2p)
 
         try:
-            works, tokens = self.comms.launch(post, spans, group=gname)
+            works, tokens = self.comms.launch(post, spans, group=gname, pg=group, kind="p2p")
         except PipelineError:
             raise
         except Exception as err:  # noqa: BLE001 - backend errors have no common type

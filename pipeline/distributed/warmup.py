@@ -23,6 +23,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed import op_ledger
 from pipeline.distributed.collective import collective, wait_work
 from pipeline.distributed.errors import PipelineError, describe
 
@@ -80,6 +81,7 @@ def _p2p(name: str, group, src: int, dst: int, rank: int, device: torch.device, 
         if strict is not None:
             work = strict.post(group, name, [(sending, op, peer, t)])
         else:
+            op_ledger.note(group, "p2p", [op], label=name)
             (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, t, peer, group)])
         ok = wait_work(work, timeout_s, polled=device.type == "cuda")
     except PipelineError:

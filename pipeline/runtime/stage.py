@@ -23,6 +23,7 @@ On CPU the placement is only recorded (`~hp` spans).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from torch.autograd.graph import get_gradient_edge
 from kernels import single_pass
 from traces.trace import span_name
 
+from pipeline.distributed.expert import start_count_read
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import build_block, build_embedding, build_head
 from pipeline.partition import StageSpec
@@ -74,9 +76,9 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(b): build_block(mc, cfg.parallel.seq_len, b, seed, store, comm=expert)
                                      for b in spec.blocks})
         self.head = build_head(mc, seed, store) if spec.has_head else None
-        for m in self.blocks.modules():  # the EP=1 count read waits no longer than every other wait of the run
-            if hasattr(m, "read_timeout_s"):
-                m.read_timeout_s = cfg.train.timeout_s
+        for m in self.blocks.modules():  # EP=1 count reads: early, and no longer than every other wait of the run
+            if hasattr(m, "count_reader"):
+                m.count_reader = functools.partial(start_count_read, timeout_s=cfg.train.timeout_s)
         subs = [(layer, m, layer % 2 == 1) for b in spec.blocks for layer, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
         self.expert = expert

@@ -191,3 +191,20 @@ def test_fused_adamw_on_cuda():
     p = torch.nn.Parameter(torch.randn(4, device="cuda"))
     opt = make_optimizer([p], load_config("tiny").train)
     assert opt.defaults.get("fused") is True
+
+
+def test_ep1_moe_reads_its_counts_through_the_runtimes_bounded_reader():
+    """EP=1: every MoE layer of a stage gets the runtime's count reader (CUDA: an early pinned copy polled with the
+    run's deadline, not counts.tolist() after the shared expert); on CPU the reader is a plain read of the counts."""
+    from configs import parse_config
+    from pipeline.distributed.expert import start_count_read
+    from pipeline.model import MoE
+    from pipeline.runtime.train import RankRuntime
+
+    cfg = parse_config(tiny_config("1f1b", 2, moe=True, timeout_s=7), "test")
+    rt = RankRuntime(cfg, 0, torch.device("cpu"))
+    moes = [m for s in rt.executor.stages.values() for m in s.modules() if isinstance(m, MoE)]
+    assert moes and all(m.count_reader is not None and m.count_reader.keywords == {"timeout_s": 7} for m in moes)
+    counts = torch.tensor([3, 0, 5])
+    assert start_count_read(counts, 1.0)() == [3, 0, 5]
+    rt.close()

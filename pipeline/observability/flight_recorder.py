@@ -1,0 +1,60 @@
+"""torch's Flight Recorder for our runs: its settings, and a ledger of which pipeline action each op carried.
+
+Flight Recorder (torch.distributed) keeps the last entries of every process group's collectives and P2P ops in
+memory: op, sizes, the group's sequence number, state (scheduled / started / completed). On NCCL, with
+TORCH_NCCL_DUMP_ON_TIMEOUT=1, the watchdog writes each rank's buffer to `<prefix><rank>` (a pickle) when an op
+passes the process-group timeout, and signals the other ranks to write theirs. `flight_recorder_env` turns it on
+for every run (unless the user set the variables): the buffer size under both its names (TORCH_FR_BUFFER_SIZE;
+TORCH_NCCL_TRACE_BUFFER_SIZE is the name torch 2.11 still reads), dump on timeout, and the dump files in the run's
+folder (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE for torch 2.11).
+
+What Flight Recorder cannot know is the pipeline action behind an op ("nccl:send 0->1, p2p seq 12" is
+`SEND_F/s0/mb3`). pipeline.distributed.op_ledger records it as the runtime posts; `write_ledger` puts it next to
+the dumps as `actions_rank<r>.json`, and `mhcpipe check-comm DIR` (traces/flight_recorder.py) joins the two.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeline.distributed.errors import poll
+from pipeline.distributed.op_ledger import LEDGER
+
+BUFFER_ENTRIES = 2000  # per rank: a few steps of a pp16 DualPipeV rank's ops
+DUMP_PREFIX = "rank_"
+
+
+def flight_recorder_dir(trace_dir: str | None, env: dict) -> Path:
+    """The run's folder for dumps and ledgers: <trace-dir>/flight_recorder, else runs/flight_recorder/<run id>
+    (torchrun's TORCHELASTIC_RUN_ID, the same on every rank of the job)."""
+    if trace_dir:
+        return Path(trace_dir).resolve() / "flight_recorder"
+    return Path("runs", "flight_recorder", env.get("TORCHELASTIC_RUN_ID") or "run").resolve()
+
+
+def flight_recorder_env(folder: Path, env: dict) -> dict[str, str]:
+    """Set what is unset of Flight Recorder's variables in `env` (os.environ, before init_process_group); returns
+    what was set. A user's own value always wins."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_ENTRIES),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(folder / DUMP_PREFIX),
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder / DUMP_PREFIX)}
+    done = {}
+    for key, value in wanted.items():
+        if key not in env:
+            env[key] = done[key] = value
+    return done
+
+
+def dump_prefix(env: dict) -> str | None:
+    return env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def wait_for_dump(prefix: str, rank: int, limit_s: float) -> bool:
+    """After a deadline error on NCCL: give the watchdog up to `limit_s` to write this rank's dump."""
+    path = f"{prefix}{rank}"
+    return poll(lambda: os.path.exists(path) and os.path.getsize(path) > 0, limit_s)
+
+
+def write_ledger(folder: Path, rank: int) -> Path:
+    """This rank's ledger of posted ops, as actions_rank<r>.json in `folder`."""
+    return LEDGER.write(folder, rank)
