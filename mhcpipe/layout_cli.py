@@ -5,8 +5,9 @@
 
 example: mhcpipe layout --config v4-pro --dp 128
 
-Prints the groups the start-up creates (each creation is collective over the whole world: a `new_group`, or a split
-of the world's communicator on NCCL; the runtime makes only groups it posts on), the communicators per rank,
+Prints the groups the start-up creates (the runtime makes only groups it posts on) and the creations collective over
+the whole world that make them (NCCL: one `split_group` per family of disjoint groups; gloo: one `new_group` per
+group), the communicators per rank,
 a rough estimate of NCCL's buffer memory per rank, and one rank's groups in the order the start-up warm-up connects
 them (pipeline.distributed.warmup). The groups come from pipeline.distributed.group_plan, which a test checks against
 a real start-up. Micro-batches do not change the groups: a count that does not divide over --dp is rounded up here.
@@ -73,14 +74,15 @@ def _peers(role: str, size: int) -> int:
 
 
 def summarize(layout, plan, buffsize_mib: float, channels: int) -> dict:
-    from pipeline.distributed.group_plan import groups_of
+    from pipeline.distributed.group_plan import groups_of, world_wide_creations
 
     per_rank = [groups_of(plan, r) for r in range(layout.world)]
     comms = [len(g) for g in per_rank]
     mem = [sum(_peers(s.role, len(s.members)) * channels * 2 * buffsize_mib for s in g) for g in per_rank]
     return {
         "world": layout.world, "num_groups": len(plan),
-        "creations": len(plan) - 1,  # the world group exists before the start-up
+        "creations": world_wide_creations(plan, split=False),  # gloo: one new_group per group
+        "nccl_splits": world_wide_creations(plan, split=True),  # NCCL: one split_group per family
         "by_role": dict(Counter(g.role for g in plan)),
         "communicators_per_rank": [min(comms), max(comms)], "nccl_buffer_mib_per_rank": [min(mem), max(mem)],
     }
@@ -101,8 +103,9 @@ def run_layout(args) -> int:
     pp_rank, dp_rank = layout.coords(args.rank)
     print(f"layout {cfg.model.name}: {layout.schedule} PP{layout.pp} x DP{layout.dp} (EP{layout.ep} inside DP, "
           f"D_e {layout.edp}), {layout.world} ranks, P2P groups: {cfg.parallel.p2p_groups}")
-    print(f"start-up: {s['creations']} group creations, each collective over all {layout.world} ranks; every group "
-          "is one the runtime posts on")
+    print(f"start-up: {s['num_groups'] - 1} groups, every one posted on; creations collective over all "
+          f"{layout.world} ranks: {s['nccl_splits']} on NCCL (one split_group per family of disjoint groups), "
+          f"{s['creations']} on gloo (one new_group per group)")
     print("  by role: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_role"].items())))
     lo, hi = s["communicators_per_rank"]
     mlo, mhi = s["nccl_buffer_mib_per_rank"]

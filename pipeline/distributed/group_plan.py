@@ -5,16 +5,18 @@ Shape letters: P pipeline ranks, D data-parallel replicas, EP expert-parallel de
 
 `build_groups` makes only the groups the runtime posts on: the P2P channels (one per direction of each pipeline link
 and row), the forward and backward expert-parallel groups, the dense and expert gradient groups (the pipeline rows
-instead of the channels under parallel.p2p_groups 'shared'). Every creation is collective over the whole world (a
-`new_group`, or a split of the world's communicator on NCCL), members or not, and makes a new group; a set of the
-whole world is the default group and sets of one rank make none. `tests/pipeline/test_pipeline_layout.py` checks the
+instead of the channels under parallel.p2p_groups 'shared'). Groups come in families of disjoint rank sets (each
+`family` below; the channels are four: per direction, the links from even and from odd pipeline ranks). On gloo
+each group is one `new_group`, collective over the whole world, members or not; on NCCL one
+`torch.distributed.split_group` of the world makes a whole family (layout.use_split). A set of the whole world is the
+default group and sets of one rank make none. `tests/pipeline/test_pipeline_layout.py` checks the
 plan against the groups a real (gloo) start-up makes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.distributed.layout import Layout
+from pipeline.distributed.layout import Layout, channel_families
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class GroupSpec:
     name: str  # as the runtime names it (traces, the strict transport)
     members: tuple[int, ...]  # global ranks
     role: str  # world, pp, p2p, ep-F, ep-B, grad, grad-experts
+    family: str = ""  # the creation that makes it with split_group (layout.make_groups' desc)
 
 
 def _name(role: str, members) -> str:
@@ -33,12 +36,12 @@ def plan_groups(layout: Layout, p2p_groups: str = "channel") -> list[GroupSpec]:
     plan: list[GroupSpec] = []
     world = tuple(range(layout.world))
 
-    def add(role: str, members, name: str | None = None, explicit: bool = False) -> None:
+    def add(role: str, members, name: str | None = None, explicit: bool = False, family: str = "") -> None:
         members = tuple(members)
         # a set of the whole world is the default group; an explicit new_group is always a new one
         if len(members) < 2 or (members == world and plan and not explicit):
             return
-        plan.append(GroupSpec(name or _name(role, members), members, role))
+        plan.append(GroupSpec(name or _name(role, members), members, role, family or role))
 
     P, D, EP = layout.pp, layout.dp, layout.ep
     add("world", world, name="world")
@@ -46,11 +49,10 @@ def plan_groups(layout: Layout, p2p_groups: str = "channel") -> list[GroupSpec]:
         for d in range(D):
             add("pp", [layout.rank(p, d) for p in range(P)])
     else:
-        for d in range(D):
-            for p in range(P - 1):
-                for src, dst in ((p, p + 1), (p + 1, p)):
-                    a, b = layout.rank(src, d), layout.rank(dst, d)
-                    add("p2p", (a, b), name=f"p2p:{a}>{b}", explicit=True)
+        for desc, links in channel_families(layout):
+            for d, src, dst in links:
+                a, b = layout.rank(src, d), layout.rank(dst, d)
+                add("p2p", sorted((a, b)), name=f"p2p:{a}>{b}", explicit=True, family=desc)
     if EP > 1:
         blocks = layout.expert_ranks().reshape(-1, EP).tolist()
         for side in ("F", "B"):
@@ -68,6 +70,13 @@ def plan_groups(layout: Layout, p2p_groups: str = "channel") -> list[GroupSpec]:
         for s in sets.reshape(-1, copies).tolist():
             add("grad-experts", s)
     return plan
+
+
+def world_wide_creations(plan: list[GroupSpec], split: bool) -> int:
+    """Creations collective over the whole world at start-up: one per group (new_group), or one per family
+    (split_group); the world group exists before."""
+    made = plan[1:]
+    return len({g.family for g in made}) if split else len(made)
 
 
 def groups_of(plan: list[GroupSpec], rank: int) -> list[GroupSpec]:

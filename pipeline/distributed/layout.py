@@ -183,29 +183,75 @@ def _members(group) -> str:
     return ",".join(map(str, dist.get_process_group_ranks(group)))
 
 
-def build_p2p_channels(layout: Layout, rank: int) -> tuple[dict, dict]:
+def use_split(env=None) -> bool:
+    """Make groups with `torch.distributed.split_group` (one split of the world's communicator makes every set of a
+    disjoint family at once) rather than one `new_group` per set (each a world-wide creation, members or not)? Only
+    on NCCL (split_group supports no other backend), where torch has it, and unless MHCPIPE_SPLIT_GROUPS=0."""
+    import os
+
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    return (env.get("MHCPIPE_SPLIT_GROUPS", "1") != "0" and hasattr(dist, "split_group")
+            and dist.get_backend() == "nccl")
+
+
+def make_groups(sets: list[list[int]], desc: str, split: bool):
+    """This rank's group among `sets` (disjoint lists of global ranks; every rank calls this, in the same order),
+    or None when it is in none. split: one `split_group` of the world for the whole family; else one `new_group`
+    per set."""
+    import torch.distributed as dist
+
+    from pipeline.distributed.errors import PipelineError, describe
+
+    if split:
+        try:
+            return dist.split_group(split_ranks=sets, group_desc=desc)
+        except Exception as err:  # noqa: BLE001 - backend errors have no common type
+            raise PipelineError(f"creating the {desc} groups with torch.distributed.split_group failed: "
+                                f"{describe(err)}; MHCPIPE_SPLIT_GROUPS=0 makes them with new_group") from None
+    mine = None
+    for members in sets:
+        group = dist.new_group(members, group_desc=desc)  # collective: every rank calls it, members or not
+        if dist.get_rank() in members:
+            mine = group
+    return mine
+
+
+def channel_families(layout: Layout) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """The P2P channels as four families of disjoint links, (description, [(d, src pp rank, dst pp rank)]): per
+    direction, the links that start at an even and at an odd pipeline rank. One family is one creation."""
+    out = []
+    for direction in ("down", "up"):
+        for parity in (0, 1):
+            links = [(d, p, p + 1) if direction == "down" else (d, p + 1, p)
+                     for d in range(layout.dp) for p in range(parity, layout.pp - 1, 2)]
+            if links:
+                out.append((f"p2p-{direction}-{'even' if parity == 0 else 'odd'}", links))
+    return out
+
+
+def build_p2p_channels(layout: Layout, rank: int, split: bool = False) -> tuple[dict, dict]:
     """One two-rank process group per direction of every link between neighbouring pipeline ranks, for every
-    pipeline row: created on every rank in the same order (each `new_group` is collective over the world), so each
+    pipeline row: created on every rank in the same order (each creation is collective over the world), so each
     is one communicator on both of its members. Neighbours are the only pipeline ranks that exchange activations in
     the five schedules (a V's turn is a local hand-off). Returns this rank's row as {(src pp rank, dst pp rank):
     group} and {id(group): name}."""
-    import torch.distributed as dist
-
     mine, names = {}, {}
-    for d in range(layout.dp):
-        for p in range(layout.pp - 1):
-            for src, dst in ((p, p + 1), (p + 1, p)):
-                a, b = layout.rank(src, d), layout.rank(dst, d)
-                group = dist.new_group([a, b])  # collective: every rank calls it, members or not
-                if rank in (a, b):
-                    mine[(src, dst)] = group
-                    names[id(group)] = f"p2p:{a}>{b}"
+    for desc, links in channel_families(layout):
+        group = make_groups([sorted((layout.rank(src, d), layout.rank(dst, d))) for d, src, dst in links], desc, split)
+        for d, src, dst in links:
+            a, b = layout.rank(src, d), layout.rank(dst, d)
+            if rank in (a, b):
+                mine[(src, dst)] = group
+                names[id(group)] = f"p2p:{a}>{b}"
     return mine, names
 
 
-def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: list, new: bool = False):
+def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: list, new: bool = False,
+               split: bool = False, desc: str | None = None):
     """This rank's group among `sets` (disjoint rank lists that cover the world), as a one-dimensional DeviceMesh (kept
-    in `meshes`): one group per set, each creation collective over the world. A set of the whole world is the
+    in `meshes`): one creation per set (new_group), or one for all (split). A set of the whole world is the
     default group unless `new` (a group that must differ from every other); sets of one rank make none (None).
     Only the dimensions the runtime posts on are made: a multi-dimensional mesh would make every dimension's
     groups, most of them never used (mhcpipe layout counts them)."""
@@ -217,7 +263,7 @@ def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: 
     if len(sets) == 1 and len(sets[0]) == dist.get_world_size() and not new:
         group = dist.group.WORLD
     else:
-        group, _ = dist.new_subgroups_by_enumeration(sets)
+        group = make_groups(sets, desc or axis.value, split)
     meshes.append(DeviceMesh.from_group(group, device_type, mesh_dim_names=(axis.value,)))
     return group
 
@@ -237,30 +283,33 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
     g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, world_group=dist.group.WORLD)
     g.names[id(dist.group.WORLD)] = "world"
     P, D = layout.pp, layout.dp
+    split = use_split()
     if p2p_groups == "shared":
         g.pp_group = _dimension([[layout.rank(p, d) for p in range(P)] for d in range(D)], MeshAxis.PP,
-                                device_type, meshes)
+                                device_type, meshes, split=split)
         if g.pp_group is not None:
             g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
     else:
-        g.p2p_channels, names = build_p2p_channels(layout, rank)
+        g.p2p_channels, names = build_p2p_channels(layout, rank, split)
         g.names.update(names)
     if layout.ep > 1:
         # the backward's exchanges have groups of their own over the same ranks (pipeline.distributed.expert):
         # every creation makes a new group, so the two sides never share one
         blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()
-        g.ep_groups = {side: _dimension(blocks, MeshAxis.EP, device_type, meshes, new=True) for side in ("F", "B")}
+        g.ep_groups = {side: _dimension(blocks, MeshAxis.EP, device_type, meshes, new=True, split=split,
+                                        desc=f"ep-{side}") for side in ("F", "B")}
         for side, group in g.ep_groups.items():
             g.names[id(group)] = f"ep-{side}:{_members(group)}"
         if g.ep_groups["F"] is g.ep_groups["B"]:
             raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
                                "collectives could pair up across the two halves of an F&B pair")
     if layout.mirrored:
-        g.dense_grad_group = _dimension(layout.dense_grad_ranks().tolist(), MeshAxis.GRAD, device_type, meshes)
+        g.dense_grad_group = _dimension(layout.dense_grad_ranks().tolist(), MeshAxis.GRAD, device_type, meshes,
+                                        split=split, desc="grad")
         g.dense_grad_size = 2 * D
     elif D > 1:
         g.dense_grad_group = _dimension([[layout.rank(p, d) for d in range(D)] for p in range(P)], MeshAxis.DP,
-                                        device_type, meshes)
+                                        device_type, meshes, split=split, desc="grad")
         g.dense_grad_size = D
     copies = 2 * layout.edp if layout.mirrored else layout.edp
     if copies > 1:
@@ -268,7 +317,8 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
             g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
         else:
             sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().transpose(1, 2)
-            g.expert_grad_group = _dimension(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes)
+            g.expert_grad_group = _dimension(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes,
+                                             split=split, desc="grad-experts")
         g.expert_grad_size = copies
     for role, group in (("grad", g.dense_grad_group), ("grad-experts", g.expert_grad_group)):
         if group is not None and id(group) not in g.names:

@@ -116,3 +116,64 @@ def test_the_group_plan_is_what_the_start_up_makes():
             assert names == want, (lay, r.rank, names, want)
             planned = sorted(sorted(g.members) for g in groups_of(plan, r.rank) if g.name != "world")
             assert joined == planned, (lay, r.rank, joined, planned)
+
+
+def _split_groups_worker(rank, world, layouts):
+    """build_groups on the NCCL path (split_group), with a stand-in for split_group that gloo can run: one
+    new_group per set of the family. Counts the split calls and any new_group made outside them."""
+    import torch.distributed as dist
+
+    from pipeline.distributed import layout as layout_mod
+
+    real_new_group = dist.new_group
+    splits, direct = [], []
+
+    def fake_split(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None, backend=None):
+        assert parent_pg is None and split_ranks, "a split of the world with its sets"
+        flat = [r for s in split_ranks for r in s]
+        assert len(flat) == len(set(flat)), f"{group_desc}: the sets of one split must be disjoint: {split_ranks}"
+        splits.append(group_desc)
+        mine = None
+        for members in split_ranks:
+            g = real_new_group(members)
+            if rank in members:
+                mine = g
+        return mine
+
+    def counted_new_group(*args, **kwargs):
+        direct.append(args)
+        return real_new_group(*args, **kwargs)
+
+    out = []
+    dist.split_group, dist.new_group = fake_split, counted_new_group
+    use_split, layout_mod.use_split = layout_mod.use_split, lambda env=None: True
+    try:
+        for lay in layouts:
+            splits.clear()
+            direct.clear()
+            g = layout_mod.build_groups(lay, rank, "cpu")
+            out.append((g.comm_groups(), list(splits), len(direct)))
+            dist.barrier()
+    finally:
+        dist.new_group, layout_mod.use_split = real_new_group, use_split
+        del dist.split_group
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_on_nccl_one_split_makes_each_family_of_groups():
+    """NCCL path: every family of disjoint groups (4 channel families, ep-F, ep-B, grad, grad-experts) is one
+    split_group of the world instead of one world-wide new_group per group, and each rank gets the same groups by
+    name and members as the plan (`mhcpipe layout` counts these splits)."""
+    from pipeline.distributed.group_plan import groups_of, plan_groups, world_wide_creations
+
+    results = launch(_split_groups_worker, 4, (PLANNED,), timeout_s=100)
+    check_ok(results)
+    for i, lay in enumerate(PLANNED):
+        plan = plan_groups(lay)
+        for r in results:
+            names, splits, direct = r.value[i]
+            assert names == {g.name: sorted(g.members) for g in groups_of(plan, r.rank)}, (lay, r.rank)
+            assert direct == 0, (lay, "a group made with new_group on the split path")
+            assert len(splits) == world_wide_creations(plan, split=True), (lay, splits)
+    assert world_wide_creations(plan_groups(Layout(16, 128, 64, "dualpipe")), split=True) == 8

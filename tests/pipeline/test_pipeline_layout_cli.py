@@ -31,7 +31,9 @@ def test_v4_pro_at_2048_ranks(tmp_path):
     assert "p2p:2>130" in got["warmup_order"] and "p2p:130>258" in got["warmup_order"]  # its pipeline neighbours
     lines = out.stdout.splitlines()
     assert lines[0].startswith("layout v4-pro: dualpipe PP16 x DP128 (EP64") and "2048 ranks" in lines[0]
-    assert f"start-up: {len(plan) - 1} group creations" in lines[1]
+    # NCCL: 4 channel families (per direction, links from even and odd pipeline ranks), ep-F, ep-B, grad, grad-experts
+    assert got["nccl_splits"] == 8
+    assert f"start-up: {len(plan) - 1} groups" in lines[1] and "8 on NCCL" in lines[1] and "4424 on gloo" in lines[1]
 
 
 @pytest.mark.parametrize("args,field", [
