@@ -200,13 +200,17 @@ def make_groups(sets: list[list[int]], desc: str, split: bool):
     """This rank's group among `sets` (disjoint lists of global ranks; every rank calls this, in the same order),
     or None when it is in none. split: one `split_group` of the world for the whole family; else one `new_group`
     per set."""
+    import inspect
+
     import torch.distributed as dist
 
     from pipeline.distributed.errors import PipelineError, describe
 
     if split:
         try:
-            return dist.split_group(split_ranks=sets, group_desc=desc)
+            # group_desc names the family in Flight Recorder's dumps; an older split_group may not take it
+            named = "group_desc" in inspect.signature(dist.split_group).parameters
+            return dist.split_group(split_ranks=sets, **({"group_desc": desc} if named else {}))
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"creating the {desc} groups with torch.distributed.split_group failed: "
                                 f"{describe(err)}; MHCPIPE_SPLIT_GROUPS=0 makes them with new_group") from None
