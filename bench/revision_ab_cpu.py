@@ -1,8 +1,8 @@
-"""Benchmark: this tree's pipeline step time against an earlier git revision's, on 4 gloo ranks, launches
+"""Benchmark: this tree's pipeline step time against an earlier git revision's, on gloo ranks, launches
 alternating (old, new, new, old, ...) so both see the same drift of a shared machine's speed.
 
-    .venv/bin/python bench/revision_ab_cpu.py --rev 6ee54ad [--config tiny] [--launches 6] [--steps 30]
-        [--warmup 5] [--out bench/results/revision_ab_cpu.json]
+    .venv/bin/python bench/revision_ab_cpu.py --rev 6ee54ad [--config tiny] [--ranks P] [--launches 6]
+        [--steps 30] [--warmup 5] [--out bench/results/revision_ab_cpu.json]
 
 The revision is checked out with `git worktree` under runs/rev_<rev>/ and run with this venv's Python (the
 revision must accept the same config). Each launch trains `--steps` steps (plain gloo semantics, no recording)
@@ -27,6 +27,8 @@ from configs import load_config
 from pipeline.launch.local import launch, variants_worker
 cfg = load_config(sys.argv[1]).model_dump()
 cfg["train"]["steps"] = int(sys.argv[2])
+if int(sys.argv[3]) > 0:
+    cfg["parallel"]["ranks"] = int(sys.argv[3])
 if "comm_rules" in cfg["train"]:
     cfg["train"]["comm_rules"] = "backend"
 world = cfg["parallel"]["ranks"] * cfg["parallel"]["data_parallel"]
@@ -39,10 +41,10 @@ print(json.dumps(times))
 """
 
 
-def one_launch(tree: Path, config: str, steps: int) -> list[float]:
+def one_launch(tree: Path, config: str, steps: int, ranks: int = 0) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("MHCPIPE_TRANSPORT", None)
-    out = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, config, str(steps)], cwd=tree, env=env,
+    out = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, config, str(steps), str(ranks)], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"revision_ab_cpu: launch in {tree} failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -53,6 +55,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", required=True, help="the git revision to compare with (e.g. the last landed commit)")
     ap.add_argument("--config", default="tiny")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="pipeline ranks (default: the config's; 2 gives each rank a core of a 2-core host)")
     ap.add_argument("--launches", type=int, default=6, help="launches per side")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
@@ -73,7 +77,7 @@ def main() -> int:
     sides = {"old": [], "new": []}
     for k in range(args.launches):
         for side in (("old", "new") if k % 2 == 0 else ("new", "old")):
-            times = one_launch(old if side == "old" else ROOT, args.config, args.steps)
+            times = one_launch(old if side == "old" else ROOT, args.config, args.steps, args.ranks)
             sides[side].append(statistics.median(times[args.warmup:]))
             print(f"launch {k + 1} {side}: median step {sides[side][-1] * 1e3:.1f} ms", flush=True)
     med = {s: statistics.median(v) for s, v in sides.items()}
@@ -84,7 +88,8 @@ def main() -> int:
         print(f"{s:<6}{med[s] * 1e3:>16.1f}   " + " ".join(f"{x * 1e3:.0f}" for x in v))
     print(f"new/old per launch pair: median {ratio:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"{os.cpu_count()} cores")
-    out = {"rev": rev, "config": args.config, "launches": args.launches, "steps": args.steps, "warmup": args.warmup,
+    out = {"rev": rev, "config": args.config, "ranks": args.ranks or "config", "launches": args.launches,
+           "steps": args.steps, "warmup": args.warmup,
            "median_step_s": med, "launch_medians_s": sides, "ratio_new_over_old": ratio, "ratios": ratios,
            "cores": os.cpu_count(), "command": "bench/revision_ab_cpu.py " + " ".join(sys.argv[1:])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
