@@ -4,6 +4,8 @@ the group's backend map (NCCL serves cuda tensors only), waits that never use NC
 NCCL's wait semantics on gloo ranks."""
 from __future__ import annotations
 
+import re
+
 import time
 import types
 
@@ -306,3 +308,26 @@ def test_runtime_step_under_nccl_wait_semantics_matches():
         assert any(c.startswith("A2A_DISPATCH/") for c in calls) and any(c.startswith("RG/") for c in calls), calls
         assert {"the start barrier", "the clock exchange",
                 "the step statistics all-gather"} <= calls, calls
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "dualpipev"])
+def test_blocking_waits_on_nccls_path_with_three_moe_blocks_per_stage(schedule):
+    """Blocking waits under NCCL's rules: on the NCCL code path every wait the runtime issues is untimed
+    (`Work.wait()`), and under the strict transport such a wait blocks the host until its batch ran, as
+    TORCH_NCCL_BLOCKING_WAIT=1 makes NCCL's do. With 3 MoE blocks in a stage (expert count reads in every one) and
+    GPipe's early-posted receives, a wait issued before its result is needed would hang here; the step must
+    finish with the plain gloo path's loss and gradients (fp64, 1e-12)."""
+    blocks = 8 if schedule == "gpipe" else 16  # 2 stages of 4 blocks (gpipe), 4 of 4 (dualpipev): >= 3 MoE each
+    cfg = tiny_config(schedule, 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60, blocks=blocks)
+    plain = launch(_nccl_semantics_worker, 4, (cfg, False), timeout_s=200)
+    check_ok(plain)
+    nccl = launch(_nccl_semantics_worker, 4, (cfg, True), timeout_s=200)
+    check_ok(nccl)
+    for a, b in zip(plain, nccl):
+        assert abs(a.value["loss"] - b.value["loss"]) <= 1e-12 * abs(a.value["loss"])
+        for name, g in a.value["grads"].items():
+            assert rel_err(b.value["grads"][name], g) <= 1e-12, name
+        # this rank read expert counts in at least 3 MoE layers of one stage (layers L<2b+1> of its blocks)
+        layers = {int(m) for c in b.value["helper_calls"] for m in re.findall(r"L(\d+)\.counts", c)}
+        assert len(layers) >= 3, sorted(layers)
