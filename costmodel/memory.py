@@ -1,4 +1,4 @@
-"""Memory per rank: model states, activations of the schedule's peak live micro-batches, mHC with and without
+"""Memory per rank: model states, activations of the live micro-batches at the schedule's peak, mHC with and without
 recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage), P2P buffers.
 
 * Model states, Adam as Megatron-LM counts them (bytes per parameter, d = the data-parallel ranks that share
@@ -33,6 +33,11 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   and normed 2C, router logits E (fp32), permuted token copies kC, per copy gate, up, activation 3He, the
   shared experts like a SwiGLU of hidden shared*He, the combine input kC. Embedding output C; head: normed C
   and fp32 logits V. One chunk = one stage's layers for one micro-batch.
+* The activation peak follows the schedule (`activation_peak`): walking a rank's program, a chunk is alive from
+  the start of its F to the end of its B (or I), each weighing its own stage's bytes (the head's fp32 logits only
+  on the stage that holds the head); the peak is the largest sum, and the live chunks per stage at that moment
+  are reported. (Live count x the largest chunk over-counts a rank holding a light and a heavy stage: DualPipe
+  rank 0 holds up to 2P micro-batches of stage 0 but one or two of stage 2P-1, the one with the head.)
 * Residual side of a stage (mhc_cost.residual_activation_elems; what pipeline/runtime/stage.py keeps): without recompute
   x_l + F output + coefficients per sub-layer ((n+1)C + fp32 mix; nothing for the plain residual, whose x_l is
   its norm input); with recompute of blocks of L_r sub-layers x_l0 once per block (ceil(L / L_r) of them), F's
@@ -47,7 +52,7 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import math
 
@@ -136,6 +141,7 @@ class RankMemory:
     buffer_bytes: float
     peak_live_chunks: int
     reserve_bytes: float = 0.0  # CUDA context, NCCL and DeepEP buffers, fragmentation (module docstring)
+    live_chunks: dict[int, int] = field(default_factory=dict)  # stage -> chunks alive at the activation peak
 
     @property
     def total_bytes(self) -> float:
@@ -181,18 +187,41 @@ def model_state_bytes(cfg: RunConfig, stages: list[StageMemory], dp: int | None 
             + state_bytes_per_param(dtype, dist, max(1, D // cfg.parallel.expert_parallel)) * experts)
 
 
+def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dict[int, int]]:
+    """The largest sum of live chunks' activation bytes over one rank's program (`actions`, schedules.ir.Action),
+    each chunk weighing its own stage's bytes, and the live chunks per stage at that peak (module docstring). An
+    overlapped F&B holds its forward's chunk before it frees its backward's."""
+    from schedules.ir import Kind
+
+    live: dict[int, int] = {}
+    total = peak = 0.0
+    at_peak: dict[int, int] = {}
+    for a in actions:
+        if a.kind is Kind.F or a.kind is Kind.FB:
+            live[a.stage] = live.get(a.stage, 0) + 1
+            total += stages[a.stage].chunk_activation_bytes
+            if total > peak:
+                peak, at_peak = total, {s: k for s, k in live.items() if k}
+        freed = a.b_stage if a.kind is Kind.FB else a.stage if a.kind in (Kind.B, Kind.I) else None
+        if freed is not None:
+            live[freed] -= 1
+            total -= stages[freed].chunk_activation_bytes
+    return peak, at_peak
+
+
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],
-                rank: int, peak_live: int, *, hw: HardwareSpec | None = None, dp: int | None = None,
+                rank: int, actions, *, hw: HardwareSpec | None = None, dp: int | None = None,
                 ep_per_node: int | None = None) -> RankMemory:
-    """Peak memory of one rank. `hw`: a GPU spec adds the reserve (none without it, or on a CPU spec); `dp`:
-    the data-parallel replicas that share the optimizer state (default the config's); `ep_per_node`:
-    pricing.Options.ep_per_node (whether DeepEP needs its RDMA buffer)."""
+    """Peak memory of one rank whose program is `actions` (its compute actions in issue order). `hw`: a GPU spec
+    adds the reserve (none without it, or on a CPU spec); `dp`: the data-parallel replicas that share the
+    optimizer state (default the config's); `ep_per_node`: pricing.Options.ep_per_node (whether DeepEP needs its
+    RDMA buffer)."""
     mine = [stages[s] for s in stages_of_rank]
     from costmodel.ops import DTYPE_BYTES
 
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
-    act = peak_live * max(s.chunk_activation_bytes for s in mine)
+    act, live = activation_peak(actions, stages)
     transient = max(s.transient_bytes for s in mine)
     buffers = 2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes)
     reserve = fixed_reserve_bytes(cfg, hw, ep_per_node)
@@ -204,5 +233,6 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
         activation_bytes=act,
         transient_bytes=transient,
         buffer_bytes=buffers,
-        peak_live_chunks=peak_live,
-        reserve_bytes=reserve)
+        peak_live_chunks=sum(live.values()),
+        reserve_bytes=reserve,
+        live_chunks=live)

@@ -105,13 +105,12 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
         steps["kernels"] = steps["recompute"] = T_mhc
     steps["mhc"] = T_mhc
     memory = {}
-    peaks = sims["mhc"].peak_activations
     for name in ("baseline", "mhc"):
         pr = pricers[name]
-        memory[name] = [rank_memory(cfg, pr.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r], hw=hw,
+        memory[name] = [rank_memory(cfg, pr.spec, pr.stage_mem, schedule.stages_of(r), r, schedule.actions[r], hw=hw,
                                     ep_per_node=options.ep_per_node) for r in range(schedule.num_ranks)]
     norc = {st: stage_memory(cfg, spec, st, *layout[st], recompute=False) for st in layout}
-    memory["mhc_no_recompute"] = [rank_memory(cfg, spec, norc, schedule.stages_of(r), r, peaks[r], hw=hw,
+    memory["mhc_no_recompute"] = [rank_memory(cfg, spec, norc, schedule.stages_of(r), r, schedule.actions[r], hw=hw,
                                               ep_per_node=options.ep_per_node) for r in range(schedule.num_ranks)]
     pred = Prediction(cfg, hw, spec, schedule, sims["baseline"], sims["mhc"], steps, pricers, memory)
     for name, sim in sims.items():

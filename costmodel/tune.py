@@ -49,7 +49,6 @@ from costmodel.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
 from schedules.ir import Action, Schedule
-from schedules.simulate import peak_live_activations
 
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 GIB = 2 ** 30
@@ -233,7 +232,7 @@ class Tuner:
         if key not in self._schedules:
             s = build(*key)
             per_rank = [Counter((a.kind, a.stage, a.b_stage) for a in acts) for acts in s.actions]
-            self._schedules[key] = (s, peak_live_activations(s), per_rank)
+            self._schedules[key] = (s, per_rank)
         return self._schedules[key]
 
     def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
@@ -244,15 +243,15 @@ class Tuner:
 
     def _prep(self, cand: Candidate):
         if cand not in self._prepared:
-            schedule, _, _ = self._schedule(cand)
+            schedule, _ = self._schedule(cand)
             self._prepared[cand] = self._pricer(cand, schedule, self._fast_config(cand))
         return self._prepared[cand]
 
     def memory(self, cand: Candidate) -> Evaluated:
-        """Peak memory per rank, predict's model, without a simulation (peaks in program order)."""
-        schedule, peaks, _ = self._schedule(cand)
+        """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
+        schedule, _ = self._schedule(cand)
         cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
-        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, peaks[r], hw=self.hw,
+        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, schedule.actions[r], hw=self.hw,
                               dp=cand.dp, ep_per_node=pr.opt.ep_per_node).total_bytes
                   for r in range(schedule.num_ranks))
         return Evaluated(cand, mem)
@@ -268,7 +267,7 @@ class Tuner:
         (data_parallel.sync_floor); the largest over the ranks. `exact=False`: the actions priced without
         recompute (it only adds kernels to the backward chains), which candidates differing only in their
         recompute choice share: a weaker bound, priced once for all of them."""
-        schedule, _, per_rank = self._schedule(ev.cand)
+        schedule, per_rank = self._schedule(ev.cand)
         cfg, layout, pr = self._prep(ev.cand if exact else replace(ev.cand, recompute="off"))
         full = cfg.model_copy(update={"parallel": self._fast_config(ev.cand).parallel})
         floor = sync_floor(schedule, reductions(full, self.hw, schedule, layout,
@@ -281,12 +280,12 @@ class Tuner:
     def evaluate(self, ev: Evaluated) -> Evaluated:
         """Simulate one replica's pipeline (predict's mHC run) and add the gradient all-reduce."""
         cand = ev.cand
-        schedule, _, _ = self._schedule(cand)
+        schedule, _ = self._schedule(cand)
         full = self.config(cand)
         cfg, layout, pr = self._pricer(cand, schedule, full)
         sim = pr.simulate(schedule)
         ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
-                                          sim.peak_activations[r], hw=self.hw, dp=cand.dp,
+                                          schedule.actions[r], hw=self.hw, dp=cand.dp,
                                           ep_per_node=pr.opt.ep_per_node).total_bytes
                               for r in range(schedule.num_ranks))
         ev.pipeline_us = sim.makespan

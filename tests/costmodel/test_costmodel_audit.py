@@ -95,7 +95,7 @@ def test_rank_memory_never_below_the_baseline(preset):
         for spec in (ResidualSpec.baseline(), ResidualSpec("mhc", 1), ResidualSpec("mhc", 2),
                      ResidualSpec("mhc", 4), ResidualSpec("mhc-sp", 4)):
             stages = {st: stage_memory(cfg, spec, st, *layout[st]) for st in layout}
-            per[spec] = [rank_memory(cfg, spec, stages, schedule.stages_of(r), r, 3)
+            per[spec] = [rank_memory(cfg, spec, stages, schedule.stages_of(r), r, schedule.actions[r])
                          for r in range(schedule.num_ranks)]
         base = per[ResidualSpec.baseline()]
         assert [m.total_bytes for m in per[ResidualSpec("mhc", 1)]] == [m.total_bytes for m in base]
@@ -280,7 +280,7 @@ def test_single_pass_carried_state_and_boundary_buffers(small_cfg):
     mem = {}
     for spec in (sp, mhc):
         stages = {st: stage_memory(small_cfg, spec, st, *layout[st]) for st in layout}
-        mem[spec] = rank_memory(small_cfg, spec, stages, schedule.stages_of(0), 0, 2)
+        mem[spec] = rank_memory(small_cfg, spec, stages, schedule.stages_of(0), 0, schedule.actions[0])
     assert mem[sp].buffer_bytes - mem[mhc].buffer_bytes == 2 * len(schedule.stages_of(0)) * T * 16
     assert mem[sp].buffer_bytes == 2 * len(schedule.stages_of(0)) * T * (4 * C * d + 16)
 

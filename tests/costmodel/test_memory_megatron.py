@@ -143,13 +143,13 @@ def test_reserve_is_its_own_term_on_gpus_only():
     assert pred.summary["memory_gib"]["mhc"] * 2**30 == pytest.approx(max(r.total_bytes for r in pred.memory["mhc"]))
     pr = pred.pricers["mhc"]
     s = pred.schedule
-    spread = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3, hw=HW, ep_per_node=4)
-    inside = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3, hw=HW)
+    spread = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, s.actions[0], hw=HW, ep_per_node=4)
+    inside = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, s.actions[0], hw=HW)
     assert spread.reserve_bytes - inside.reserve_bytes == pytest.approx(M.DEEPEP_RDMA_BYTES)  # EP over 2 nodes
     cpu = HW.model_copy(update={"host_cores": 2})
-    none = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3, hw=cpu)
+    none = M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, s.actions[0], hw=cpu)
     assert none.reserve_bytes == 0.0
-    assert M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, 3).reserve_bytes == 0
+    assert M.rank_memory(cfg, pr.spec, pr.stage_mem, s.stages_of(0), 0, s.actions[0]).reserve_bytes == 0
 
 
 @pytest.fixture(scope="module")
