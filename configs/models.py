@@ -185,8 +185,13 @@ class RunConfig(BaseModel):
             raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel}, but model "
                              f"{self.model.name!r} has no MoE (model.moe) to split over experts; use 1")
         if moe is not None and moe.num_experts % self.parallel.expert_parallel:
-            raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel} must divide "
+            raise ValueError(f"parallel.expert_parallel={self.parallel.expert_parallel} (--ep) must divide "
                              f"model.moe.num_experts={moe.num_experts}")
+        if par.data_parallel % par.expert_parallel:  # the layout the runtime's mesh makes (pipeline.distributed)
+            raise ValueError(f"parallel.expert_parallel={par.expert_parallel} (--ep) must divide "
+                             f"parallel.data_parallel={par.data_parallel} (--dp): expert-parallel groups are cut out "
+                             f"of the data-parallel ranks, so the world (ranks x data_parallel = "
+                             f"{par.ranks * par.data_parallel} GPUs) must hold EP ranks per pipeline stage")
         return self
 
     def with_residual(self, variant: str, n: int, active: int | None = None) -> "RunConfig":

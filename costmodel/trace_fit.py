@@ -108,7 +108,9 @@ def check_same_run(trace, cfg) -> None:
     if isinstance(model, str) and model != cfg.model.name:
         raise ValueError(f"the trace is of model {model!r}, the config of {cfg.model.name!r}: give the traced run's "
                          "config (--preset/--config)")
-    want = {"kind": cfg.parallel.schedule, "ranks": cfg.parallel.ranks, "microbatches": cfg.parallel.microbatches}
+    # one replica's pipeline, as the runtime and the cost model record it
+    want = {"kind": cfg.parallel.schedule, "ranks": cfg.parallel.ranks,
+            "microbatches": cfg.parallel.microbatches_per_replica}
     have = schedule_descriptor(meta)
     diffs = [f"{k} {have[k]!r} vs {want[k]!r}" for k in want if k in have and str(have[k]).lower() != str(want[k])]
     if diffs:

@@ -30,7 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="h800", help=f"one of {', '.join(hardware_names())}, or a profile .json")
     p.add_argument("--pp", type=int, help="pipeline ranks P")
     p.add_argument("--schedule", help="gpipe, 1f1b, zb1p, dualpipe, dualpipev")
-    p.add_argument("--ep", type=int, help="expert-parallel degree")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (must divide --dp)")
+    p.add_argument("--dp", type=int, help="data-parallel replicas D (world = P x D; --microbatches counts the global "
+                   "batch, M / D per replica)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="optimizer state sharded over the data-parallel replicas (ZeRO-1, Megatron's "
+                        "--use-distributed-optimizer)")
     p.add_argument("--microbatches", type=int, help="micro-batches M per step")
     p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"],
                    help="residual variant to price")
@@ -70,11 +75,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     par: dict = {}
     for flag, field in (("pp", "ranks"), ("schedule", "schedule"), ("ep", "expert_parallel"),
-                        ("microbatches", "microbatches")):
+                        ("dp", "data_parallel"), ("microbatches", "microbatches")):
         v = getattr(args, flag)
         if v is not None:
             par[field] = v
     out: dict = {"parallel": par} if par else {}
+    if getattr(args, "distributed_optimizer", False):
+        out["train"] = {"distributed_optimizer": True}
     if args.recompute is not None:
         r = args.recompute.strip().lower()
         if r in ("off", "auto"):

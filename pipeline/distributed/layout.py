@@ -92,9 +92,6 @@ class Layout:
         if self.ep > 1 and moe is None:
             raise ValueError(f"parallel.expert_parallel (--ep {self.ep}): model {cfg.model.name!r} has no MoE "
                              "(model.moe) to split over experts; use --ep 1")
-        if self.dp % self.ep:
-            raise ValueError(f"parallel.expert_parallel (--ep {self.ep}) must divide parallel.data_parallel "
-                             f"(--dp {self.dp}): expert-parallel groups are cut out of the data-parallel ranks")
         if moe is not None and moe.num_experts % self.ep:
             raise ValueError(f"parallel.expert_parallel (--ep {self.ep}) must divide model.moe.num_experts="
                              f"{moe.num_experts}")

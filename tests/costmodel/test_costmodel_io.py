@@ -22,7 +22,7 @@ def test_unknown_hardware_lists_names():
 
 
 def test_uneven_layers_rejected_unless_allowed():
-    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 16}})
+    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 128}})
     with pytest.raises(ValueError, match="do not divide evenly.*--uneven.*uneven_stages"):
         predict(cfg, "h800")
     pred = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
@@ -38,7 +38,7 @@ def test_every_preset_predicts_as_shipped(preset, capsys):
 
 
 def test_uneven_stages_in_the_config_is_the_flag():
-    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 16}})
+    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 128}})
     by_flag = predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
     by_config = predict(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"uneven_stages": True})}),
                         "h800", ladder=False)
@@ -48,7 +48,7 @@ def test_uneven_stages_in_the_config_is_the_flag():
 def test_cli_errors_are_one_line(capsys):
     for argv, words in ((["predict", "--preset", "nope"], "choose one of"),
                         (["predict", "--preset", "tiny", "--hardware", "x"], "h800"),
-                        (["predict", "--preset", "paper-27b", "--microbatches", "4"], "at least 12"),
+                        (["predict", "--preset", "paper-27b", "--microbatches", "32"], "at least 12"),
                         (["predict", "--preset", "paper-27b", "--pp", "8"], "--uneven"),
                         (["predict", "--preset", "paper-27b", "--variant", "xhc", "--n", "16"], "k"),
                         (["predict", "--preset", "paper-27b", "--pp", "7"], "even --pp"),
@@ -90,7 +90,7 @@ def test_cli_bad_files_are_one_line(tmp_path, capsys):
 def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
     out = tmp_path / "p.json"
     trace = tmp_path / "t.json"
-    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--json", str(out),
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--json", str(out),
                  "--trace-out", str(trace)]) == 0
     text = capsys.readouterr().out
     assert "mHC overhead" in text and "kernel traffic" in text and "recompute block" in text
@@ -98,10 +98,10 @@ def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
     assert data["step_overhead_pct"] > 0 and "memory_per_rank" in data
     assert trace.exists() and (tmp_path / "t.baseline.json").exists()
     png = tmp_path / "s.png"
-    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--sweep", "n=1..3",
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--sweep", "n=1..3",
                  "-o", str(png)]) == 0
     assert png.stat().st_size > 1000
-    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--sweep", "bw=10,100",
+    assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--sweep", "bw=10,100",
                  "-o", str(png)]) == 0
 
 

@@ -22,8 +22,8 @@ def test_n1_has_zero_overhead(small_cfg):
 
 
 @pytest.mark.parametrize("preset, overrides", [
-    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 8}}),
-    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 1}}),
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 64, "expert_parallel": 8}}),
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 64, "expert_parallel": 1}}),
     ("v4-flash", {"parallel": {"schedule": "1f1b"}})])
 @pytest.mark.parametrize("variant", ["residual", "mhc"])
 def test_full_backward_costs_at_least_its_parts(preset, overrides, variant):
@@ -91,7 +91,7 @@ def test_eq20_auto_minimises_within_the_stage(n, L):
 def test_predict_chooses_eq20_block_for_each_stage():
     chosen = []
     for ranks, M in ((6, 24), (2, 8)):  # paper-27b's 30 blocks on 6 or 2 stages: 10 or 30 sub-layers per stage
-        cfg = load_config("paper-27b", {"parallel": {"ranks": ranks, "microbatches": M}})
+        cfg = load_config("paper-27b", {"parallel": {"ranks": ranks, "microbatches": 8 * M}})
         L = 2 * len(stage_blocks(30, ranks)[0])
         chosen.append(predict(cfg, "h800", ladder=False).summary["recompute_block"])
         assert chosen[-1] == [eq20_block_size(L, 4)]
@@ -102,7 +102,7 @@ def test_predict_chooses_eq20_block_for_each_stage():
                                         ("1f1b", 4, 8), ("zb1p", 4, 12)])
 def test_unit_cost_bubble_equals_schedule_formula(kind, P, M):
     blocks = 2 * P * 2 if kind == "dualpipev" else P * 2
-    cfg = load_config("paper-3b", {"parallel": {"schedule": kind, "ranks": P, "microbatches": M},
+    cfg = load_config("paper-3b", {"parallel": {"schedule": kind, "ranks": P, "microbatches": 8 * M},
                                    "model": {"num_blocks": blocks}})
     pred = predict(cfg, "h800", options=Options(unit_costs=True), ladder=False)
     _, expected = bubble_formula(build(kind, P, M), Durations(F=1, I=1, W=1))

@@ -223,7 +223,7 @@ def test_explain_refuses_the_baseline(small_cfg):
         explain(small_cfg, H800, ResidualSpec.baseline(), Options(), honest=False)
 
 
-SMALL = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--ep", "8"]
+SMALL = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--ep", "8"]
 
 
 def test_cli_explain_writes_table_waterfall_and_json(tmp_path, capsys):

@@ -115,10 +115,11 @@ def test_hp_placement_is_strictly_lower_on_the_paper_layout(paper27b):
 
 
 @pytest.mark.parametrize("preset,overrides,hw", [
-    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 8}}, "h800"),
-    ("paper-3b", {"parallel": {"ranks": 3, "microbatches": 12, "expert_parallel": 8, "schedule": "dualpipev"}}, "h200"),
-    ("paper-9b", {"parallel": {"ranks": 6, "microbatches": 12, "expert_parallel": 16, "schedule": "dualpipe"}}, "a100"),
-    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 8, "expert_parallel": 1, "schedule": "1f1b"}}, "h800"),
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 64, "expert_parallel": 8}}, "h800"),
+    ("paper-3b", {"parallel": {"ranks": 3, "microbatches": 96, "expert_parallel": 8, "schedule": "dualpipev"}}, "h200"),
+    ("paper-9b", {"parallel": {"ranks": 6, "microbatches": 192, "expert_parallel": 16, "data_parallel": 16,
+                               "schedule": "dualpipe"}}, "a100"),
+    ("paper-3b", {"parallel": {"ranks": 4, "microbatches": 64, "expert_parallel": 1, "schedule": "1f1b"}}, "h800"),
 ])
 def test_hp_placement_never_costs_more(preset, overrides, hw):
     cfg = load_config(preset, overrides)

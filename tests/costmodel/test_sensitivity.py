@@ -103,11 +103,14 @@ def test_inputs_move_as_documented(small_cfg):
     a100 = get_hardware("a100")  # Calculon's A100 curve tops at 0.95: +20% is capped at peak
     hi = {n: s for n, _, s in moves(small_cfg, a100, 20.0)}["GEMM efficiency"][1][2]
     assert max(e for _, e in hi.matrix_eff.points) == 1.0
-    # EP 8 of 64 experts: 4 and 16; M 8 on DualPipe P=4: the neighbouring counts the generator accepts
-    assert [c.parallel.expert_parallel for _, c, _ in by["EP"]] == [4, 16]
+    # EP 8 of 64 experts on D = 8 replicas: 4 below, nothing above (EP must divide D); M 64 = 8 per replica on
+    # DualPipe P=4: the neighbouring counts the generator and the layout accept
+    low, high = by["EP"]
+    assert low[1].parallel.expert_parallel == 4 and high is None
     low, high = by["M (micro-batches)"]
-    assert low is None and high[1].parallel.microbatches > 8  # DualPipe needs M >= 2P = 8: no lower count
-    for m in [*range(1, 8), *range(9, high[1].parallel.microbatches)]:
+    M0 = small_cfg.parallel.microbatches
+    assert low is None and high[1].parallel.microbatches > M0  # DualPipe needs M >= 2P = 8 per replica
+    for m in [*range(1, M0), *range(M0 + 1, high[1].parallel.microbatches)]:
         with pytest.raises(ValueError):
             load_config("paper-3b", {"parallel": {"ranks": 4, "microbatches": m, "expert_parallel": 8}})
     assert [c.model.hidden for _, c, _ in by["C (hidden)"]] == [1024, 1536]
@@ -120,7 +123,8 @@ def test_integer_inputs_keep_only_valid_sides():
     cfg = load_config("paper-27b")
     by = {name: sides for name, _, sides in moves(cfg, H800, 20.0)}
     assert by["EP"][0][1].parallel.expert_parallel == 4 and by["EP"][1] is None
-    assert [s[1].parallel.microbatches for s in by["M (micro-batches)"]] == [22, 26]  # DualPipe: even M
+    # DualPipe: even M per replica, 24 -> 22 and 26 on each of the 8 replicas
+    assert [s[1].parallel.microbatches for s in by["M (micro-batches)"]] == [176, 208]
     dense = {name for name, _, _ in moves(load_config("tiny"), H800, 20.0)}
     assert "EP" not in dense
 
@@ -141,7 +145,7 @@ def test_bad_percentages(bad):
 
 def test_cli_sensitivity_writes_table_tornado_and_json(tmp_path, capsys):
     png, js = tmp_path / "t.png", tmp_path / "t.json"
-    argv = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "8", "--ep", "8",
+    argv = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--ep", "8",
             "--sensitivity", "10", "-o", str(png), "--json", str(js)]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out

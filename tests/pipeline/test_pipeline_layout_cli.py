@@ -37,7 +37,8 @@ def test_v4_pro_at_2048_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("args,field", [
-    (["--config", "v4-pro", "--dp", "96"], "--ep 64) must divide parallel.data_parallel"),
+    (["--config", "v4-pro", "--dp", "96"],
+     "parallel.expert_parallel=64 (--ep) must divide parallel.data_parallel=96 (--dp)"),
     (["--config", "tiny", "--rank", "4"], "--rank 4: the layout has ranks 0..3"),
     (["--config", "tiny", "--dp", "0"], "--dp 0"),
     (["--config", "no-such-preset"], "unknown preset"),
