@@ -7,7 +7,7 @@ M micro-batches, EP expert-parallel degree, g GPUs per node.
 The ladder (each rung changes one switch of the previous one, and says which; costmodel.md §5, mhc.md §6):
   0 naive eager mHC: unfused kernels (mHC Table 2 I/O, eager Sinkhorn), no recompute, every action serial (an
     F&B pair is F then B, a single action's all-to-alls do not overlap its own compute), MLP post+res on the
-    normal stream, EP placed the other way (below)
+    normal stream
   1 + fused kernels (the TileKernels I/O of costmodel.md §2.2)
   2 + stage-aligned recompute of the mHC intermediates (mHC §4.3.2; it costs time and saves memory). The plain
     residual recomputes its norm under the same config, so the baseline moves too: its column shows by how much.
@@ -15,9 +15,10 @@ The ladder (each rung changes one switch of the previous one, and says which; co
     (Options.single_mode; pairs still serial)
   4 + DualPipe pair overlap: the F&B pairs priced as the caller's fb_mode ("streams" by default)
   5 + MLP post+res on the high-priority stream
-  6 EP layout: the caller's placement against the other one. When the config's EP group fits in a node
-    (EP <= g) the other one splits it over two nodes (EP/2 per node: part of every all-to-all crosses the network);
-    when it already spans nodes, over twice as many.
+Every rung runs on the caller's layout and EP placement, so the last rung is `predict`'s headline to the digit.
+The other EP placement (when the config's EP group fits in a node, EP <= g, split over two nodes: part of every
+all-to-all crosses the network; when it already spans nodes, over twice as many) is one of the stated assumption
+sets of the honest answer below.
 Every rung is a full `predict` of mHC and of the baseline (n = 1) under the same options (like for like), so the
 last rung is the plain prediction with the caller's options. One denominator for every rung: the last rung's
 baseline F&B stage (fb_stage.py; the step where the schedule has no F&B pairs). A rung's row is the ms mHC adds
@@ -165,12 +166,10 @@ def ladder_steps(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec,
     options are the caller's."""
     options = dataclasses.replace(options, single_mode=options.single_action_mode)  # the same prediction, explicit
     place = ep_placements(cfg, hw, options)
-    other_ep = place[0] if place else options.ep_per_node
     s0 = dataclasses.replace(spec, fused=False) if not spec.is_baseline else spec
-    o = dataclasses.replace(options, fb_mode="serial", single_mode="serial", hp_stream=False, recompute=False,
-                            ep_per_node=other_ep)
-    steps = [("naive eager", "unfused kernels, no recompute, every action serial, no hp stream"
-              + (f", {place[2]}" if place else ""), s0, o)]
+    # every rung on the caller's layout and EP placement: the last rung is `predict`'s own headline
+    o = dataclasses.replace(options, fb_mode="serial", single_mode="serial", hp_stream=False, recompute=False)
+    steps = [("naive eager", "unfused kernels, no recompute, every action serial, no hp stream", s0, o)]
     steps.append(("+ fused kernels", "fused mHC kernels (TileKernels I/O)" if spec.fused
                   else "--unfused in your options", spec, o))
     o = dataclasses.replace(o, recompute=options.recompute)
@@ -187,10 +186,9 @@ def ladder_steps(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec,
     o = dataclasses.replace(o, hp_stream=options.hp_stream)
     steps.append(("+ hp stream", "MLP post+res on the high-priority stream" if options.hp_stream
                   else "hp stream off in your options", spec, o))
-    o = dataclasses.replace(o, ep_per_node=options.ep_per_node)
     if place:
-        note = f"EP layout: rungs 0-{len(steps) - 1} use {place[2]}, the last rung {place[1]} (your placement)"
-        steps.append(("EP layout", f"{place[2]} -> {place[1]}", spec, o))
+        note = (f"EP layout: every rung uses {place[1]} (your placement, as predict prices it); {place[2]} is among "
+                "the stated assumptions below")
     else:
         note = "EP layout: no expert parallelism (EP = 1), nothing to place"
     assert steps[-1][2] == spec and steps[-1][3] == options, "the last rung must be the caller's prediction"

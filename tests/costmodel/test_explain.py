@@ -35,7 +35,9 @@ def test_each_rung_switches_one_mechanism_and_ends_at_the_callers_options(small_
     steps, note = ladder_steps(small_cfg, H800, spec, opts)
     first = steps[0]
     assert not first[2].fused and first[3].fb_mode == "serial" and not first[3].hp_stream and not first[3].recompute
-    assert first[3].ep_per_node == 4 and "EP 8 over 2 nodes (4 per node)" in note  # EP 8 fits a node of 8
+    # every rung on the caller's placement (EP 8 fits a node of 8); the other placement is a stated assumption
+    assert all(o.ep_per_node == opts.ep_per_node for _, _, _, o in steps)
+    assert "every rung uses EP 8 inside one node" in note and "EP 8 over 2 nodes (4 per node)" in note
     for (_, _, s0, o0), (name, _, s1, o1) in zip(steps, steps[1:]):
         a, b = _switches(s0, o0), _switches(s1, o1)
         changed = [k for k in a if a[k] != b[k]]
@@ -53,6 +55,9 @@ def test_last_rung_is_the_plain_prediction(small_cfg, ex):
     assert last["step_overhead_pct"] == plain["step_overhead_pct"]
     assert last["fb_stage_overhead_pct"] == plain["fb_stage_overhead_pct"]
     assert last["iteration_us"] == plain["iteration_us"]
+    # the ladder's last row, as printed, is predict's headline to 0.01 pp (its own share of its own baseline)
+    assert abs(ex.share_pct(ex.rungs[-1]) - plain["fb_stage_overhead_pct"]) < 0.01
+    assert abs(ex.step_share_pct(ex.rungs[-1]) - plain["step_overhead_pct"]) < 0.01
 
 
 def test_rungs_move_what_their_mechanism_moves(ex):
