@@ -21,6 +21,7 @@ from typing import Any
 
 from costmodel.fb_stage import fb_stage_us, overhead_pct, pair_table
 from costmodel.hardware import HardwareSpec, curve_warnings, get_hardware
+from costmodel.data_parallel import GradSync, grad_sync
 from costmodel.memory import RankMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.pricing import Options, Pricer, ProfilePricing, resolve_layout
@@ -47,6 +48,8 @@ class Prediction:
     pricers: dict[str, Pricer]
     memory: dict[str, list[RankMemory]]
     summary: dict[str, Any] = field(default_factory=dict)
+    # the data-parallel gradient all-reduces of each run (data_parallel.grad_sync); None with one replica
+    syncs: dict[str, GradSync] | None = None
 
     @property
     def traces(self):
@@ -112,7 +115,11 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
     norc = {st: stage_memory(cfg, spec, st, *layout[st], recompute=False) for st in layout}
     memory["mhc_no_recompute"] = [rank_memory(cfg, spec, norc, schedule.stages_of(r), r, schedule.actions[r], hw=hw,
                                               ep_per_node=options.ep_per_node) for r in range(schedule.num_ranks)]
-    pred = Prediction(cfg, hw, spec, schedule, sims["baseline"], sims["mhc"], steps, pricers, memory)
+    syncs = None
+    if p.data_parallel > 1:  # a step ends when its last gradient all-reduce does (tune's step, the same function)
+        syncs = {name: grad_sync(cfg, hw, schedule, sims[name], layout,
+                                 {s: m.params for s, m in pricers[name].stage_mem.items()}) for name in sims}
+    pred = Prediction(cfg, hw, spec, schedule, sims["baseline"], sims["mhc"], steps, pricers, memory, syncs=syncs)
     for name, sim in sims.items():
         sim.trace.meta.update({"source": "predicted", "hardware": hw.name, "residual": pricers[name].spec.label(),
                                "config": cfg.model.name})
@@ -140,7 +147,10 @@ def summarize(pred: Prediction) -> dict[str, Any]:
     # exposed communication = transfer time on the step's critical path (across ranks), not transfer time
     # outside a rank's compute, which counts transfers that run while the rank would idle anyway
     paths = {"baseline": critical_path(base.trace), "mhc": critical_path(mhc.trace)}
-    Tb, Tm = base.makespan, mhc.makespan
+    Pb, Pm = base.makespan, mhc.makespan  # one replica's pipeline
+    sync = pred.syncs or {}
+    exposed = {name: (sync[name].exposed_us if name in sync else 0.0) for name in ("baseline", "mhc")}
+    Tb, Tm = Pb + exposed["baseline"], Pm + exposed["mhc"]  # the step: the pipeline, then what the sync adds
     st = pred.ladder
     def pct(x: float) -> float:
         return 100.0 * x / Tb if Tb else 0.0
@@ -179,7 +189,12 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "schedule": {"kind": pred.schedule.kind, "ranks": pred.schedule.num_ranks,
                      "microbatches": pred.schedule.num_microbatches, "ep": cfg.parallel.expert_parallel,
                      "tokens_per_microbatch": cfg.parallel.tokens_per_microbatch},
+        # a training step: one replica's pipeline plus the exposed part of the gradient all-reduce (D > 1)
         "iteration_us": {"baseline": Tb, "mhc": Tm},
+        "pipeline_us": {"baseline": Pb, "mhc": Pm},
+        "grad_sync_us": {name: ({"exposed": sync[name].exposed_us, "busiest_rank": sync[name].busiest_us}
+                                if name in sync else None) for name in ("baseline", "mhc")},
+        "data_parallel": cfg.parallel.data_parallel,
         # the paper's measure: the overlapped F&B stage as the step runs it (fb_stage.py); the step's beside it
         "fb_stage_overhead_pct": overhead_pct(fb_us["mhc"], fb_us["baseline"]),
         "step_overhead_pct": 100.0 * (Tm / Tb - 1.0) if Tb else 0.0,
@@ -187,7 +202,8 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "fb_pairs": [row.to_json() for row in pairs],
         "breakdown_pp": {"kernel_traffic": pct(st["kernels"] - st["baseline"]),
                          "recompute": pct(st["recompute"] - st["kernels"]),
-                         "exposed_comm": pct(st["mhc"] - st["recompute"])},
+                         "exposed_comm": pct(st["mhc"] - st["recompute"]),
+                         "gradient_sync": pct(exposed["mhc"] - exposed["baseline"])},
         "bubble": {"baseline_pct": 100 * base.bubble_fraction, "mhc_pct": 100 * mhc.bubble_fraction,
                    "change_pp": pct(mean_idle(mhc) - mean_idle(base))},
         "exposed_comm_us": {"baseline": paths["baseline"].exposed_comm_us, "mhc": paths["mhc"].exposed_comm_us},

@@ -81,6 +81,9 @@ def test_shared_pricing_and_cheap_memory_equal_predict(p3b):
         pred, sync = step_by_predict(tuner.config(cand), cand)
         assert ev.pipeline_us == pytest.approx(pred.mhc.makespan, rel=REL), cand.label()
         assert ev.step_us == pytest.approx(sync.end_us, rel=REL)
+        # one meaning of "step": predict's own iteration is tune's step (pipeline + exposed gradient all-reduce)
+        if cand.dp > 1:
+            assert pred.summary["iteration_us"]["mhc"] == pytest.approx(ev.step_us, rel=REL), cand.label()
         assert cheap == pytest.approx(pred.summary["memory_gib"]["mhc"] * GIB, rel=REL)
 
 
