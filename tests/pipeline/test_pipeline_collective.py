@@ -288,13 +288,9 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
             "waits": sum(1 for s in rt.recorder.spans if s.kind == "WAIT")}
 
 
-@pytest.mark.timeout(240)
-def test_runtime_step_under_nccl_wait_semantics_matches():
-    """pp=2 dp=2 ep=2 on tiny MoE (float64): P2P, the expert all-to-alls (with their host read of the counts),
-    the gradient reductions and every blocking collective take the NCCL code path of the waits, and no tensor the
-    runtime hands a collective was made on the host (the step statistics all-reduce of a host tensor failed every
-    NCCL run at step 1); loss and gradients equal the gloo path's."""
-    cfg = tiny_config("dualpipev", 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60)
+def _nccl_path_matches_plain(cfg) -> list:
+    """One step on 4 ranks, plain gloo and on NCCL's code path: loss and every gradient equal (fp64, 1e-12);
+    returns the NCCL-path results."""
     plain = launch(_nccl_semantics_worker, 4, (cfg, False), timeout_s=200)
     check_ok(plain)
     nccl = launch(_nccl_semantics_worker, 4, (cfg, True), timeout_s=200)
@@ -304,6 +300,17 @@ def test_runtime_step_under_nccl_wait_semantics_matches():
         assert a.value["grads"] and set(a.value["grads"]) == set(b.value["grads"]), "gradients of other parameters"
         for name, g in a.value["grads"].items():
             assert rel_err(b.value["grads"][name], g) <= 1e-12, name
+    return nccl
+
+
+@pytest.mark.timeout(240)
+def test_runtime_step_under_nccl_wait_semantics_matches():
+    """pp=2 dp=2 ep=2 on tiny MoE (float64): P2P, the expert all-to-alls (with their host read of the counts),
+    the gradient reductions and every blocking collective take the NCCL code path of the waits, and no tensor the
+    runtime hands a collective was made on the host (the step statistics all-reduce of a host tensor failed every
+    NCCL run at step 1); loss and gradients equal the gloo path's."""
+    cfg = tiny_config("dualpipev", 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60)
+    for b in _nccl_path_matches_plain(cfg):
         calls = set(b.value["helper_calls"])
         assert any(c.startswith("A2A_DISPATCH/") for c in calls) and any(c.startswith("RG/") for c in calls), calls
         assert {"the start barrier", "the clock exchange",
@@ -320,14 +327,7 @@ def test_blocking_waits_on_nccls_path_with_three_moe_blocks_per_stage(schedule):
     finish with the plain gloo path's loss and gradients (fp64, 1e-12)."""
     blocks = 8 if schedule == "gpipe" else 16  # 2 stages of 4 blocks (gpipe), 4 of 4 (dualpipev): >= 3 MoE each
     cfg = tiny_config(schedule, 2, n=4, moe=True, dp=2, ep=2, dtype="float64", steps=1, timeout_s=60, blocks=blocks)
-    plain = launch(_nccl_semantics_worker, 4, (cfg, False), timeout_s=200)
-    check_ok(plain)
-    nccl = launch(_nccl_semantics_worker, 4, (cfg, True), timeout_s=200)
-    check_ok(nccl)
-    for a, b in zip(plain, nccl):
-        assert abs(a.value["loss"] - b.value["loss"]) <= 1e-12 * abs(a.value["loss"])
-        for name, g in a.value["grads"].items():
-            assert rel_err(b.value["grads"][name], g) <= 1e-12, name
+    for b in _nccl_path_matches_plain(cfg):
         # this rank read expert counts in at least 3 MoE layers of one stage (layers L<2b+1> of its blocks)
         layers = {int(m) for c in b.value["helper_calls"] for m in re.findall(r"L(\d+)\.counts", c)}
         assert len(layers) >= 3, sorted(layers)
