@@ -6,8 +6,10 @@
 Placement (which fabric a transfer crosses) follows the layout: `gpus_per_node` GPUs share NVLink. An EP group
 of k ranks with g of them per node (g = min(k, gpus_per_node) unless the layout spreads it: `ep_per_node`) sends
 (k - g)/k of its bytes over the network and (g - 1)/k over NVLink, concurrently (the slower one sets the time).
-A pipeline boundary is inter-node when one stage's EP ranks fill a node (g >= gpus_per_node), the EP group spans
-nodes, or the PP x EP ranks do not fit in one node.
+A pipeline boundary sits where the runtime's mesh puts its two ranks (pipeline/distributed/layout.py: global rank
+= pp_rank x D + dp_rank, so pipeline neighbours are D ranks apart): on NVLink when every pair of neighbours shares
+a node, else on the network (the slowest boundary prices them all). An `ep_per_node` below what fits is a placement
+other than the mesh's: its boundaries are priced on the network.
 """
 from __future__ import annotations
 
@@ -24,11 +26,19 @@ def ep_ranks_per_node(hw: HardwareSpec, ep: int, ep_per_node: int | None = None)
     return g if ep_per_node is None else max(1, min(ep_per_node, g))
 
 
-def pp_link(hw: HardwareSpec, pp: int, ep: int, ep_per_node: int | None = None) -> Link:
-    g = ep_ranks_per_node(hw, ep, ep_per_node)
-    if g >= hw.gpus_per_node or g < ep or pp * ep > hw.gpus_per_node:
-        return hw.inter
-    return hw.intra
+def mesh_node(pp_rank: int, dp_rank: int, dp: int, gpus_per_node: int) -> int:
+    """The node of (pipeline rank, data-parallel rank) under the runtime's mesh (global rank = pp_rank x D + dp_rank,
+    consecutive global ranks fill a node)."""
+    return (pp_rank * dp + dp_rank) // gpus_per_node
+
+
+def pp_link(hw: HardwareSpec, pp: int, dp: int, ep: int, ep_per_node: int | None = None) -> Link:
+    """The fabric of the stage boundaries: NVLink only when every pair of pipeline neighbours shares a node."""
+    if ep_per_node is not None and ep_per_node < min(ep, hw.gpus_per_node):
+        return hw.inter  # a spread EP placement, not the mesh's
+    g = hw.gpus_per_node
+    crosses = any(mesh_node(p, d, dp, g) != mesh_node(p + 1, d, dp, g) for p in range(pp - 1) for d in range(dp))
+    return hw.inter if crosses else hw.intra
 
 
 def p2p_us(link: Link, nbytes: float) -> float:

@@ -63,6 +63,9 @@ class Options:
     all-to-all over the inter-node network"""
     pp_bandwidth: float | None = None
     """override of the PP link bandwidth in bytes/s (sweeps)"""
+    data_parallel: int | None = None
+    """the replicas D that place pipeline neighbours D ranks apart (None = the config's; tune prices one replica's
+    config and passes its layout's D)"""
     allow_uneven: bool = False
     """accept stages with different block counts (as the config's parallel.uneven_stages does)"""
     unit_costs: bool = False
@@ -137,7 +140,8 @@ class Pricer:
         self.recompute = recompute and options.recompute
         self.width = spec.width if boundary_width is None else boundary_width
         self.sigma = hw.interference if options.sigma is None else options.sigma
-        link = comm.pp_link(hw, cfg.parallel.ranks, cfg.parallel.expert_parallel, options.ep_per_node)
+        dp = cfg.parallel.data_parallel if options.data_parallel is None else options.data_parallel
+        link = comm.pp_link(hw, cfg.parallel.ranks, dp, cfg.parallel.expert_parallel, options.ep_per_node)
         if options.pp_bandwidth is not None:
             link = link.with_bandwidth(options.pp_bandwidth)
         self.link = link

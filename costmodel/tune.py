@@ -135,7 +135,7 @@ def replica_config(cfg: RunConfig) -> RunConfig:
 
 
 def options_of(cand: Candidate, hw: HardwareSpec, base: Options | None = None) -> Options:
-    return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven,
+    return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven, data_parallel=cand.dp,
                    ep_per_node=ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
 
 
