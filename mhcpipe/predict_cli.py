@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uneven", action="store_true", help="allow stages with different block counts")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
-    p.add_argument("--sweep", help="n=1..8 | n=1,2,4 | bw=12.5,25,50 (PP link GB/s): plot overhead curves")
+    p.add_argument("--sweep", help="plot overhead curves over one input: n=1..8 (streams), bw= (PP link GB/s), "
+                   "hbm= (TB/s), intra= / inter= (GB/s), sms= (all-to-all SMs), gap= (launch us)")
     p.add_argument("--explain", action="store_true",
                    help="mHC's overhead from naive eager kernels to this prediction, one mechanism at a time, and "
                         "which stated assumptions reproduce the paper's 6.7%% (-o waterfall.png, --json)")
@@ -109,11 +110,20 @@ def load(args: argparse.Namespace):
         raise ValueError(str(err).replace("--ranks", "--pp")) from None
 
 
+# --sweep keys: what each moves, its unit, and whether its values are integers
+SWEEPS = {"n": ("n (residual streams)", "", True), "bw": ("PP link bandwidth (GB/s per direction)", "GB/s", False),
+          "hbm": ("HBM bandwidth (TB/s)", "TB/s", False), "intra": ("intra-node bandwidth (GB/s)", "GB/s", False),
+          "inter": ("inter-node bandwidth (GB/s)", "GB/s", False), "sms": ("all-to-all SMs", "", True),
+          "gap": ("kernel launch gap (us)", "us", False)}
+SWEEP_HELP = "n=1..8, bw=12.5,25,50, hbm=2,3.35,4.8, intra=100,200,400, inter=25,50,100, sms=8,20,32 or gap=1,2,4"
+
+
 def _parse_sweep(text: str) -> tuple[str, list[float]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in ("n", "bw"):
-        raise ValueError(f"--sweep {text!r}: write n=1..8, n=1,2,4 or bw=12.5,25,50 (GB/s)")
+    if not sep or key not in SWEEPS:
+        raise ValueError(f"--sweep {text!r}: write one of {SWEEP_HELP}")
+    integer = SWEEPS[key][2]
     try:
         if ".." in values:
             lo, hi = (int(v) for v in values.split(".."))
@@ -125,16 +135,17 @@ def _parse_sweep(text: str) -> tuple[str, list[float]]:
     except ValueError as err:
         if str(err).startswith("--sweep"):
             raise
-        what = "integers" if key == "n" else "numbers"
-        raise ValueError(f"--sweep {text!r}: values must be {what} (n=1..8, n=1,2,4 or bw=12.5,25,50)") from None
+        what = "integers" if integer else "numbers"
+        raise ValueError(f"--sweep {text!r}: values must be {what} ({SWEEP_HELP})") from None
     if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
         raise ValueError(f"--sweep {text!r}: need finite positive values")
-    if key == "n" and any(v != int(v) for v in vals):
-        raise ValueError(f"--sweep {text!r}: stream counts n must be integers")
+    if integer and any(v != int(v) for v in vals):
+        raise ValueError(f"--sweep {text!r}: {SWEEPS[key][0]} must be integers")
     return key, vals
 
 
-RESOURCE_SWEEPS = ("bw",)  # sweep keys that add a physical resource: more of it must never make anything slower
+# sweep keys that add a physical resource: more of it must never make anything slower
+RESOURCE_SWEEPS = ("bw", "hbm", "intra", "inter")
 
 
 def sweep_times(pred) -> dict[str, float]:
@@ -267,6 +278,22 @@ def _report(cfg, hw, spec, opts, args) -> int:
     return 0
 
 
+def _swept_hardware(hw, key: str, v: float):
+    """The hardware spec with one resource set to `v` (in the unit SWEEPS names)."""
+    if key == "hbm":
+        return hw.model_copy(update={"hbm_bandwidth": v * 1e12})
+    if key == "intra":
+        return hw.model_copy(update={"intra": hw.intra.with_bandwidth(v * 1e9)})
+    if key == "inter":
+        return hw.model_copy(update={"inter": hw.inter.with_bandwidth(v * 1e9)})
+    if key == "sms":
+        if v >= hw.sms:
+            raise ValueError(f"--sweep sms={v:g}: the all-to-all SMs must be fewer than the {hw.name}'s {hw.sms}")
+        return hw.model_copy(update={"comm_sms": int(v)})
+    return hw.model_copy(update={"launch_us": v, "bwd_launch_us": None if hw.bwd_launch_us is None
+                                 else hw.bwd_launch_us * v / hw.launch_us})
+
+
 def _sweep(cfg, hw, spec, opts, args) -> int:
     import dataclasses
 
@@ -287,21 +314,23 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
             s = ResidualSpec("residual", 1) if n == 1 else dataclasses.replace(
                 spec, n=n, variant=spec.variant if spec.variant != "residual" else "mhc",
                 k=min(spec.k, n) if spec.k else None)
-            points.append((v, s, opts))
+            points.append((v, s, opts, hw))
+        elif key == "bw":
+            points.append((v, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9), hw))
         else:
-            points.append((v, spec, dataclasses.replace(opts, pp_bandwidth=v * 1e9)))
+            points.append((v, spec, opts, _swept_hardware(hw, key, v)))
     rows = []
     times = []  # per point: the times more of a physical resource must never raise (monotone_warnings)
-    for v, s, o in points:
-        pred = predict(cfg, hw, s, o, profile_pricing=HostPricing())
+    for v, s, o, h in points:
+        pred = predict(cfg, h, s, o, profile_pricing=HostPricing())
         b = pred.summary["breakdown_pp"]
         rows.append((v, pred.summary["step_overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
-                     pred.summary["memory_gib"]["mhc"]))
+                     b["gradient_sync"], pred.summary["memory_gib"]["mhc"]))
         times.append((v, sweep_times(pred)))
-    label = "n (residual streams)" if key == "n" else "PP link bandwidth (GB/s per direction)"
-    print(f"{label:<40} overhead   kernels  recompute  boundary   memory")
-    for v, o, k, r, e, m in rows:
-        print(f"{v:<40g} {o:7.2f}%  {k:+7.2f}  {r:+8.2f}  {e:+8.2f}  {m:6.1f} GiB")
+    label = SWEEPS[key][0]
+    print(f"{label:<40} step overhead   kernels  recompute  boundary  grad sync   memory")
+    for v, o, k, r, e, g, m in rows:
+        print(f"{v:<40g} {o:12.2f}%  {k:+7.2f}  {r:+8.2f}  {e:+8.2f}  {g:+8.2f}  {m:6.1f} GiB")
     if key in RESOURCE_SWEEPS:
         for line in monotone_warnings(times, label):
             print(line)
@@ -311,10 +340,10 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     ax.plot(xs, [r[2] for r in rows], "s--", label="kernel traffic")
     ax.plot(xs, [r[3] for r in rows], "^--", label="recompute")
     ax.plot(xs, [r[4] for r in rows], "v--", label="n-fold boundary traffic")
-    if key == "bw":
+    if key in RESOURCE_SWEEPS:
         ax.set_xscale("log")
     ax.set_xlabel(label)
-    ax.set_ylabel("% of baseline iteration")
+    ax.set_ylabel("% of the baseline step")
     ax.set_title(f"{cfg.model.name} on {hw.name}: predicted mHC overhead")
     ax.grid(alpha=0.3)
     ax.legend()

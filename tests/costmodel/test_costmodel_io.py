@@ -188,3 +188,21 @@ def test_local_calibration_quick(tmp_path, monkeypatch):
 def test_local_p2p_sweep():
     alpha, bw, rows = measure_p2p([4096, 1 << 20], repeats=2)
     assert alpha > 0 and bw > 1e6 and len(rows) == 2
+
+
+def test_sweeps_over_the_hardware_inputs(capsys, tmp_path):
+    """--sweep hbm / intra / inter / sms / gap: one row per value; more HBM bandwidth lowers mHC's kernel term;
+    bad values are one line."""
+    base = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "-o", str(tmp_path / "s.png")]
+
+    def rows(sweep: str) -> list[list[float]]:
+        assert main([*base, "--sweep", sweep]) == 0
+        out = capsys.readouterr().out.splitlines()
+        return [[float(x.rstrip("%")) for x in ln.split()[:3]] for ln in out[1:] if ln[:1].isdigit()]
+
+    hbm = rows("hbm=2,4")
+    assert len(hbm) == 2 and hbm[1][2] < hbm[0][2]  # the kernels term (pp of the step) falls with HBM bandwidth
+    for sweep in ("intra=100,400", "inter=25,100", "sms=10,30", "gap=1,4"):
+        assert len(rows(sweep)) == 2, sweep
+    assert main([*base, "--sweep", "sms=500"]) == 2
+    assert "fewer than the h800's 132" in capsys.readouterr().err
