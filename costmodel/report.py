@@ -83,7 +83,7 @@ def format_table(pred: Prediction) -> str:
                      f"{fb['baseline'] / 1e3:,.1f} ms per rank baseline, "
                      f"{fb['mhc'] / 1e3:,.1f} ms mHC")
     else:
-        lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the iteration (no overlapped F&B stage in "
+        lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the step (no overlapped F&B stage in "
                      f"{s['schedule']['kind']})")
     b = s["breakdown_pp"]
     lines.append(f"    = kernel traffic {b['kernel_traffic']:+.2f} pp + recompute {b['recompute']:+.2f} pp "
