@@ -53,6 +53,7 @@ class Point:
     label: str
     step_pct: float
     fb_pct: float | None
+    memory_gib: float | None = None  # mHC's peak memory per GPU (the busiest rank)
 
 
 @dataclass
@@ -238,7 +239,7 @@ def sensitivity(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: O
 
     def point(label: str, c: RunConfig, h: HardwareSpec) -> Point:
         s = predict(c, h, spec, options, ladder=False, profile_pricing=profile_pricing).summary
-        return Point(label, s["step_overhead_pct"], s["fb_stage_overhead_pct"])
+        return Point(label, s["step_overhead_pct"], s["fb_stage_overhead_pct"], s["memory_gib"]["mhc"])
 
     base = point("base", cfg, hw)
     metric = "fb_pct" if base.fb_pct is not None else "step_pct"
@@ -262,14 +263,16 @@ def format_sensitivity(se: Sensitivity) -> str:
              f"  mHC overhead at the base: {_pct(b.fb_pct)} of the overlapped F&B stage, {_pct(b.step_pct)} of the "
              f"step; one input moved at a time, rows sorted by the swing of the {what} overhead", "",
              f"  {'input':<27}{'low':>10}{'high':>10}{'F&B stage low..high':>24}{'swing':>9}"
-             f"{'step low..high':>22}{'swing':>9}  moved"]
+             f"{'step low..high':>22}{'swing':>9}{'GiB low..high':>16}  moved"]
     for r in se.rows:
         lo = r.low.label if r.low else "-"
         hi = r.high.label if r.high else "-"
         fb = f"{_pct(r.low.fb_pct) if r.low else '-'} .. {_pct(r.high.fb_pct) if r.high else '-'}"
         st = f"{_pct(r.low.step_pct) if r.low else '-'} .. {_pct(r.high.step_pct) if r.high else '-'}"
+        mem = (f"{f'{r.low.memory_gib:.1f}' if r.low else '-'} .. "
+               f"{f'{r.high.memory_gib:.1f}' if r.high else '-'}")
         lines.append(f"  {r.name:<27}{lo:>10}{hi:>10}{fb:>24}{r.swing('fb_pct', b):>8.2f}p"
-                     f"{st:>22}{r.swing('step_pct', b):>8.2f}p  {r.note}")
+                     f"{st:>22}{r.swing('step_pct', b):>8.2f}p{mem:>16}  {r.note}")
     lines.append("")
     first, choice = se.measure_first(), se.top_choice()
     if first:
@@ -282,6 +285,10 @@ def format_sensitivity(se: Sensitivity) -> str:
                      f"({assumption.swing(se.metric, b):.2f} pp): {assumption.note}")
     if choice:
         lines.append(f"  of the layout choices, {choice.name} moves it most ({choice.swing(se.metric, b):.2f} pp)")
+    heavy = max(se.rows, key=lambda r: r.swing("memory_gib", b), default=None)
+    if heavy is not None and heavy.swing("memory_gib", b) > 0:
+        lines.append(f"  memory per GPU ({b.memory_gib:.1f} GiB at the base) moves most with {heavy.name} "
+                     f"({heavy.swing('memory_gib', b):.1f} GiB)")
     return "\n".join(lines)
 
 
@@ -291,7 +298,8 @@ def to_json(se: Sensitivity) -> dict[str, Any]:
             "rows": [{"input": r.name, "note": r.note,
                       "low": dataclasses.asdict(r.low) if r.low else None,
                       "high": dataclasses.asdict(r.high) if r.high else None,
-                      "swing_fb_pp": r.swing("fb_pct", se.base), "swing_step_pp": r.swing("step_pct", se.base)}
+                      "swing_fb_pp": r.swing("fb_pct", se.base), "swing_step_pp": r.swing("step_pct", se.base),
+                      "swing_memory_gib": r.swing("memory_gib", se.base)}
                      for r in se.rows],
             "measure_first": se.measure_first().name if se.measure_first() else None,
             "top_assumption": se.top_assumption().name if se.top_assumption() else None}

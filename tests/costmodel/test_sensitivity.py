@@ -9,7 +9,7 @@ import pytest
 from costmodel.hardware import Curve, get_hardware
 from costmodel.predict import predict, residual_spec_of
 from costmodel.pricing import MHC_GROUPS, Options
-from costmodel.sensitivity import ASSUMED, CHOICES, MEASURED, check_pct, moves, sensitivity
+from costmodel.sensitivity import ASSUMED, CHOICES, MEASURED, check_pct, format_sensitivity, moves, sensitivity, to_json
 from configs import load_config
 from mhcpipe.cli import main
 
@@ -153,3 +153,16 @@ def test_cli_sensitivity_writes_table_tornado_and_json(tmp_path, capsys):
     data = json.loads(js.read_text())
     assert data["pct"] == 10 and data["measure_first"] in MEASURED
     assert {r["input"] for r in data["rows"]} == set(MEASURED + CHOICES + ASSUMED)
+
+
+def test_memory_is_reported_and_moves_with_the_layout_not_the_bandwidth(small_cfg, se):
+    """Every point carries mHC's peak memory per GPU (predict's number); a layout input (EP, C) moves it, a
+    bandwidth does not, and the JSON gives each row's memory swing."""
+    plain = predict(small_cfg, H800, residual_spec_of(small_cfg), Options(), ladder=False).summary
+    assert se.base.memory_gib == plain["memory_gib"]["mhc"]
+    rows = {r.name: r for r in se.rows}
+    assert rows["HBM bandwidth TB/s"].swing("memory_gib", se.base) == 0
+    assert rows["C (hidden)"].swing("memory_gib", se.base) > 1.0 and rows["EP"].swing("memory_gib", se.base) > 0
+    data = to_json(se)
+    assert {r["input"]: r["swing_memory_gib"] for r in data["rows"]}["C (hidden)"] > 1.0
+    assert "memory per GPU" in format_sensitivity(se)
