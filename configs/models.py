@@ -27,12 +27,29 @@ class MoEConfig(BaseModel):
     num_shared: int = Field(0, ge=0, description="shared experts every token uses")
     expert_hidden: int = Field(ge=1, description="FFN hidden size of one expert")
     first_dense_blocks: int = Field(0, ge=0, description="leading blocks with a dense MLP instead of MoE")
+    max_nodes_per_token: int | None = Field(
+        None, ge=1, description="node-limited routing (DeepSeek-V3 §2.1.2): a token's top_k experts lie on at most "
+        "this many nodes, so its dispatch crosses the network to at most this many (cost model; None = no limit)")
 
     @model_validator(mode="after")
     def _top_k(self) -> "MoEConfig":
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
         return self
+
+
+class MLAConfig(BaseModel):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank latents; a head's
+    query/key is a no-position part plus a rotary part (model.head_dim = qk_nope_head_dim + qk_rope_head_dim), its
+    value v_head_dim wide. Priced by the cost model (costmodel/ops.py); the runtime's attention is multi-head."""
+
+    model_config = ConfigDict(extra="forbid")
+    q_lora_rank: int = Field(ge=1, description="query latent width (V3: 1536)")
+    kv_lora_rank: int = Field(ge=1, description="key/value latent width (V3: 512)")
+    qk_rope_head_dim: int = Field(ge=1, description="rotary part of a query/key head, the key's shared by all heads "
+                                  "(V3: 64)")
+    qk_nope_head_dim: int = Field(ge=1, description="no-position part of a query/key head (V3: 128)")
+    v_head_dim: int = Field(ge=1, description="value head width (V3: 128)")
 
 
 class ModelConfig(BaseModel):
@@ -49,6 +66,28 @@ class ModelConfig(BaseModel):
     moe: MoEConfig | None = Field(None, description="MoE settings; None = dense MLP in every block")
     residual: MHCConfig = Field(default_factory=lambda: MHCConfig(variant="mhc", n=4),
                                 description="residual variant and its settings (kernels.MHCConfig)")
+    mla: MLAConfig | None = Field(None, description="multi-head latent attention; None = multi-head attention of "
+                                  "num_heads x head_dim (cost model only)")
+    mtp_depth: int = Field(0, ge=0, description="multi-token prediction modules after the last block (DeepSeek-V3 "
+                           "§2.2: each a projection, one more block and the shared head; cost model only)")
+
+    @model_validator(mode="after")
+    def _mla(self) -> "ModelConfig":
+        a = self.mla
+        if a is None:
+            return self
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if self.head_dim != qk:
+            raise ValueError(f"model.head_dim={self.head_dim} must equal mla.qk_nope_head_dim + mla.qk_rope_head_dim "
+                             f"= {qk}: an MLA query/key head is its no-position part plus its rotary part")
+        kv = self.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+        for name, rank, full in (("q_lora_rank", a.q_lora_rank, self.num_heads * qk),
+                                 ("kv_lora_rank", a.kv_lora_rank, kv)):
+            if rank >= full:
+                raise ValueError(f"model.mla.{name}={rank} is not below the {full} it compresses (model.num_heads="
+                                 f"{self.num_heads} heads); a latent rank must be smaller, e.g. V3's 1536 / 512 "
+                                 "for 128 heads")
+        return self
 
     @property
     def num_sublayers(self) -> int:
@@ -132,6 +171,10 @@ class TrainConfig(BaseModel):
         "Megatron-LM's --use-distributed-optimizer; routed experts over the D / EP replicas holding them): the cost "
         "model prices 6 + 12/D bytes per bf16 parameter instead of 18 (costmodel/memory.py). The runtime's AdamW "
         "(pipeline.model.make_optimizer) keeps the whole state on every rank whatever this says")
+    fp8: bool = Field(False, description="the linear layers' GEMMs in FP8 with fine-grained scaling and the MoE "
+                      "dispatch in FP8 (DeepSeek-V3 §3.3: 1x128 activation tiles, 128x128 weight blocks, master "
+                      "weights and optimizer states in higher precision); cost model only, on hardware with an "
+                      "fp8 rate")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
     comm_rules: Literal["backend", "nccl", "nccl-pair"] = Field(

@@ -101,6 +101,7 @@ class Variant:
     step_pct: float
     fb_pct: float | None
     mhc_kernels: str = MEMORY_CURVE  # the efficiency of the mHC kernels' HBM traffic: MEMORY_CURVE or CUTILE
+    dispatcher: str = "DeepEP"  # how an EP group over nodes sends tokens (pricing.Options.dispatcher)
 
     @property
     def gap_pp(self) -> float | None:
@@ -204,7 +205,8 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
                     profile_pricing: ProfilePricing | None = None) -> list[Variant]:
     """The paper's setting under each stated assumption set, every mechanism on (the caller's options): per
     hardware, both EP placements x both sigmas with the mHC kernels on the memory curve, then the caller's
-    placement at sigma 0 with them at CUTILE_MHC_EFF."""
+    placement at sigma 0 with them at CUTILE_MHC_EFF, then each placement over nodes at sigma 0 with the other
+    dispatcher (an NCCL all-to-all, every token copy on the network, against DeepEP's once per node)."""
     out = []
     for name in HONEST_HARDWARE:
         hw = get_hardware(name)
@@ -213,10 +215,14 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
         own = MEMORY_CURVE if hw.mhc_memory_eff is None else "spec's mHC curve"
         runs = [(hw, per_node, words, sigma, own) for per_node, words in layouts for sigma in (0.0, SIGMA_ALT)]
         runs.append((hw.model_copy(update={"mhc_memory_eff": CUTILE_MHC_EFF}), *layouts[0], 0.0, CUTILE))
-        for h, per_node, words, sigma, kernels in runs:
-            o = dataclasses.replace(options, ep_per_node=per_node, sigma=sigma)
+        runs = [r + (options.dispatcher,) for r in runs]
+        other = "alltoall" if options.dispatcher == "deepep" else "deepep"
+        runs += [(hw, per_node, words, 0.0, own, other) for per_node, words in layouts if "nodes" in words]
+        for h, per_node, words, sigma, kernels, disp in runs:
+            o = dataclasses.replace(options, ep_per_node=per_node, sigma=sigma, dispatcher=disp)
             s = _predict(cfg, h, spec, o, profile_pricing).summary
-            out.append(Variant(name, words, sigma, s["step_overhead_pct"], s["fb_stage_overhead_pct"], kernels))
+            out.append(Variant(name, words, sigma, s["step_overhead_pct"], s["fb_stage_overhead_pct"], kernels,
+                               DISPATCHER_WORDS[disp]))
     return out
 
 
@@ -296,12 +302,12 @@ def format_explain(ex: Explanation) -> str:
     if ex.variants:
         lines += ["", f"  honest answer: the paper's {PAPER_PCT}% is of the overlapped F&B stage, hardware and layout "
                   "unpublished; every mechanism on, nothing fitted. Each stated assumption set:",
-                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'F&B stage':>11}{'step':>9}"
-                  f"{'vs ' + str(PAPER_PCT) + '%':>10}"]
+                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'dispatch':>11}{'F&B stage':>11}"
+                  f"{'step':>9}{'vs ' + str(PAPER_PCT) + '%':>10}"]
         for v in ex.variants:
             gap = "n/a" if v.gap_pp is None else f"{v.gap_pp:+.2f} pp"
-            lines.append(f"  {v.hardware:<9}{v.ep_layout:<34}{v.sigma:>6.2f}{v.mhc_kernels:>14}{_pct(v.fb_pct):>11}"
-                         f"{_pct(v.step_pct):>9}{gap:>10}")
+            lines.append(f"  {v.hardware:<9}{v.ep_layout:<34}{v.sigma:>6.2f}{v.mhc_kernels:>14}{v.dispatcher:>11}"
+                         f"{_pct(v.fb_pct):>11}{_pct(v.step_pct):>9}{gap:>10}")
         lines.append("  " + honest_verdict(ex.variants))
         for d in discriminators(ex.variants):
             lines.append(f"    {d.assumption}: {d.mean_pp:.2f} pp between its readings ({d.pairs} pairs); "
@@ -311,12 +317,16 @@ def format_explain(ex: Explanation) -> str:
     return "\n".join(lines)
 
 
+DISPATCHER_WORDS = {"deepep": "DeepEP", "alltoall": "all-to-all"}
+
 ASSUMPTIONS = {
     "hardware": ("hardware", "which GPU the paper's 6.7% was measured on (unpublished: ask, or read it off a trace)"),
     "ep_layout": ("EP layout", "where the job's EP group sits (one node or across nodes: the all-to-all's "
                   "inter-node bytes in a trace)"),
     "sigma": ("sigma", "a GEMM's time alone and next to a running all-to-all on the target GPU"),
     "mhc_kernels": ("mHC kernels", "the fused mHC kernels' HBM bandwidth on the target GPU (bench/kernel_bench.py)"),
+    "dispatcher": ("dispatcher", "which all-to-all the job runs: the inter-node bytes per token of a dispatch in a "
+                   "trace (DeepEP's once per remote node, or every copy)"),
 }
 """The honest answer's assumptions: Variant field -> (name, what to measure to tell its readings apart)."""
 
@@ -356,7 +366,8 @@ def honest_verdict(variants: list[Variant]) -> str:
              f"{lo - PAPER_PCT:.2f} pp below it" if PAPER_PCT < lo else f"{PAPER_PCT - hi:.2f} pp above it")
     closest = min((v for v in variants if v.fb_pct is not None), key=lambda v: abs(v.gap_pp))
     return (f"the {len(variants)} assumption sets span {lo:.2f}-{hi:.2f}% of the F&B stage; the paper's {PAPER_PCT}% "
-            f"lies {where} (closest: {closest.hardware}, {closest.ep_layout}, sigma {closest.sigma:g}, "
+            f"lies {where} (closest: {closest.hardware}, {closest.ep_layout}, {closest.dispatcher}, "
+            f"sigma {closest.sigma:g}, "
             f"{closest.mhc_kernels}, {closest.gap_pp:+.2f} pp). What separates the sets, largest first:")
 
 

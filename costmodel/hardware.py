@@ -22,6 +22,10 @@ Sources of the numbers (all dense, no sparsity):
 * H800 SXM5: bf16 989.4 TFLOP/s, tf32 494.7, fp32 66.9 (same SXM5 die as H100); HBM3 80 GB at 3.35 TB/s;
   NVLink 400 GB/s bidirectional = 200 GB/s per direction, of which DeepSeek-V3 (arXiv 2412.19437 §3.2.2)
   reports ~160 GB/s achievable (efficiency 0.8); InfiniBand 400 Gb/s = 50 GB/s per GPU (same section).
+* FP8 (train.fp8): Hopper (H800, H100, H200) 1,978.9 TFLOP/s dense (the H100 datasheet's 3,958 with sparsity,
+  halved); B200 4.5 PFLOP/s dense (72 PF sparse per HGX board / 8 / 2); the A100 has no FP8 tensor cores (no rate:
+  an FP8 run on it is refused). The same matrix curve as bf16: DeepGEMM reports 1,350+ FP8 TFLOP/s on Hopper at
+  its release and up to 1,550 on H800 later (0.68-0.78 of peak), around the curve's 0.80 top.
 * H100 SXM5 (NVIDIA H100 datasheet): bf16 989.4, tf32 494.7, fp32 66.9 TFLOP/s; 80 GB HBM3 3.35 TB/s; NVLink 4
   900 GB/s bidirectional = 450 GB/s per direction; 132 SMs.
 * H200 SXM (NVIDIA H200 datasheet): same compute as H100; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
@@ -310,7 +314,7 @@ def _nvlink(bidirectional_gbs: float, efficiency: float) -> Link:
 def _hopper(name: str, description: str, hbm_tbs: float, mem_gb: float, nvlink_gbs: float, nvlink_eff: float):
     return HardwareSpec(
         name=name, description=description,
-        peak_flops={"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, vector_flops=66.9e12,
+        peak_flops={"fp8": 1978.9e12, "bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, vector_flops=66.9e12,
         hbm_bandwidth=hbm_tbs * TB, memory_bytes=mem_gb * GIB, sms=132, comm_sms=20,
         matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
         intra=_nvlink(nvlink_gbs, nvlink_eff), inter=IB_400G, meta={"source": "vendor datasheets, see hardware.py"})
@@ -322,7 +326,7 @@ BUILTIN: dict[str, HardwareSpec] = {
     "h200": _hopper("h200", "NVIDIA H200 SXM 141GB, NVLink 900 GB/s, IB 400 Gb/s per GPU", 4.8, 140, 900, 0.6),
     "b200": HardwareSpec(
         name="b200", description="NVIDIA B200 (HGX) 180GB, NVLink 1.8 TB/s, IB 400 Gb/s per GPU",
-        peak_flops={"bf16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}, vector_flops=75e12,
+        peak_flops={"fp8": 4.5e15, "bf16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}, vector_flops=75e12,
         hbm_bandwidth=8 * TB, memory_bytes=180 * GIB, sms=148, comm_sms=20,
         matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
         intra=_nvlink(1800, 0.6), inter=IB_400G, meta={"source": "HGX B200 datasheet; curves assumed Hopper-like"}),

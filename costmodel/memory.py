@@ -32,7 +32,16 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   (+ fp32 log-sum-exp per head); SwiGLU: norm input C, normed C, gate and up 2H, activation H; MoE: norm input
   and normed 2C, router logits E (fp32), permuted token copies kC, per copy gate, up, activation 3He, the
   shared experts like a SwiGLU of hidden shared*He, the combine input kC. Embedding output C; head: normed C
-  and fp32 logits V. One chunk = one stage's layers for one micro-batch.
+  and fp32 logits V. One chunk = one stage's layers for one micro-batch. MLA (model.mla) keeps its latents, not
+  the heads (DeepSeek-V3 §3.3.3 recomputes the up-projections): norm input and normed C each, the query latent
+  and its norm 2 q_lora, the key/value latent with the rotary key and its norm 2 kv_lora + rope, the attention
+  output h v and the fp32 log-sum-exp per head. FP8 (train.fp8) brings DeepSeek-V3's storage recipe with it
+  (§3.2.3, §3.3.3): the SwiGLU inputs (gate and up) and the routed experts' received tokens are cached in FP8
+  (1 byte + a scale per 128) and the SwiGLU output is recomputed in backward; every RMSNorm is recomputed (its
+  input kept, not its output); the router probabilities weight the experts' SwiGLU output before the down
+  projection (Megatron-LM's weighted SwiGLU with DeepEP), so the combine keeps no k C copy of the expert outputs.
+  MTP (model.mtp_depth) on the last stage: per module the projection's input and output 3C, one MoE block with
+  its residual side (no recompute) and the head's normed C and fp32 logits.
 * The activation peak follows the schedule (`activation_peak`): walking a rank's program, a chunk is alive from
   the start of its F to the end of its B (or I), each weighing its own stage's bytes (the head's fp32 logits only
   on the stage that holds the head); the peak is the largest sum, and the live chunks per stage at that moment
@@ -60,7 +69,7 @@ from costmodel.comm import ep_ranks_per_node
 from costmodel.hardware import HardwareSpec
 from costmodel.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
-from costmodel.ops import block_params
+from costmodel.ops import FP8_SCALE_BYTES, block_params, mtp_params
 from configs import RunConfig, recompute_block_size
 
 GIB = 2 ** 30
@@ -107,17 +116,34 @@ def recompute_block(cfg: RunConfig, spec: ResidualSpec, stage_sublayers: int) ->
 
 
 def sublayer_activation_elems(cfg: RunConfig, block: int, d: int) -> tuple[float, float]:
-    """(attention, MLP) activation elements per token a block keeps for backward (baseline residual)."""
+    """(attention, MLP) activation elements per token a block keeps for backward (baseline residual), in units of
+    d bytes (an FP8 element counts (1 + scale) / d)."""
     m = cfg.model
-    C, q = m.hidden, m.num_heads * m.head_dim
+    C, q, h = m.hidden, m.num_heads * m.head_dim, m.num_heads
     fp32 = 4 / d
-    attn = 2 * C + 4 * q + fp32 * m.num_heads
+    a = m.mla
+    v3 = cfg.train.fp8  # the V3 storage recipe (module docstring)
+    norm = 1 if v3 else 2  # an RMSNorm keeps its input and output, or only its input when it is recomputed
+    if a is None:
+        attn = norm * C + 4 * q + fp32 * h
+    else:
+        attn = (norm * C + norm * a.q_lora_rank + norm * a.kv_lora_rank + a.qk_rope_head_dim + h * a.v_head_dim
+                + fp32 * h)
+    # a SwiGLU of hidden H keeps gate and up (2H) and its output H; in V3's recipe gate and up in FP8, the output
+    # recomputed
+    f8 = (1 + FP8_SCALE_BYTES) / d
+
+    def swiglu(H: float) -> float:
+        return 2 * H * f8 if v3 else 3 * H
+
     if m.moe is None or block < m.moe.first_dense_blocks:
-        mlp = 2 * C + 3 * m.mlp_hidden
+        mlp = norm * C + swiglu(m.mlp_hidden)
     else:
         e = m.moe
-        mlp = (2 * C + fp32 * e.num_experts + 2 * e.top_k * C + 3 * e.top_k * e.expert_hidden
-               + 3 * e.num_shared * e.expert_hidden)
+        received = e.top_k * C * (f8 if v3 else 1)
+        combine = 0 if v3 else e.top_k * C
+        mlp = (norm * C + fp32 * e.num_experts + received + combine + swiglu(e.top_k * e.expert_hidden)
+               + swiglu(e.num_shared * e.expert_hidden))
     return attn, mlp
 
 
@@ -171,6 +197,12 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
     if last:
         elems += C + 4 / d * m.vocab_size
         params += m.vocab_size * C + C
+    if last and m.mtp_depth:  # MTP modules (module docstring): projection, one MoE block, the shared head again
+        a, f = sublayer_activation_elems(cfg, m.num_blocks, d)
+        elems += m.mtp_depth * (3 * C + a + f + residual_activation_elems(spec, C, d, 2, None)
+                                + C + 4 / d * m.vocab_size)
+        params += mtp_params(cfg, p.expert_parallel) + 2 * m.mtp_depth * mhc_params_per_sublayer(spec, C)
+        experts += mtp_params(cfg, p.expert_parallel) - mtp_params(cfg, math.inf)
     transient = recompute_transient_elems(spec, C, L_r) * T * d if L_r else 0.0
     return StageMemory(stage, len(blocks), params, elems * T * d, L_r, transient, experts)
 

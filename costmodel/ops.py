@@ -15,6 +15,20 @@ Conventions (costmodel.md §2.1):
   while the dispatch is in flight (their own dependency on the router input, not on the dispatch).
   Per-expert GEMM size for the efficiency curve: T k EP / E tokens (balanced routing).
 * RMSNorm: one kernel reading and writing T C (forward), reading x, dy and writing dx (backward).
+* MLA (DeepSeek-V2/V3 multi-head latent attention, model.mla): q = q_b(norm(q_a(x))), [k_nope, v] =
+  kv_b(norm(kv_a(x))) with kv_a also giving the shared rotary key; the core runs h heads of query/key width
+  nope + rope and value width v: causal forward FLOPs s^2 h (d_qk + d_v) per sequence. Only the latents are kept
+  for backward: the up-projections q_b and kv_b run again in I (DeepSeek-V3 §3.3.3, "recomputation of RMSNorm
+  and MLA up-projection").
+* FP8 (train.fp8, DeepSeek-V3 §3.3): the linear layers' GEMMs (attention projections, dense and expert SwiGLUs,
+  shared experts; not the router, the head, the attention core or the embedding) run at the fp8 tensor-core rate
+  on 1-byte operands. Their overhead is the quantisation of each activation operand, a memory pass reading d and
+  writing 1 byte plus one fp32 scale per 128 elements (`Kernel.quant_bytes`, priced as a serial pass before the
+  GEMM): the A operand in F and dgrad, both operands in wgrad (re-quantised in the transposed 128 x 1 tiles).
+  Weights are quantised once per optimizer step (not priced). The dispatch carries FP8 tokens with their scales;
+  the combine stays in the activation dtype (V3 §3.3.4).
+* MTP (model.mtp_depth, DeepSeek-V3 §2.2): each module on the pipeline's last stage gathers the next tokens'
+  embeddings, normalises both inputs, projects 2C -> C, runs one more MoE block and the shared head again.
 The residual connection itself (plain add, or the mHC kernels around the sub-layer) is priced in mhc_cost.py.
 """
 from __future__ import annotations
@@ -24,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from configs import RunConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+FP8_SCALE_BYTES = 4 / 128  # one fp32 scale per 1 x 128 tile (V3 §3.3.2)
 
 
 @dataclass(frozen=True)
@@ -47,14 +62,25 @@ class Kernel:
     stream: str = "compute"
     deps: tuple[int, ...] = (-1,)
     preemptible: bool = True
+    quant_bytes: float = 0.0  # FP8: bytes of the quantisation pass before the GEMM (module docstring)
 
     def scaled(self, factor: float) -> "Kernel":
-        return replace(self, flops=self.flops * factor, nbytes=self.nbytes * factor)
+        return replace(self, flops=self.flops * factor, nbytes=self.nbytes * factor,
+                       quant_bytes=self.quant_bytes * factor)
 
 
 def gemm(name: str, m: float, k: float, n: float, d: int, dtype: str, **kw) -> Kernel:
     """(m x k)(k x n). Large cuBLAS GEMMs do not yield SMs to a high-priority stream (gpu.md §6)."""
     return Kernel(name, "matrix", 2.0 * m * k * n, d * (m * k + k * n + m * n), dtype, preemptible=False, **kw)
+
+
+def linear(name: str, m: float, k: float, n: float, s: "Shape", wgrad: bool = False, **kw) -> Kernel:
+    """A linear layer's GEMM (m x k)(k x n): in FP8 when the run says so (module docstring), else `gemm`."""
+    if not s.fp8:
+        return gemm(name, m, k, n, s.d, s.dtype, **kw)
+    q = s.d + 1 + FP8_SCALE_BYTES
+    return Kernel(name, "matrix", 2.0 * m * k * n, m * k + k * n + s.d * m * n, "fp8", preemptible=False,
+                  quant_bytes=q * (m * k + (k * n if wgrad else 0)), **kw)
 
 
 def vec(name: str, nbytes: float, flops: float = 0.0, launches: int = 1, **kw) -> Kernel:
@@ -77,16 +103,24 @@ class Shape:
     moe: tuple[int, int, int, int] | None  # (E, top_k, shared, He)
     first_dense: int
     ep: int
+    heads: int = 1
+    mla: tuple[int, int, int, int, int] | None = None  # (q_lora, kv_lora, rope, nope, v)
+    fp8: bool = False
+    mtp: int = 0
 
     @classmethod
     def of(cls, cfg: RunConfig) -> "Shape":
         m, p = cfg.model, cfg.parallel
         d = DTYPE_BYTES[cfg.train.dtype]
         moe = None if m.moe is None else (m.moe.num_experts, m.moe.top_k, m.moe.num_shared, m.moe.expert_hidden)
+        a = m.mla
+        mla = None if a is None else (a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim,
+                                      a.v_head_dim)
         return cls(T=p.tokens_per_microbatch, seq=p.seq_len, mbs=p.microbatch_size, C=m.hidden,
                    q=m.num_heads * m.head_dim, H=m.mlp_hidden, V=m.vocab_size, d=d,
                    dtype="fp32" if d == 4 else "bf16", moe=moe,
-                   first_dense=0 if m.moe is None else m.moe.first_dense_blocks, ep=p.expert_parallel)
+                   first_dense=0 if m.moe is None else m.moe.first_dense_blocks, ep=p.expert_parallel,
+                   heads=m.num_heads, mla=mla, fp8=cfg.train.fp8, mtp=m.mtp_depth)
 
 
 @dataclass
@@ -100,46 +134,90 @@ class SubLayerWork:
 
 
 def attention(s: Shape) -> SubLayerWork:
+    if s.mla is not None:
+        return mla_attention(s)
     T, C, q, d, dt = s.T, s.C, s.q, s.d, s.dtype
     core_f = 2.0 * s.mbs * s.seq * s.seq * q
     io = d * 4 * T * q
     w = SubLayerWork("attn")
     w.F = [vec("attn.norm", d * 2 * T * C, 4 * T * C),
-           gemm("attn.qkv", T, C, 3 * q, d, dt),
+           linear("attn.qkv", T, C, 3 * q, s),
            vec("attn.rope", d * 4 * T * q, 6 * T * q),
            Kernel("attn.core", "matrix", core_f, io, dt),
-           gemm("attn.out", T, q, C, d, dt)]
-    w.I = [gemm("attn.out.dgrad", T, C, q, d, dt),
+           linear("attn.out", T, q, C, s)]
+    w.I = [linear("attn.out.dgrad", T, C, q, s),
            Kernel("attn.core.bwd", "matrix", 2.5 * core_f, 2 * io, dt),
            vec("attn.rope.bwd", d * 4 * T * q, 6 * T * q),
-           gemm("attn.qkv.dgrad", T, 3 * q, C, d, dt),
+           linear("attn.qkv.dgrad", T, 3 * q, C, s),
            vec("attn.norm.bwd", d * 3 * T * C, 6 * T * C)]
-    w.W = [gemm("attn.out.wgrad", q, T, C, d, dt),
-           gemm("attn.qkv.wgrad", C, T, 3 * q, d, dt)]
+    w.W = [linear("attn.out.wgrad", q, T, C, s, wgrad=True),
+           linear("attn.qkv.wgrad", C, T, 3 * q, s, wgrad=True)]
+    return w
+
+
+def mla_attention(s: Shape) -> SubLayerWork:
+    """Multi-head latent attention (module docstring): the latent projections, the up-projections (run again in
+    I from the kept latents), the core of h heads with query/key width nope + rope and value width v."""
+    T, C, d, dt, h = s.T, s.C, s.d, s.dtype, s.heads
+    ql, kvl, rope, nope, v = s.mla
+    qk = nope + rope
+    core_f = 1.0 * s.mbs * s.seq * s.seq * h * (qk + v)
+    io = d * T * h * (2 * qk + 2 * v)  # q, k, v read, o written
+    up = [linear("attn.q_b", T, ql, h * qk, s), linear("attn.kv_b", T, kvl, h * (nope + v), s)]
+    w = SubLayerWork("attn")
+    w.F = [vec("attn.norm", d * 2 * T * C, 4 * T * C),
+           linear("attn.q_a", T, C, ql, s), vec("attn.q_norm", d * 2 * T * ql, 4 * T * ql), up[0],
+           linear("attn.kv_a", T, C, kvl + rope, s), vec("attn.kv_norm", d * 2 * T * kvl, 4 * T * kvl), up[1],
+           vec("attn.rope", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
+           Kernel("attn.core", "matrix", core_f, io, dt),
+           linear("attn.out", T, h * v, C, s)]
+    w.I = [linear("attn.out.dgrad", T, C, h * v, s),
+           vec("attn.q_norm.recompute", d * 2 * T * ql, 4 * T * ql), replace(up[0], name="attn.q_b.recompute"),
+           vec("attn.kv_norm.recompute", d * 2 * T * kvl, 4 * T * kvl), replace(up[1], name="attn.kv_b.recompute"),
+           vec("attn.rope.recompute", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
+           Kernel("attn.core.bwd", "matrix", 2.5 * core_f, 2 * io, dt),
+           vec("attn.rope.bwd", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
+           linear("attn.kv_b.dgrad", T, h * (nope + v), kvl, s), vec("attn.kv_norm.bwd", d * 3 * T * kvl, 6 * T * kvl),
+           linear("attn.kv_a.dgrad", T, kvl + rope, C, s),
+           linear("attn.q_b.dgrad", T, h * qk, ql, s), vec("attn.q_norm.bwd", d * 3 * T * ql, 6 * T * ql),
+           linear("attn.q_a.dgrad", T, ql, C, s),
+           vec("attn.norm.bwd", d * 3 * T * C, 6 * T * C)]
+    w.W = [linear("attn.out.wgrad", h * v, T, C, s, wgrad=True),
+           linear("attn.kv_b.wgrad", kvl, T, h * (nope + v), s, wgrad=True),
+           linear("attn.kv_a.wgrad", C, T, kvl + rope, s, wgrad=True),
+           linear("attn.q_b.wgrad", ql, T, h * qk, s, wgrad=True),
+           linear("attn.q_a.wgrad", C, T, ql, s, wgrad=True)]
     return w
 
 
 def dense_mlp(s: Shape, hidden: int | None = None, prefix: str = "mlp") -> SubLayerWork:
-    T, C, H, d, dt = s.T, s.C, hidden or s.H, s.d, s.dtype
+    T, C, H, d = s.T, s.C, hidden or s.H, s.d
     w = SubLayerWork("mlp")
     w.F = [vec(f"{prefix}.norm", d * 2 * T * C, 4 * T * C),
-           gemm(f"{prefix}.gate_up", T, C, 2 * H, d, dt),
+           linear(f"{prefix}.gate_up", T, C, 2 * H, s),
            vec(f"{prefix}.act", d * 3 * T * H, 4 * T * H),
-           gemm(f"{prefix}.down", T, H, C, d, dt)]
-    w.I = [gemm(f"{prefix}.down.dgrad", T, C, H, d, dt),
+           linear(f"{prefix}.down", T, H, C, s)]
+    w.I = [linear(f"{prefix}.down.dgrad", T, C, H, s),
            vec(f"{prefix}.act.bwd", d * 5 * T * H, 8 * T * H),
-           gemm(f"{prefix}.gate_up.dgrad", T, 2 * H, C, d, dt),
+           linear(f"{prefix}.gate_up.dgrad", T, 2 * H, C, s),
            vec(f"{prefix}.norm.bwd", d * 3 * T * C, 6 * T * C)]
-    w.W = [gemm(f"{prefix}.down.wgrad", H, T, C, d, dt),
-           gemm(f"{prefix}.gate_up.wgrad", C, T, 2 * H, d, dt)]
+    w.W = [linear(f"{prefix}.down.wgrad", H, T, C, s, wgrad=True),
+           linear(f"{prefix}.gate_up.wgrad", C, T, 2 * H, s, wgrad=True)]
     return w
 
 
-def _experts(name: str, tokens: float, C: int, He: int, m_e: float, d: int, dt: str, factor: float = 1.0) -> Kernel:
-    """Grouped SwiGLU expert GEMMs over `tokens` token copies; efficiency from one expert's GEMM size (m_e tokens)."""
-    flops = 6.0 * tokens * C * He * factor
-    nbytes = d * (3 * tokens * C + 3 * tokens * He + 3 * C * He * max(1.0, tokens / max(m_e, 1.0)))
-    return Kernel(name, "matrix", flops, nbytes * factor, dt, preemptible=False)
+def _experts(name: str, tokens: float, C: int, He: int, m_e: float, s: Shape, quant: float = 0.0) -> Kernel:
+    """Grouped SwiGLU expert GEMMs over `tokens` token copies; efficiency from one expert's GEMM size (m_e tokens).
+    FP8: 1-byte operands, outputs in the activation dtype, `quant` elements per copy quantised first (the dispatch
+    already carries FP8 tokens: in F only the down projection's input is)."""
+    flops = 6.0 * tokens * C * He
+    weights = 3 * C * He * max(1.0, tokens / max(m_e, 1.0))
+    if not s.fp8:
+        nbytes = s.d * (3 * tokens * C + 3 * tokens * He + weights)
+        return Kernel(name, "matrix", flops, nbytes, s.dtype, preemptible=False)
+    nbytes = 2 * tokens * C + s.d * tokens * C + 2 * tokens * He + s.d * tokens * He + weights
+    return Kernel(name, "matrix", flops, nbytes, "fp8", preemptible=False,
+                  quant_bytes=(s.d + 1 + FP8_SCALE_BYTES) * tokens * quant)
 
 
 def _chain(items: list[tuple[Kernel, tuple[int, ...] | None]]) -> list[Kernel]:
@@ -156,6 +234,7 @@ def moe(s: Shape) -> SubLayerWork:
     copies = T * k
     m_e = copies * ep / E  # tokens one local expert sees
     a2a_bytes = d * copies * C  # token copies leaving (and arriving at) one rank, per direction
+    dispatch_bytes = (1 + FP8_SCALE_BYTES) * copies * C if s.fp8 else a2a_bytes  # FP8 tokens and their scales
     shared = dense_mlp(s, ns * He, "moe.shared") if ns else SubLayerWork("mlp")
     a2a = ep > 1
     comm = dict(group="a2a", stream="comm")
@@ -165,13 +244,13 @@ def moe(s: Shape) -> SubLayerWork:
         (vec("moe.norm", d * 2 * T * C, 4 * T * C), None), (gemm("moe.router", T, C, E, d, dt), None),
         (vec("moe.topk", 4 * 2 * T * E, 8 * T * E), None), (Kernel("moe.permute", "memory", 0, 2 * a2a_bytes), None)]
     if a2a:
-        f.append((Kernel("moe.dispatch", "a2a", 0, a2a_bytes, **comm), None))
+        f.append((Kernel("moe.dispatch", "a2a", 0, dispatch_bytes, **comm), None))
     routed_in = len(f) - 1
     sh = []
     for j, kern in enumerate(shared.F[1:]):
         sh.append(len(f))
         f.append((kern, (0,) if j == 0 else None))
-    f.append((_experts("moe.experts", copies, C, He, m_e, d, dt), (routed_in,)))
+    f.append((_experts("moe.experts", copies, C, He, m_e, s, He if a2a else C + He), (routed_in,)))
     if a2a:
         f.append((Kernel("moe.combine", "a2a", 0, a2a_bytes, **comm), None))
     f.append((Kernel("moe.unpermute", "memory", 0, 2 * a2a_bytes + d * T * C),
@@ -187,14 +266,15 @@ def moe(s: Shape) -> SubLayerWork:
     for j, kern in enumerate(shared.I[:-1]):
         sh.append(len(b))
         b.append((kern, (0,) if j == 0 else None))
-    b.append((_experts("moe.experts.dgrad", copies, C, He, m_e, d, dt), (routed_grad,)))
+    b.append((_experts("moe.experts.dgrad", copies, C, He, m_e, s, C + He), (routed_grad,)))
     if a2a:
         b.append((Kernel("moe.dispatch.bwd", "a2a", 0, a2a_bytes, **comm), None))
     b += [(Kernel("moe.permute.bwd", "memory", 0, 2 * a2a_bytes), None),
           (vec("moe.topk.bwd", 4 * 3 * T * E, 8 * T * E), None), (gemm("moe.router.dgrad", T, E, C, d, dt), None)]
     b.append((vec("moe.norm.bwd", d * 3 * T * C, 6 * T * C), (len(b) - 1,) + ((sh[-1],) if sh else ())))
     w = SubLayerWork("moe", F=_chain(f), I=_chain(b))
-    w.W = [_experts("moe.experts.wgrad", copies, C, He, m_e, d, dt), gemm("moe.router.wgrad", C, T, E, d, dt)]
+    w.W = [_experts("moe.experts.wgrad", copies, C, He, m_e, s, 2 * (C + He)),
+           gemm("moe.router.wgrad", C, T, E, d, dt)]
     w.W += shared.W
     return w
 
@@ -228,11 +308,47 @@ def head(s: Shape) -> SubLayerWork:
     return w
 
 
+def mtp_prelude(s: Shape) -> SubLayerWork:
+    """One MTP module's entry on the last stage (module docstring): the next tokens' embeddings, an RMSNorm on each
+    input, the 2C -> C projection. Its block and its pass through the shared head are priced as a block and a
+    head (pricing.py)."""
+    d, T, C = s.d, s.T, s.C
+    w = SubLayerWork("mtp")
+    w.F = [Kernel("mtp.embed.gather", "memory", 0, d * 2 * T * C, group="head"),
+           vec("mtp.norms", d * 4 * T * C, 8 * T * C, group="head"),
+           linear("mtp.proj", T, 2 * C, C, s, group="head")]
+    w.I = [linear("mtp.proj.dgrad", T, C, 2 * C, s, group="head"),
+           vec("mtp.norms.bwd", d * 6 * T * C, 12 * T * C, group="head")]
+    w.W = [linear("mtp.proj.wgrad", 2 * C, T, C, s, wgrad=True, group="head"),
+           Kernel("mtp.embed.scatter_add", "memory", 0, d * 3 * T * C, group="head")]
+    return w
+
+
+def attention_params(cfg: RunConfig) -> float:
+    """Parameters of one attention sub-layer (its RMSNorm included): 4 C q for multi-head attention; MLA's latent
+    projections, their norms and up-projections, and the output projection."""
+    m = cfg.model
+    C, a, h = m.hidden, m.mla, m.num_heads
+    if a is None:
+        return 4 * C * m.num_heads * m.head_dim + C
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    return (C * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * h * qk
+            + C * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+            + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) + h * a.v_head_dim * C + C)
+
+
+def mtp_params(cfg: RunConfig, ep: int) -> float:
+    """Parameters of the MTP modules (model.mtp_depth) on the last stage, routed experts split over EP: per module
+    two RMSNorms, the 2C -> C projection and one MoE block (the embedding and head are shared)."""
+    C = cfg.model.hidden
+    return cfg.model.mtp_depth * (2 * C + 2 * C * C + block_params(cfg, cfg.model.num_blocks, ep))
+
+
 def block_params(cfg: RunConfig, block: int, ep: int) -> float:
     """Parameters of one block held by one rank (routed experts split over EP)."""
     m = cfg.model
-    C, q = m.hidden, m.num_heads * m.head_dim
-    attn = 4 * C * q + C
+    C = m.hidden
+    attn = attention_params(cfg)
     if m.moe is None or block < m.moe.first_dense_blocks:
         return attn + 3 * C * m.mlp_hidden + C
     e = m.moe
@@ -247,4 +363,6 @@ def forward_flops_per_token(cfg: RunConfig) -> float:
         for w in block_work(s, b):
             total += sum(k.flops for k in w.F if k.cls == "matrix")
     total += sum(k.flops for k in head(s).F if k.cls == "matrix")
-    return total / s.T
+    mtp = sum(k.flops for w in block_work(s, cfg.model.num_blocks) + (head(s), mtp_prelude(s))
+              for k in w.F if k.cls == "matrix")
+    return (total + s.mtp * mtp) / s.T

@@ -24,6 +24,7 @@ from costmodel.hardware import HardwareSpec, curve_warnings, get_hardware
 from costmodel.data_parallel import GradSync, grad_sync
 from costmodel.memory import RankMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec
+from costmodel.ops import forward_flops_per_token
 from costmodel.pricing import Options, Pricer, ProfilePricing, resolve_layout
 from costmodel.runtime_profile import runtime_key
 from configs import RunConfig
@@ -165,13 +166,20 @@ def summarize(pred: Prediction) -> dict[str, Any]:
     pairs = pair_table({"baseline": base, "mhc": mhc}, alone)
     mem = {name: max(r.total_bytes for r in ranks) for name, ranks in pred.memory.items()}
     hw = pred.hardware
+    cfg = pred.config
+    par = cfg.parallel
+    tokens = par.microbatches * par.tokens_per_microbatch  # the global batch of one step
+    gpus = par.world_size
+    # MFU the usual way (PaLM App. B): 3 x the model's forward matmul FLOPs per token (MTP included) per second,
+    # over the GPUs' dense bf16 peak, whatever precision the GEMMs run in
+    flops_token = 3 * forward_flops_per_token(cfg)
+    throughput = {name: tokens / (T * 1e-6) / gpus if T else 0.0 for name, T in (("baseline", Tb), ("mhc", Tm))}
     warnings = []
     for name, v in mem.items():
         if v > hw.memory_bytes:
             warnings.append(f"{name}: peak {v / 2**30:.1f} GiB per rank exceeds the {hw.name}'s "
                             f"{hw.memory_bytes / 2**30:.0f} GiB")
     L_r = sorted({m.recompute_block for m in pm.stage_mem.values() if m.recompute_block})
-    cfg = pred.config
     if hw.runtime is not None and pb.runtime is None:
         have, want = hw.runtime.key, runtime_key(cfg)
         diff = [f"{k} {have.get(k)!r} vs {want[k]!r}" for k in want if have.get(k) != want[k]]
@@ -195,6 +203,11 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "grad_sync_us": {name: ({"exposed": sync[name].exposed_us, "busiest_rank": sync[name].busiest_us}
                                 if name in sync else None) for name in ("baseline", "mhc")},
         "data_parallel": cfg.parallel.data_parallel,
+        "gpus": gpus,
+        "tokens_per_step": tokens,
+        "tokens_per_s_per_gpu": throughput,
+        "mfu_pct": {name: 100 * v * flops_token / hw.peak("bf16") for name, v in throughput.items()},
+        "model_tflop_per_token": flops_token / 1e12,
         # the paper's measure: the overlapped F&B stage as the step runs it (fb_stage.py); the step's beside it
         "fb_stage_overhead_pct": overhead_pct(fb_us["mhc"], fb_us["baseline"]),
         "step_overhead_pct": 100.0 * (Tm / Tb - 1.0) if Tb else 0.0,

@@ -24,13 +24,16 @@ from costmodel import comm
 from costmodel.hardware import CurveLookups, HardwareSpec
 from costmodel.memory import StageMemory, stage_memory
 from costmodel.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
-from costmodel.ops import Kernel, Shape, block_work, embedding, head
+from costmodel.ops import Kernel, Shape, block_work, embedding, head, mtp_prelude
 from costmodel.overlap import MODES, OverlapResult, TimedOp, overlap
 from costmodel.runtime_profile import profile_for
 from configs import RunConfig, stage_blocks
 from schedules.ir import Action, Kind, Schedule
 from schedules.engine import P2P_MODES
 from schedules.simulate import SimResult, simulate
+
+
+DISPATCHERS = ("deepep", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,11 @@ class Options:
     ep_per_node: int | None = None
     """EP ranks that share a node (None = as many as fit: min(EP, gpus_per_node)); fewer sends part of every
     all-to-all over the inter-node network"""
+    dispatcher: str = "deepep"
+    """how an EP group over nodes exchanges tokens (comm.py): "deepep" (a token crosses the network once per remote
+    node and is forwarded inside it, DeepEP's internode kernels) or "alltoall" (every token copy crosses on its
+    own, an NCCL all-to-all such as Megatron-LM's alltoall dispatcher); the memory reserve counts DeepEP's buffers
+    either way"""
     pp_bandwidth: float | None = None
     """override of the PP link bandwidth in bytes/s (sweeps)"""
     data_parallel: int | None = None
@@ -78,6 +86,8 @@ class Options:
             raise ValueError(f"fb_mode {self.fb_mode!r}: choose one of {', '.join(MODES)}")
         if self.single_mode not in (None, "streams", "serial"):
             raise ValueError(f"single_mode {self.single_mode!r}: choose 'streams', 'serial' or None")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher {self.dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
         if self.ep_per_node is not None and self.ep_per_node < 1:
             raise ValueError(f"ep_per_node {self.ep_per_node}: EP ranks per node must be >= 1")
 
@@ -142,9 +152,14 @@ class Pricer:
         self.sigma = hw.interference if options.sigma is None else options.sigma
         dp = cfg.parallel.data_parallel if options.data_parallel is None else options.data_parallel
         link = comm.pp_link(hw, cfg.parallel.ranks, dp, cfg.parallel.expert_parallel, options.ep_per_node)
+        pp_on_network = link is hw.inter
         if options.pp_bandwidth is not None:
             link = link.with_bandwidth(options.pp_bandwidth)
         self.link = link
+        if cfg.train.fp8 and "fp8" not in hw.peak_flops:
+            raise ValueError(f"train.fp8: the {hw.name} has no FP8 tensor-core rate (peak_flops has "
+                             f"{', '.join(hw.peak_flops)}); drop train.fp8 or choose hardware with one "
+                             "(h800, h100, h200, b200)")
         self.slowdown = 1.0
         self.results: dict[tuple, OverlapResult] = {}  # per (kind, stage[, backward stage]), inputs on time
         self._lagged: dict[tuple, OverlapResult] = {}  # F&B pairs whose halves' inputs arrived late
@@ -163,6 +178,16 @@ class Pricer:
                              "that profile (predict(..., profile_pricing=costmodel.local.host_pricing.HostPricing()))")
         self.profile_pricing = profile_pricing if self.runtime is not None else None
         self.curve_lookups = CurveLookups(hw)  # efficiency lookups outside a curve's points (summary warnings)
+        moe, ep = cfg.model.moe, cfg.parallel.expert_parallel
+        self.routing = (None if moe is None or options.dispatcher == "alltoall"
+                        else (moe.num_experts, moe.top_k, moe.max_nodes_per_token))
+        # one NIC for P2P and all-to-all (comm.py): an action's P2P bytes spread over its all-to-alls, 2 per MoE
+        # block (dispatch, combine), the mean MoE blocks of a stage
+        self.nic_bytes = 0.0
+        moe_blocks = 0 if moe is None else cfg.model.num_blocks - moe.first_dense_blocks
+        if pp_on_network and moe_blocks and ep > comm.ep_ranks_per_node(hw, ep, options.ep_per_node):
+            chains = sum(1 for _, first, _ in layout.values() if first)
+            self.nic_bytes = self.message_bytes / (2 * moe_blocks * chains / len(layout))
         # what an action's kernels depend on besides the shape: which of the stage's blocks are dense, first or last
         # of its pipeline, L_r (ops.block_work reads the block index only to tell dense from MoE). Stages with one
         # key share their chains and stream simulations: a 16-stage pipeline prices 3 kinds of stage, not 16.
@@ -179,10 +204,12 @@ class Pricer:
         self.curve_lookups.add(k.name, k.cls, k.flops, k.nbytes)
         launch = (hw.backward_launch_us if backward else hw.launch_us) * k.launches
         if k.cls == "a2a":
-            return comm.all_to_all_us(hw, self.shape.ep, k.nbytes, self.opt.ep_per_node)
+            return comm.all_to_all_us(hw, self.shape.ep, k.nbytes, self.opt.ep_per_node, self.routing,
+                                      self.nic_bytes)
         mhc = self._on_mhc_curve(k)
-        if k.cls == "matrix":
-            return hw.matmul_us(k.flops, k.nbytes, k.dtype, mhc) + launch
+        if k.cls == "matrix":  # an FP8 GEMM's quantisation pass runs before it (ops.linear)
+            quant = hw.memory_us(k.quant_bytes) + launch if k.quant_bytes else 0.0
+            return hw.matmul_us(k.flops, k.nbytes, k.dtype, mhc) + launch + quant
         if k.cls == "vector":
             return hw.vector_us(k.flops, k.nbytes, mhc) + launch
         if k.cls == "memory":
@@ -257,6 +284,10 @@ class Pricer:
             segs.append(seg)
         if last:
             segs.append(contract + head(s).F)
+            for _ in range(s.mtp):  # each MTP module: its entry, one MoE block in the residual, the shared head
+                segs.append(mtp_prelude(s).F + expand)
+                segs.append([k for work, before, after, _ in self._block(False) for k in before + work.F + after])
+                segs.append(contract + head(s).F)
         return segs
 
     def forward_ops(self, stage: int) -> list[TimedOp]:
@@ -302,6 +333,26 @@ class Pricer:
 
         if last:
             h = head(s)
+            for _ in range(s.mtp):  # MTP first: its gradient joins the main head's at the last block's output
+                start = len(ops)
+                if with_i:
+                    add(h.I + contract)
+                if with_w:
+                    add(h.W, start if with_i else -1)
+                for work, before, after, bwd in reversed(self._block(False)):
+                    start = len(ops)
+                    if with_i:
+                        split = 0 if spec.is_baseline else len(after)
+                        add(bwd[:split] + work.I + bwd[split:])
+                    if with_w:
+                        add(work.W, start if with_i else -1)
+                switch()
+                pre, start = mtp_prelude(s), len(ops)
+                if with_i:
+                    add(expand + pre.I)
+                if with_w:
+                    add(pre.W, start if with_i else -1)
+                switch()
             if with_i:
                 add(h.I + [kk.scaled(1.0) for kk in contract])
             if with_w:

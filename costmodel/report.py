@@ -45,6 +45,12 @@ def format_table(pred: Prediction) -> str:
                      f"{gs['mhc']['busiest_rank'] / 1e3:,.1f} ms in all)")
     else:
         lines.append(f"  {'iteration (makespan)':<34}{_col(_ms(ib))}{_col(_ms(im))}{100 * (im / ib - 1):>11.2f}%")
+    tp, mfu = s["tokens_per_s_per_gpu"], s["mfu_pct"]
+    lines.append(f"  {'tokens/s per GPU':<34}{tp['baseline']:>14,.0f}{tp['mhc']:>14,.0f}"
+                 f"{100 * (tp['mhc'] / tp['baseline'] - 1) if tp['baseline'] else 0:>11.2f}%   "
+                 f"({s['gpus']:,} GPUs, {s['tokens_per_step']:,} tokens per step)")
+    lines.append(f"  {'MFU (of the dense bf16 peak)':<34}{mfu['baseline']:>13.1f}%{mfu['mhc']:>13.1f}%   "
+                 f"({s['model_tflop_per_token'] * 1e3:,.2f} GFLOP per token: 3 x the forward's matmuls)")
     ob, om = s["op_us"]["baseline"], s["op_us"]["mhc"]
     for k in KIND_ORDER:
         if k in ob:

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "point after the action (DualPipe's commit), or dataflow (receives always posted: lower bound)")
     p.add_argument("--ep-per-node", type=int, help="EP ranks per node (default: as many as fit); fewer sends part "
                    "of every all-to-all over the inter-node network")
+    p.add_argument("--dispatcher", default="deepep", choices=["deepep", "alltoall"],
+                   help="an EP group over nodes: deepep = a token crosses the network once per remote node (DeepEP); "
+                        "alltoall = every token copy crosses on its own (an NCCL all-to-all)")
     p.add_argument("--uneven", action="store_true", help="allow stages with different block counts")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
@@ -232,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ep_per_node is not None and args.ep_per_node < 1:
         raise ValueError(f"--ep-per-node {args.ep_per_node}: EP ranks per node must be >= 1")
     opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
-                   comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node)
+                   comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node,
+                   dispatcher=args.dispatcher)
     spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)
     if args.sweep:
         return _sweep(cfg, hw, spec, opts, args)

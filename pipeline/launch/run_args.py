@@ -107,10 +107,25 @@ def config_from_args(args: RunFlags, world: int | None):
         data["model"]["residual"]["expand"] = args.expand
         cfg = parse_config(data)
     Layout.of(cfg).check(cfg, world)
+    refuse_cost_model_only(cfg)
     if cfg.train.diagnostics_every and diagnostics_dir(args) is None:
         raise ValueError("--diagnostics-every (train.diagnostics_every) writes diagnostics_rank<r>.json into a "
                          "folder: add --diagnostics-dir DIR (or --trace-dir DIR)")
     return cfg
+
+
+def refuse_cost_model_only(cfg) -> None:
+    """The fields the cost model prices but this runtime does not build (its attention is multi-head, its GEMMs run
+    in the activation dtype, its router has no node limit): a run would silently train another model."""
+    moe = cfg.model.moe
+    given = [name for name, on in (("model.mla", cfg.model.mla is not None), ("model.mtp_depth", cfg.model.mtp_depth),
+                                   ("train.fp8", cfg.train.fp8),
+                                   ("model.moe.max_nodes_per_token", moe is not None and moe.max_nodes_per_token))
+             if on]
+    if given:
+        raise ValueError(f"{', '.join(given)}: priced by the cost model only (mhcpipe predict / tune); the runtime "
+                         "builds multi-head attention, no MTP, GEMMs in train.dtype and unlimited routing: drop "
+                         f"{'them' if len(given) > 1 else 'it'} from the config to run it")
 
 
 def with_residual_flag(cfg, flag: str, value: str):

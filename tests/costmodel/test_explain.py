@@ -187,7 +187,15 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
     spec = residual_spec_of(small_cfg)
     vs = honest_variants(small_cfg, spec, Options())
     assert {(v.hardware, v.sigma) for v in vs} == {(h, s) for h in ("h800", "h200") for s in (0.0, 0.15)}
-    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 10
+    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 12
+    # the placement over nodes once more with the other dispatcher: every token copy on the network costs more
+    # network time than DeepEP's once per remote node (the pair's overlap decides what that does to the overhead)
+    for h in ("h800", "h200"):
+        a2a = [v for v in vs if v.hardware == h and v.dispatcher == "all-to-all"]
+        assert len(a2a) == 1 and "nodes" in a2a[0].ep_layout and a2a[0].sigma == 0
+        twin = next(v for v in vs if v.hardware == h and v.dispatcher == "DeepEP" and v.sigma == 0
+                    and v.ep_layout == a2a[0].ep_layout and v.mhc_kernels == a2a[0].mhc_kernels)
+        assert twin.fb_pct != a2a[0].fb_pct
     # per hardware, 2 placements x 2 sigmas on the memory curve, and the caller's placement at sigma 0 with the
     # mHC kernels at the cuTile efficiency: a different price from the memory curve's, and the one it says
     cut = [v for v in vs if v.mhc_kernels == CUTILE]
@@ -204,7 +212,8 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
     for v in vs:
         assert v.gap_pp == v.fb_pct - PAPER_PCT
     # every assumption of the sets separates some pair of them, and the answer says by how much
-    assert {d.assumption for d in discriminators(vs)} == {"hardware", "EP layout", "sigma", "mHC kernels"}
+    assert {d.assumption for d in discriminators(vs)} == {"hardware", "EP layout", "sigma", "mHC kernels",
+                                                          "dispatcher"}
 
 
 def test_verdict_reports_the_span_and_what_separates_the_sets():
@@ -213,7 +222,7 @@ def test_verdict_reports_the_span_and_what_separates_the_sets():
             Variant("h200", "EP a", 0.0, 9.0, 5.5, CUTILE)]
     v = honest_verdict(sets)
     assert v.startswith("the 5 assumption sets span 5.00-10.00% of the F&B stage") and "lies inside it" in v
-    assert "closest: h200, EP a, sigma 0.15, memory curve, -0.70 pp" in v
+    assert "closest: h200, EP a, DeepEP, sigma 0.15, memory curve, -0.70 pp" in v
     assert "pp below it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 8.0)])
     assert "pp above it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 3.0)])
     d = {x.assumption: x for x in discriminators(sets)}
@@ -238,7 +247,7 @@ def test_cli_explain_writes_table_waterfall_and_json(tmp_path, capsys):
     assert "of the overlapped F&B stage" in out.splitlines()[1] and "honest answer" in out
     assert png.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 10
+    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 12
 
 
 def test_cli_report_errors_are_one_line(capsys):

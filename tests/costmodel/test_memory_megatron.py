@@ -30,6 +30,12 @@ def megatron_block_params(cfg, block: int, ep: int) -> tuple[float, float]:
     m = cfg.model
     C, q = m.hidden, m.num_heads * m.head_dim
     attn = 2 * C * C * 2 * q / C
+    a = m.mla
+    if a is not None:  # Megatron's multi-latent-attention term: the q and kv latents with their norms, the
+        h = m.num_heads  # up-projections, the shared rotary key, the output projection
+        q_term = a.q_lora_rank * (C + h * (a.qk_nope_head_dim + a.qk_rope_head_dim) + 1)
+        kv_term = a.kv_lora_rank * (C + h * (a.qk_nope_head_dim + a.v_head_dim) + 1)
+        attn = q_term + kv_term + C * a.qk_rope_head_dim + a.v_head_dim * h * C
     norms = 2 * C
     if m.moe is None or block < m.moe.first_dense_blocks:
         return attn + norms + 2 * C * 1.5 * m.mlp_hidden, 0.0
@@ -57,6 +63,9 @@ def megatron_state_bytes(cfg, dp: int, distributed: bool) -> list[float]:
                 dense += m.vocab_size * m.hidden
             if pos == len(chain) - 1:
                 dense += m.vocab_size * m.hidden + m.hidden
+                for _ in range(m.mtp_depth):  # Megatron's MTP block: a layer, the 2C -> C projection, two norms
+                    d, e = megatron_block_params(cfg, m.num_blocks, ep)
+                    dense, experts = dense + d + 2 * m.hidden * m.hidden + 2 * m.hidden, experts + e
             per_stage[st] = (dense, experts)
 
     def per_param(d: int) -> float:
