@@ -135,6 +135,19 @@ class Link(BaseModel):
         return self.model_copy(update={"bandwidth": bandwidth})
 
 
+class MemoryReserve(BaseModel):
+    """What a GPU holds besides model states, activations and buffers (costmodel/memory.py states each term's
+    source): stated assumptions, not measured here, so `--sensitivity` moves them."""
+
+    model_config = ConfigDict(extra="forbid")
+    cuda_context_bytes: float = Field(0.75 * GIB, ge=0, description="the CUDA context of a PyTorch process")
+    nccl_bytes: float = Field(0.5 * GIB, ge=0, description="NCCL buffers of all of a rank's communicators")
+    deepep_nvl_bytes: float = Field(2e9, ge=0, description="DeepEP's NVLink buffer (EP > 1)")
+    deepep_rdma_bytes: float = Field(1e9, ge=0, description="DeepEP's RDMA buffer (an EP group over nodes)")
+    fragmentation: float = Field(0.05, ge=0, lt=1, description="allocator fragmentation, a share of the "
+                                 "dynamically allocated bytes")
+
+
 class HardwareSpec(BaseModel):
     """One accelerator model (or this machine, `local`). Rates in FLOP/s and bytes/s; times in microseconds."""
 
@@ -163,6 +176,8 @@ class HardwareSpec(BaseModel):
                           "compute on the other streams gets sms - comm_sms of them (DeepEP's default 20)")
     bandwidth_sm_share: float = Field(0.35, gt=0, le=1, description="share of the SMs a memory-bound kernel needs "
                                       "to draw its full HBM bandwidth (what it takes from a co-running GEMM)")
+    reserve: MemoryReserve = Field(default_factory=MemoryReserve, description="memory a GPU holds besides the "
+                                   "run's tensors (costmodel/memory.py); unused on a CPU spec")
     host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")
     runtime: RuntimeProfile | None = Field(None, description="`local` only: this runtime's per-action calibration "
                                                              "for one shape (costmodel.local)")

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import math
 
 from costmodel.comm import ep_ranks_per_node
-from costmodel.hardware import HardwareSpec
+from costmodel.hardware import HardwareSpec, MemoryReserve
 from costmodel.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
 from costmodel.ops import FP8_SCALE_BYTES, block_params, mtp_params
@@ -76,11 +76,13 @@ GIB = 2 ** 30
 # model-state bytes per parameter by train.dtype: (kept on every rank: weight + main gradient, sharded by the
 # distributed optimizer: master weight + Adam m, v); Megatron's table, see the module docstring
 STATE_BYTES = {"bfloat16": (6.0, 12.0), "float32": (8.0, 8.0), "float64": (16.0, 16.0)}
-CUDA_CONTEXT_BYTES = 0.75 * GIB
-NCCL_BUFFER_BYTES = 0.5 * GIB
-DEEPEP_NVL_BYTES = 2e9
-DEEPEP_RDMA_BYTES = 1e9
-FRAGMENTATION = 0.05
+# the reserve's default terms (the spec's `reserve` holds the values a prediction uses; --sensitivity moves them)
+_DEFAULT = MemoryReserve()
+CUDA_CONTEXT_BYTES = _DEFAULT.cuda_context_bytes
+NCCL_BUFFER_BYTES = _DEFAULT.nccl_bytes
+DEEPEP_NVL_BYTES = _DEFAULT.deepep_nvl_bytes
+DEEPEP_RDMA_BYTES = _DEFAULT.deepep_rdma_bytes
+FRAGMENTATION = _DEFAULT.fragmentation
 
 
 def state_bytes_per_param(dtype: str, distributed_optimizer: bool, d: int) -> float:
@@ -101,9 +103,10 @@ def fixed_reserve_bytes(cfg: RunConfig, hw: HardwareSpec | None, ep_per_node: in
     if not is_gpu(hw):
         return 0.0
     ep = cfg.parallel.expert_parallel
-    out = CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
+    r = hw.reserve
+    out = r.cuda_context_bytes + r.nccl_bytes
     if ep > 1:
-        out += DEEPEP_NVL_BYTES + (DEEPEP_RDMA_BYTES if ep_ranks_per_node(hw, ep, ep_per_node) < ep else 0.0)
+        out += r.deepep_nvl_bytes + (r.deepep_rdma_bytes if ep_ranks_per_node(hw, ep, ep_per_node) < ep else 0.0)
     return out
 
 
@@ -258,7 +261,7 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
     buffers = 2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes)
     reserve = fixed_reserve_bytes(cfg, hw, ep_per_node)
     if is_gpu(hw):
-        reserve += FRAGMENTATION * (act + transient + buffers)
+        reserve += hw.reserve.fragmentation * (act + transient + buffers)
     return RankMemory(
         rank=rank,
         model_state_bytes=model_state_bytes(cfg, mine, dp),

@@ -21,7 +21,9 @@ Inputs and how each moves (X = the percentage, default 20):
 * The model's own constants (ASSUMED), each with its source: the HBM efficiency curve (its Hopper ceiling is the
   H200-measured copy, read across), the SM share a memory-bound kernel needs, the kernel launch gap, the
   all-to-all's SM carve-out and the InfiniBand efficiency and latency move -+X% (capped where a share tops at 1,
-  integers rounded); sigma and the mHC kernels' efficiency are choices between two sourced readings, so they move
+  integers rounded), and so do the NVLink efficiency and latency, the Sinkhorn iterations t_max (integer) and the
+  memory reserve's terms (CUDA context, NCCL and DeepEP buffers, fragmentation: they move memory, not time);
+  sigma and the mHC kernels' efficiency are choices between two sourced readings, so they move
   to the other reading (SIGMA_ALT, CUTILE_MHC_EFF of explain.py) only. The caller's --sigma and --comm-sms become
   the spec's values first, so their rows move what prices them.
 Hardware inputs are uncertainties to measure; EP, M and C are layout choices, reported apart.
@@ -45,7 +47,9 @@ MEASURED = ("HBM bandwidth TB/s", "inter-node bandwidth GB/s", "intra-node bandw
             "mHC kernel bandwidth")
 CHOICES = ("EP", "M (micro-batches)", "C (hidden)")
 ASSUMED = ("HBM efficiency", "SM share of HBM-bound kernels", "kernel launch gap us", "all-to-all SMs",
-           "IB efficiency", "IB latency us", "sigma (compute under A2A)", "mHC kernels at cuTile")
+           "IB efficiency", "IB latency us", "NVLink efficiency", "NVLink latency us", "Sinkhorn iterations",
+           "CUDA context GiB", "NCCL buffers GiB", "DeepEP buffers GB", "fragmentation share",
+           "sigma (compute under A2A)", "mHC kernels at cuTile")
 
 
 @dataclass
@@ -214,6 +218,37 @@ def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -
     scaled("IB latency us", hw.inter.latency_us,
            lambda v: hw.model_copy(update={"inter": hw.inter.model_copy(update={"latency_us": v})}),
            "Calculon's 2 us")
+    scaled("NVLink efficiency", hw.intra.efficiency,
+           lambda v: hw.model_copy(update={"intra": hw.intra.model_copy(update={"efficiency": v})}),
+           "Calculon's 0.6; H800 0.8, DeepSeek-V3's 160 of 200 GB/s", cap=1.0)
+    scaled("NVLink latency us", hw.intra.latency_us,
+           lambda v: hw.model_copy(update={"intra": hw.intra.model_copy(update={"latency_us": v})}),
+           "Calculon's 1 us")
+    t = cfg.model.residual.sinkhorn_iters
+    sides = []
+    for k in (1 - f, 1 + f):
+        v = max(1, round(t * k))
+        res = cfg.model.residual.model_copy(update={"sinkhorn_iters": v})
+        c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"residual": res})})
+        sides.append((f"{v}", c, hw) if v != t else None)
+    out.append(("Sinkhorn iterations", f"{t} -+{pct:g}%, rounded (mHC, V4: t_max = 20)", sides))
+    r = hw.reserve
+    for name, term, unit, source in (
+            ("CUDA context GiB", "cuda_context_bytes", 2**30, "assumed 0.75 GiB: ~0.7 GiB seen per process"),
+            ("NCCL buffers GiB", "nccl_bytes", 2**30, "assumed 0.5 GiB for all communicators"),
+            ("DeepEP buffers GB", "deepep_nvl_bytes", 1e9, "DeepEP V1 tests' 2e9 NVLink (+1e9 RDMA) buffers"),
+            ("fragmentation share", "fragmentation", 1, "Megatron's 5% of the activations")):
+        value = getattr(r, term)
+        if name == "DeepEP buffers GB":  # both of DeepEP's buffers move together
+            def make(v, value=value):
+                k = v / value
+                return hw.model_copy(update={"reserve": r.model_copy(update={
+                    "deepep_nvl_bytes": r.deepep_nvl_bytes * k, "deepep_rdma_bytes": r.deepep_rdma_bytes * k})})
+        else:
+            def make(v, term=term):
+                return hw.model_copy(update={"reserve": r.model_copy(update={term: v})})
+        sides = [(f"{value * k / unit:.3g}", cfg, make(value * k)) for k in (1 - f, 1 + f)]
+        out.append((name, f"{value / unit:.3g} -+{pct:g}% ({source}; memory only)", sides))
     from costmodel.explain import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
 
     if hw.interference != SIGMA_ALT:
@@ -238,7 +273,8 @@ def sensitivity(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: O
     options = dataclasses.replace(options, sigma=None, comm_sms=None)
 
     def point(label: str, c: RunConfig, h: HardwareSpec) -> Point:
-        s = predict(c, h, spec, options, ladder=False, profile_pricing=profile_pricing).summary
+        sp = dataclasses.replace(spec, sinkhorn_iters=c.model.residual.sinkhorn_iters)  # the Sinkhorn row's move
+        s = predict(c, h, sp, options, ladder=False, profile_pricing=profile_pricing).summary
         return Point(label, s["step_overhead_pct"], s["fb_stage_overhead_pct"], s["memory_gib"]["mhc"])
 
     base = point("base", cfg, hw)

@@ -166,3 +166,25 @@ def test_memory_is_reported_and_moves_with_the_layout_not_the_bandwidth(small_cf
     data = to_json(se)
     assert {r["input"]: r["swing_memory_gib"] for r in data["rows"]}["C (hidden)"] > 1.0
     assert "memory per GPU" in format_sensitivity(se)
+
+
+def test_reserve_terms_move_memory_only_by_their_own_bytes(small_cfg, se):
+    """The memory reserve's terms are sensitivity rows: each moves the peak by its own change (the fragmentation
+    share by its share of the dynamic bytes) and never the time."""
+    rows = {r.name: r for r in se.rows}
+    base = se.base.memory_gib
+    r = H800.reserve
+    for name, term_gib in (("CUDA context GiB", r.cuda_context_bytes / 2**30), ("NCCL buffers GiB",
+                                                                                r.nccl_bytes / 2**30)):
+        row = rows[name]
+        assert row.swing("fb_pct", se.base) == 0 and row.swing("step_pct", se.base) == 0
+        assert row.low.memory_gib == pytest.approx(base - 0.2 * term_gib, rel=1e-12)
+        assert row.high.memory_gib == pytest.approx(base + 0.2 * term_gib, rel=1e-12)
+    frag = rows["fragmentation share"]
+    assert frag.low.memory_gib < base < frag.high.memory_gib and frag.swing("step_pct", se.base) == 0
+
+
+def test_more_sinkhorn_iterations_never_cost_less(se):
+    row = {r.name: r for r in se.rows}["Sinkhorn iterations"]
+    assert (row.low.label, row.high.label) == ("16", "24")
+    assert row.low.step_pct < se.base.step_pct < row.high.step_pct
