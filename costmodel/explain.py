@@ -25,7 +25,12 @@ baseline F&B stage (fb_stage.py; the step where the schedule has no F&B pairs). 
 over its own baseline, that baseline's ms, and the added ms as a share of the one denominator, so the rows read
 as a waterfall of mHC's added time; a rung that also moves the baseline shows it in the baseline's column instead
 of in a moving percentage. A rung whose switch is already at the caller's value changes nothing and says so.
-Per pair kind (forward stage, backward stage) the last rung's pairs: how often each runs, priced alone and as run.
+Per pair kind (forward stage, backward stage) the last rung's pairs: how often each runs, priced alone and as run;
+and each pair kind's overhead (priced alone) at every rung, with what each mechanism changes there (`MECHANISMS`:
+fused kernels rung 1 - 0, stage-aligned recompute 2 - 1, DualPipe's overlap 4 - 3, hp placement 5 - 4, in pp
+of the pair's own baseline), so a reader sees where each one pays. The last rung is `predict` itself (with its
+ladder): its split of the step overhead (kernel traffic, recompute, n-fold boundary traffic, gradient sync) is
+the one `predict` prints, the same numbers.
 
 The honest answer: a small, explicit set of stated assumptions for the paper's setting (hardware H800 or H200,
 EP inside a node or across nodes, sigma 0 or 0.15, mHC kernels on the hardware's memory curve), each predicted
@@ -41,7 +46,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.hardware import Curve, HardwareSpec, get_hardware
+from costmodel.hardware import CALCULON_MATRIX, Curve, HardwareSpec, get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import Prediction, predict
 from costmodel.pricing import Options, ProfilePricing
@@ -91,6 +96,12 @@ class Rung:
         return self.summary["fb_stage_us"][name] if fb else self.summary["iteration_us"][name]
 
 
+SPEC_GEMM, CALCULON_GEMM = "spec curve", "Calculon 0.95"
+"""The GEMM efficiency readings of the honest answer: the spec's matrix curve (Hopper: topped at the H200-measured
+0.80, gpu.md §3) or Calculon's A100-tuned curve topped at 0.95 (hardware.CALCULON_MATRIX): sensitivity finds GEMM
+efficiency among the inputs that move the overhead most, so the span carries both readings."""
+
+
 @dataclass
 class Variant:
     """One stated assumption set of the honest answer."""
@@ -102,6 +113,7 @@ class Variant:
     fb_pct: float | None
     mhc_kernels: str = MEMORY_CURVE  # the efficiency of the mHC kernels' HBM traffic: MEMORY_CURVE or CUTILE
     dispatcher: str = "DeepEP"  # how an EP group over nodes sends tokens (pricing.Options.dispatcher)
+    gemm: str = SPEC_GEMM  # the GEMM efficiency curve: the spec's (SPEC_GEMM) or Calculon's (CALCULON_GEMM)
 
     @property
     def gap_pp(self) -> float | None:
@@ -197,8 +209,27 @@ def ladder_steps(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec,
 
 
 def _predict(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: Options,
-             profile_pricing: ProfilePricing | None) -> Prediction:
-    return predict(cfg, hw, spec, options, ladder=False, profile_pricing=profile_pricing)
+             profile_pricing: ProfilePricing | None, ladder: bool = False) -> Prediction:
+    return predict(cfg, hw, spec, options, ladder=ladder, profile_pricing=profile_pricing)
+
+
+MECHANISMS = (("fused kernels", 1, 0), ("recompute", 2, 1), ("pair overlap", 4, 3), ("hp stream", 5, 4))
+"""The mechanisms per pair kind: (name, rung, the rung before it), the overhead change between them."""
+
+
+def pairs_by_rung(ex: "Explanation") -> list[dict[str, Any]]:
+    """Per pair kind of the last rung: its alone overhead at every rung and each mechanism's change (pp)."""
+    out = []
+    for p in ex.rungs[-1].summary["fb_pairs"]:
+        key = (p["f_stage"], p["b_stage"])
+        pct = []
+        for r in ex.rungs:
+            row = next((q for q in r.summary["fb_pairs"] if (q["f_stage"], q["b_stage"]) == key), None)
+            pct.append(None if row is None else row["alone_pct"])
+        mech = {name: (pct[a] - pct[b] if a < len(pct) and pct[a] is not None and pct[b] is not None else None)
+                for name, a, b in MECHANISMS}
+        out.append({"pair": f"{key[0]}/{key[1]}", "count": p["count"], "alone_pct_by_rung": pct, "mechanisms_pp": mech})
+    return out
 
 
 def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
@@ -206,7 +237,8 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
     """The paper's setting under each stated assumption set, every mechanism on (the caller's options): per
     hardware, both EP placements x both sigmas with the mHC kernels on the memory curve, then the caller's
     placement at sigma 0 with them at CUTILE_MHC_EFF, then each placement over nodes at sigma 0 with the other
-    dispatcher (an NCCL all-to-all, every token copy on the network, against DeepEP's once per node)."""
+    dispatcher (an NCCL all-to-all, every token copy on the network, against DeepEP's once per node), then the
+    caller's placement at sigma 0 with GEMMs on Calculon's curve (CALCULON_GEMM) where the spec's differs."""
     out = []
     for name in HONEST_HARDWARE:
         hw = get_hardware(name)
@@ -218,11 +250,15 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
         runs = [r + (options.dispatcher,) for r in runs]
         other = "alltoall" if options.dispatcher == "deepep" else "deepep"
         runs += [(hw, per_node, words, 0.0, own, other) for per_node, words in layouts if "nodes" in words]
-        for h, per_node, words, sigma, kernels, disp in runs:
+        runs = [r + (SPEC_GEMM,) for r in runs]
+        if hw.matrix_eff != CALCULON_MATRIX:
+            runs.append((hw.model_copy(update={"matrix_eff": CALCULON_MATRIX}), *layouts[0], 0.0, own,
+                         options.dispatcher, CALCULON_GEMM))
+        for h, per_node, words, sigma, kernels, disp, gemm in runs:
             o = dataclasses.replace(options, ep_per_node=per_node, sigma=sigma, dispatcher=disp)
             s = _predict(cfg, h, spec, o, profile_pricing).summary
             out.append(Variant(name, words, sigma, s["step_overhead_pct"], s["fb_stage_overhead_pct"], kernels,
-                               DISPATCHER_WORDS[disp]))
+                               DISPATCHER_WORDS[disp], gemm))
     return out
 
 
@@ -233,8 +269,8 @@ def explain(cfg: RunConfig, hw: HardwareSpec, spec: ResidualSpec, options: Optio
                          "use --variant mhc (or --n 4)")
     steps, note = ladder_steps(cfg, hw, spec, options)
     rungs: list[Rung] = []
-    for name, change, s, o in steps:
-        pred = _predict(cfg, hw, s, o, profile_pricing)
+    for i, (name, change, s, o) in enumerate(steps):
+        pred = _predict(cfg, hw, s, o, profile_pricing, ladder=i == len(steps) - 1)  # the last: predict itself
         same = bool(rungs) and rungs[-1].spec == s and rungs[-1].options == o
         rungs.append(Rung(name, change, s, o, same, pred.summary,
                           anatomy(pred.pricers["mhc"], pred.mhc, pred.schedule),
@@ -288,6 +324,24 @@ def format_explain(ex: Explanation) -> str:
             lines.append(f"  {str(p['f_stage']) + '/' + str(p['b_stage']):<8}{p['count']:>6}"
                          f"{_ms(al['baseline']) + ' -> ' + _ms(al['mhc']):>18}{_pct(p['alone_pct']):>9}"
                          f"{_ms(ar['baseline']) + ' -> ' + _ms(ar['mhc']):>18}{_pct(p['as_run_pct']):>9}")
+    by_pair = pairs_by_rung(ex)
+    if by_pair:
+        names = [m[0] for m in MECHANISMS]
+        lines += ["", "  where each mechanism pays, per pair kind: the pair's mHC overhead priced alone at every rung, "
+                  "then each mechanism's change (pp of the pair's own baseline)",
+                  f"  {'pair':<8}{'runs':>6}" + "".join(f"{'r' + str(i):>8}" for i in range(len(ex.rungs)))
+                  + "".join(f"{n:>15}" for n in names)]
+        def cell(v: float | None, fmt: str, width: int) -> str:
+            return f"{'n/a' if v is None else format(v, fmt):>{width}}"
+
+        for row in by_pair:
+            lines.append(f"  {row['pair']:<8}{row['count']:>6}"
+                         + "".join(cell(v, '.2f', 7) + "%" for v in row["alone_pct_by_rung"])
+                         + "".join(cell(row["mechanisms_pp"][n], "+.2f", 15) for n in names))
+    b = final.summary["breakdown_pp"]
+    lines += ["", f"  the headline's {final.step_pct:.2f}% of the step, split as `predict` splits it: kernel traffic "
+              f"{b['kernel_traffic']:+.2f} + recompute {b['recompute']:+.2f} + n-fold boundary traffic "
+              f"{b['exposed_comm']:+.2f} + gradient sync {b['gradient_sync']:+.2f} pp"]
     lines += ["", "  what each rung changes (mHC; baseline in brackets):"]
     for i, r in enumerate(ex.rungs):
         m, b, it = r.mhc, r.baseline, r.summary["iteration_us"]
@@ -302,12 +356,12 @@ def format_explain(ex: Explanation) -> str:
     if ex.variants:
         lines += ["", f"  honest answer: the paper's {PAPER_PCT}% is of the overlapped F&B stage, hardware and layout "
                   "unpublished; every mechanism on, nothing fitted. Each stated assumption set:",
-                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'dispatch':>11}{'F&B stage':>11}"
-                  f"{'step':>9}{'vs ' + str(PAPER_PCT) + '%':>10}"]
+                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'dispatch':>11}{'GEMMs':>15}"
+                  f"{'F&B stage':>11}{'step':>9}{'vs ' + str(PAPER_PCT) + '%':>10}"]
         for v in ex.variants:
             gap = "n/a" if v.gap_pp is None else f"{v.gap_pp:+.2f} pp"
             lines.append(f"  {v.hardware:<9}{v.ep_layout:<34}{v.sigma:>6.2f}{v.mhc_kernels:>14}{v.dispatcher:>11}"
-                         f"{_pct(v.fb_pct):>11}{_pct(v.step_pct):>9}{gap:>10}")
+                         f"{v.gemm:>15}{_pct(v.fb_pct):>11}{_pct(v.step_pct):>9}{gap:>10}")
         lines.append("  " + honest_verdict(ex.variants))
         for d in discriminators(ex.variants):
             lines.append(f"    {d.assumption}: {d.mean_pp:.2f} pp between its readings ({d.pairs} pairs); "
@@ -327,6 +381,8 @@ ASSUMPTIONS = {
     "mhc_kernels": ("mHC kernels", "the fused mHC kernels' HBM bandwidth on the target GPU (bench/kernel_bench.py)"),
     "dispatcher": ("dispatcher", "which all-to-all the job runs: the inter-node bytes per token of a dispatch in a "
                    "trace (DeepEP's once per remote node, or every copy)"),
+    "gemm": ("GEMM efficiency", "the model's GEMMs' achieved TFLOP/s at its shapes on the target GPU (a trace's "
+             "GEMM kernels, or a cuBLAS benchmark)"),
 }
 """The honest answer's assumptions: Variant field -> (name, what to measure to tell its readings apart)."""
 
@@ -367,7 +423,7 @@ def honest_verdict(variants: list[Variant]) -> str:
     closest = min((v for v in variants if v.fb_pct is not None), key=lambda v: abs(v.gap_pp))
     return (f"the {len(variants)} assumption sets span {lo:.2f}-{hi:.2f}% of the F&B stage; the paper's {PAPER_PCT}% "
             f"lies {where} (closest: {closest.hardware}, {closest.ep_layout}, {closest.dispatcher}, "
-            f"sigma {closest.sigma:g}, "
+            f"GEMMs {closest.gemm}, sigma {closest.sigma:g}, "
             f"{closest.mhc_kernels}, {closest.gap_pp:+.2f} pp). What separates the sets, largest first:")
 
 
@@ -377,6 +433,8 @@ def to_json(ex: Explanation) -> dict[str, Any]:
         "paper_pct": PAPER_PCT,
         "measure": ex.measure, "denominator_us": ex.denominator_us,
         "fb_pairs": ex.rungs[-1].summary["fb_pairs"],
+        "pairs_by_rung": pairs_by_rung(ex),
+        "headline_breakdown_pp": ex.rungs[-1].summary["breakdown_pp"],
         "rungs": [{"name": r.name, "change": r.change, "residual": r.spec.label(),
                    "options": dataclasses.asdict(r.options), "same_as_previous": r.same_as_previous,
                    "added_us": ex.added_us(r), "share_of_last_baseline_pct": ex.share_pct(r),

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from costmodel.explain import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, Variant, discriminators, explain,
-                               honest_variants, honest_verdict, ladder_steps)
+from costmodel.explain import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MECHANISMS, MEMORY_CURVE, PAPER_PCT, SPEC_GEMM,
+                               Variant, discriminators, explain, format_explain, honest_variants, honest_verdict,
+                               ladder_steps, pairs_by_rung, to_json)
 from costmodel.hardware import get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict, residual_spec_of
@@ -58,6 +59,28 @@ def test_last_rung_is_the_plain_prediction(small_cfg, ex):
     # the ladder's last row, as printed, is predict's headline to 0.01 pp (its own share of its own baseline)
     assert abs(ex.share_pct(ex.rungs[-1]) - plain["fb_stage_overhead_pct"]) < 0.01
     assert abs(ex.step_share_pct(ex.rungs[-1]) - plain["step_overhead_pct"]) < 0.01
+    # one decomposition: the last rung's split of the step overhead is predict's own, term by term, and adds up
+    full = predict(small_cfg, H800, residual_spec_of(small_cfg), Options()).summary["breakdown_pp"]
+    assert last["breakdown_pp"] == full
+    assert abs(sum(full.values()) - plain["step_overhead_pct"]) < 1e-9
+    assert to_json(ex)["headline_breakdown_pp"] == full
+    assert f"split as `predict` splits it: kernel traffic {full['kernel_traffic']:+.2f}" in format_explain(ex)
+
+
+def test_each_mechanism_is_shown_where_it_pays_per_pair_kind(ex):
+    """Per pair kind, the alone overhead at every rung and each mechanism's change between its two rungs: fused
+    kernels cut every pair's overhead, recompute adds to it, and the last column is the last rung's pair table."""
+    rows = pairs_by_rung(ex)
+    last = {f"{p['f_stage']}/{p['b_stage']}": p for p in ex.rungs[-1].summary["fb_pairs"]}
+    assert rows and {r["pair"] for r in rows} == set(last)
+    for r in rows:
+        pct = r["alone_pct_by_rung"]
+        assert len(pct) == len(ex.rungs) and pct[-1] == last[r["pair"]]["alone_pct"]
+        for name, a, b in MECHANISMS:
+            assert r["mechanisms_pp"][name] == pytest.approx(pct[a] - pct[b], abs=1e-12)
+        assert r["mechanisms_pp"]["fused kernels"] < 0 < r["mechanisms_pp"]["recompute"]
+    text = format_explain(ex)
+    assert "where each mechanism pays, per pair kind" in text and "hp stream" in text
 
 
 def test_rungs_move_what_their_mechanism_moves(ex):
@@ -187,7 +210,14 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
     spec = residual_spec_of(small_cfg)
     vs = honest_variants(small_cfg, spec, Options())
     assert {(v.hardware, v.sigma) for v in vs} == {(h, s) for h in ("h800", "h200") for s in (0.0, 0.15)}
-    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 12
+    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 14
+    # GEMMs on Calculon's curve once per hardware, at the caller's placement: faster GEMMs, a larger share for mHC
+    for h in ("h800", "h200"):
+        calc = [v for v in vs if v.hardware == h and v.gemm == CALCULON_GEMM]
+        assert len(calc) == 1 and calc[0].sigma == 0 and calc[0].ep_layout == "EP 8 inside one node"
+        twin = next(v for v in vs if v.hardware == h and v.gemm == SPEC_GEMM and v.sigma == 0 and v.dispatcher ==
+                    "DeepEP" and v.ep_layout == calc[0].ep_layout and v.mhc_kernels == calc[0].mhc_kernels)
+        assert calc[0].fb_pct > twin.fb_pct
     # the placement over nodes once more with the other dispatcher: every token copy on the network costs more
     # network time than DeepEP's once per remote node (the pair's overlap decides what that does to the overhead)
     for h in ("h800", "h200"):
@@ -213,7 +243,7 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
         assert v.gap_pp == v.fb_pct - PAPER_PCT
     # every assumption of the sets separates some pair of them, and the answer says by how much
     assert {d.assumption for d in discriminators(vs)} == {"hardware", "EP layout", "sigma", "mHC kernels",
-                                                          "dispatcher"}
+                                                          "dispatcher", "GEMM efficiency"}
 
 
 def test_verdict_reports_the_span_and_what_separates_the_sets():
@@ -222,7 +252,7 @@ def test_verdict_reports_the_span_and_what_separates_the_sets():
             Variant("h200", "EP a", 0.0, 9.0, 5.5, CUTILE)]
     v = honest_verdict(sets)
     assert v.startswith("the 5 assumption sets span 5.00-10.00% of the F&B stage") and "lies inside it" in v
-    assert "closest: h200, EP a, DeepEP, sigma 0.15, memory curve, -0.70 pp" in v
+    assert "closest: h200, EP a, DeepEP, GEMMs spec curve, sigma 0.15, memory curve, -0.70 pp" in v
     assert "pp below it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 8.0)])
     assert "pp above it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 3.0)])
     d = {x.assumption: x for x in discriminators(sets)}
@@ -247,7 +277,7 @@ def test_cli_explain_writes_table_waterfall_and_json(tmp_path, capsys):
     assert "of the overlapped F&B stage" in out.splitlines()[1] and "honest answer" in out
     assert png.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 12
+    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 14
 
 
 def test_cli_report_errors_are_one_line(capsys):
