@@ -176,6 +176,8 @@ class HardwareSpec(BaseModel):
                           "compute on the other streams gets sms - comm_sms of them (DeepEP's default 20)")
     bandwidth_sm_share: float = Field(0.35, gt=0, le=1, description="share of the SMs a memory-bound kernel needs "
                                       "to draw its full HBM bandwidth (what it takes from a co-running GEMM)")
+    attention_bwd_factor: float = Field(2.5, gt=0, description="attention core backward FLOPs over its forward "
+                                        "(FlashAttention-2: five matmuls against two; costmodel/ops.py)")
     reserve: MemoryReserve = Field(default_factory=MemoryReserve, description="memory a GPU holds besides the "
                                    "run's tensors (costmodel/memory.py); unused on a CPU spec")
     host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")

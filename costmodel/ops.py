@@ -8,7 +8,8 @@ Conventions (costmodel.md §2.1):
   size: the input-grad (dgrad) belongs to I, the weight-grad (wgrad) to W.
 * Attention core (FlashAttention-style, causal): forward 2 * b * s^2 * q FLOPs (QK^T and PV, halved by the causal
   mask), backward 2.5x the forward (FlashAttention-2: five matmuls against two, one of them the recomputed
-  scores); bytes = reading q, k, v and writing o (forward), plus do, dq, dk, dv (backward). No T x T matrix.
+  scores; the spec's attention_bwd_factor, a sensitivity row); bytes = reading q, k, v and writing o (forward),
+  plus do, dq, dk, dv (backward). No T x T matrix.
 * SwiGLU: gate+up GEMM (C -> 2H), silu(g) * u elementwise, down GEMM (H -> C): 6 T C H FLOPs forward.
 * MoE (DeepSeek style): router GEMM C -> E, top-k, permute, expert-parallel dispatch (all-to-all when EP > 1),
   grouped expert GEMMs over T k token copies, combine, unpermute; shared experts are dense SwiGLUs that may run
@@ -107,6 +108,7 @@ class Shape:
     mla: tuple[int, int, int, int, int] | None = None  # (q_lora, kv_lora, rope, nope, v)
     fp8: bool = False
     mtp: int = 0
+    attn_bwd: float = 2.5  # attention core backward FLOPs over forward (HardwareSpec.attention_bwd_factor)
 
     @classmethod
     def of(cls, cfg: RunConfig) -> "Shape":
@@ -146,7 +148,7 @@ def attention(s: Shape) -> SubLayerWork:
            Kernel("attn.core", "matrix", core_f, io, dt),
            linear("attn.out", T, q, C, s)]
     w.I = [linear("attn.out.dgrad", T, C, q, s),
-           Kernel("attn.core.bwd", "matrix", 2.5 * core_f, 2 * io, dt),
+           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt),
            vec("attn.rope.bwd", d * 4 * T * q, 6 * T * q),
            linear("attn.qkv.dgrad", T, 3 * q, C, s),
            vec("attn.norm.bwd", d * 3 * T * C, 6 * T * C)]
@@ -175,7 +177,7 @@ def mla_attention(s: Shape) -> SubLayerWork:
            vec("attn.q_norm.recompute", d * 2 * T * ql, 4 * T * ql), replace(up[0], name="attn.q_b.recompute"),
            vec("attn.kv_norm.recompute", d * 2 * T * kvl, 4 * T * kvl), replace(up[1], name="attn.kv_b.recompute"),
            vec("attn.rope.recompute", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
-           Kernel("attn.core.bwd", "matrix", 2.5 * core_f, 2 * io, dt),
+           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt),
            vec("attn.rope.bwd", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
            linear("attn.kv_b.dgrad", T, h * (nope + v), kvl, s), vec("attn.kv_norm.bwd", d * 3 * T * kvl, 6 * T * kvl),
            linear("attn.kv_a.dgrad", T, kvl + rope, C, s),

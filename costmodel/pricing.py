@@ -146,7 +146,7 @@ class Pricer:
                  *, recompute: bool = True, boundary_width: int | None = None,
                  profile_pricing: ProfilePricing | None = None):
         self.cfg, self.hw, self.spec, self.layout, self.opt = cfg, hw, spec, layout, options
-        self.shape = Shape.of(cfg)
+        self.shape = replace(Shape.of(cfg), attn_bwd=hw.attention_bwd_factor)
         self.recompute = recompute and options.recompute
         self.width = spec.width if boundary_width is None else boundary_width
         self.sigma = hw.interference if options.sigma is None else options.sigma

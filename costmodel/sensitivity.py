@@ -21,7 +21,8 @@ Inputs and how each moves (X = the percentage, default 20):
 * The model's own constants (ASSUMED), each with its source: the HBM efficiency curve (its Hopper ceiling is the
   H200-measured copy, read across), the SM share a memory-bound kernel needs, the kernel launch gap, the
   all-to-all's SM carve-out and the InfiniBand efficiency and latency move -+X% (capped where a share tops at 1,
-  integers rounded), and so do the NVLink efficiency and latency, the Sinkhorn iterations t_max (integer) and the
+  integers rounded), and so do the NVLink efficiency and latency, the attention backward factor, the Sinkhorn
+  iterations t_max (integer) and the
   memory reserve's terms (CUDA context, NCCL and DeepEP buffers, fragmentation: they move memory, not time);
   sigma and the mHC kernels' efficiency are choices between two sourced readings, so they move
   to the other reading (SIGMA_ALT, CUTILE_MHC_EFF of explain.py) only. The caller's --sigma and --comm-sms become
@@ -48,6 +49,7 @@ MEASURED = ("HBM bandwidth TB/s", "inter-node bandwidth GB/s", "intra-node bandw
 CHOICES = ("EP", "M (micro-batches)", "C (hidden)")
 ASSUMED = ("HBM efficiency", "SM share of HBM-bound kernels", "kernel launch gap us", "all-to-all SMs",
            "IB efficiency", "IB latency us", "NVLink efficiency", "NVLink latency us", "Sinkhorn iterations",
+           "attention backward factor",
            "CUDA context GiB", "NCCL buffers GiB", "DeepEP buffers GB", "fragmentation share",
            "sigma (compute under A2A)", "mHC kernels at cuTile")
 
@@ -224,6 +226,9 @@ def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -
     scaled("NVLink latency us", hw.intra.latency_us,
            lambda v: hw.model_copy(update={"intra": hw.intra.model_copy(update={"latency_us": v})}),
            "Calculon's 1 us")
+    scaled("attention backward factor", hw.attention_bwd_factor,
+           lambda v: hw.model_copy(update={"attention_bwd_factor": v}),
+           "FlashAttention-2: five matmuls against two")
     t = cfg.model.residual.sinkhorn_iters
     sides = []
     for k in (1 - f, 1 + f):

@@ -113,3 +113,30 @@ def test_a_shorter_dispatch_never_slows_a_pair(gap, w, shrink):
              TimedOp("b.wgrad", "model", "compute", w, (-1,), deferrable=True)]
         return overlap([f, b], "streams").makespan
     assert pair(gap * shrink) <= pair(gap) * (1 + REL)
+
+
+@functools.lru_cache(maxsize=None)
+def _v3_small():
+    """deepseek-v3 (MLA, FP8 with its quantisation passes, node-limited routing over 8 nodes, the NIC shared by P2P
+    and all-to-all, MTP) with 32 micro-batches per replica, so that it simulates in about a second."""
+    return load_config("deepseek-v3", {"parallel": {"microbatches": 128 * 32}})
+
+
+@pytest.mark.parametrize("what", ["hbm", "intra", "inter", "launch"])
+def test_v3_scale_physics_is_monotone_too(what):
+    """The new physics at DeepSeek-V3 scale under the same rule: more of a resource, nothing slower."""
+    hw0 = get_hardware("h800")
+    cfg = _v3_small()
+
+    def times(f: float) -> dict:
+        hw, opts = _spec(hw0, what, f)
+        pred = predict(cfg, hw, residual_spec_of(cfg), opts, ladder=False)
+        out = {("step", n): pred.summary["iteration_us"][n] for n in ("baseline", "mhc")}
+        for n in ("baseline", "mhc"):
+            out.update({(n,) + k: r.makespan for k, r in pred.pricers[n].results.items() if k[0] == "FB"})
+        return out
+
+    for lo_f, hi_f in ((0.7, 1.0), (1.0, 1.6)):
+        lo, hi = times(lo_f), times(hi_f)
+        rises = {k: (lo[k], hi[k]) for k in hi if k in lo and hi[k] > lo[k] * (1 + REL)}
+        assert not rises, f"deepseek-v3: more {what} ({lo_f:g}x -> {hi_f:g}x) made these slower: {rises}"

@@ -188,3 +188,19 @@ def test_more_sinkhorn_iterations_never_cost_less(se):
     row = {r.name: r for r in se.rows}["Sinkhorn iterations"]
     assert (row.low.label, row.high.label) == ("16", "24")
     assert row.low.step_pct < se.base.step_pct < row.high.step_pct
+
+
+def test_attention_backward_factor_is_what_prices_the_core_backward(small_cfg, se):
+    """The spec's attention_bwd_factor sets the attention core's backward FLOPs (ops.attention); a heavier
+    backward makes every step longer, baseline and mHC alike, so mHC's share falls."""
+    spec = residual_spec_of(small_cfg)
+    cores = {}
+    for f in (2.5, 3.0):
+        pred = predict(small_cfg, H800.model_copy(update={"attention_bwd_factor": f}), spec, Options(), ladder=False)
+        kern = [k for k in pred.pricers["mhc"]._block(False)[0][0].I if k.name == "attn.core.bwd"]
+        fwd = [k for k in pred.pricers["mhc"]._block(False)[0][0].F if k.name == "attn.core"]
+        assert kern[0].flops == pytest.approx(f * fwd[0].flops, rel=1e-12)
+        cores[f] = pred.summary["iteration_us"]["baseline"]
+    assert cores[3.0] > cores[2.5]
+    row = {r.name: r for r in se.rows}["attention backward factor"]
+    assert row.high.fb_pct < se.base.fb_pct < row.low.fb_pct
