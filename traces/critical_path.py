@@ -68,6 +68,7 @@ class CriticalPath:
     t0_us: float = 0.0  # the step's start on the trace's time axis (PathStep.start_us counts from here)
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    scope: str = ""  # which pipeline of a data-parallel run the path runs through (traces/replicas.py)
     wire_us: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, max_slack: int | None = None) -> dict[str, Any]:
@@ -83,7 +84,7 @@ class CriticalPath:
             "gaps_by_rank": {str(k): v for k, v in self.gaps_by_rank.items()},
             "path": [{k: v for k, v in vars(p).items() if k != "spans"} for p in self.path],
             "slack": sl if max_slack is None else sl[:max_slack],
-            "violations": self.violations, "notes": self.notes, "p2p_wire_us": self.wire_us,
+            "violations": self.violations, "notes": self.notes, "p2p_wire_us": self.wire_us, "scope": self.scope,
         }
 
 
@@ -91,7 +92,12 @@ def critical_path(trace: Trace, schedule: Any = None, step: int | None = None) -
     """The critical path of one step of `trace`. `schedule`: optionally the lowered schedules.Schedule the trace
     ran (exact receive posts for predicted traces); `step`: default the step with the median makespan."""
     g = build_span_graph(trace, step=step, schedule=schedule)
-    return from_timing(replay(g), steps=int(g.trace.meta.get("steps", 1)))
+    cp = from_timing(replay(g), steps=int(g.trace.meta.get("steps", 1)))
+    ranks = g.trace.meta.get("global_ranks")
+    if ranks:  # a data-parallel run: the slowest replica's pipeline, its ranks numbered within the pipeline
+        cp.scope = (f"data-parallel replica {g.trace.meta['replica']} (the slowest), pipeline ranks "
+                    + ", ".join(f"{p} = global {r}" for p, r in sorted(ranks.items())))
+    return cp
 
 
 def from_timing(tm: Timing, steps: int = 1, chain: Chain | None = None,

@@ -100,12 +100,37 @@ def _rank_from_file_name(trace: Trace, path: Path) -> None:
     trace.meta["rank_source"] = f"file name {path.name}"
 
 
+MERGED_NAME = "trace.json"  # what a run's --trace-dir holds besides its rank<N>.json: all ranks merged
+
+
 def load_folder(folder: Path) -> Trace:
+    """A run folder whatever else it holds: the run's merged trace.json when it is ours (its rank<N>.json are the
+    same spans), else every trace file merged by rank. JSON files of another kind (a run's
+    diagnostics_rank<N>.json, a Flight Recorder ledger) are skipped and listed in meta["skipped"]; a file named
+    like a rank's trace that is not one is an error, not a rank silently dropped."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(TRACE_SUFFIXES))
-    if not files:
-        raise TraceError(f"{folder}: no trace files (*.json, *.json.gz, *.sqlite, *.csv[.xz]) in this folder")
-    traces = [load_trace(p) for p in files]
-    return merge_ranks(traces, [p.name for p in files], str(folder))
+    merged = folder / MERGED_NAME
+    if merged in files and sniff(merged) == "json":
+        data = read_json(merged)
+        if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
+            trace = Trace.from_dict(data, source=str(merged))
+            trace.meta["skipped"] = [p.name for p in files if p != merged]
+            return trace
+    traces, names, skipped = [], [], []
+    for p in files:
+        try:
+            traces.append(load_trace(p))
+            names.append(p.name)
+        except TraceError as err:
+            if "JSON of unknown shape" not in str(err) or _RANK_IN_NAME.fullmatch(p.name.split(".")[0]):
+                raise
+            skipped.append(p.name)
+    if not traces:
+        extra = f" ({', '.join(skipped)} are not traces)" if skipped else ""
+        raise TraceError(f"{folder}: no trace files (*.json, *.json.gz, *.sqlite, *.csv[.xz]) in this folder{extra}")
+    trace = merge_ranks(traces, names, str(folder))
+    trace.meta["skipped"] = skipped
+    return trace
 
 
 def merge_ranks(traces: list[Trace], names: list[str], source: str) -> Trace:

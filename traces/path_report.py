@@ -32,7 +32,9 @@ def path_sections(cp: dict[str, Any], title: str = "Critical path", max_rows: in
             ["waits' own time on the path", _f(cp["wait_us"]), _pct(cp["wait_us"], mk)],
             ["mHC kernel parts (coef, sinkhorn, pre, post_res) inside the path's ops", _f(mhc), _pct(mhc, mk)],
             ["ops on the path", str(len(cp["path"])), ""]]
-    out: list[Section] = [(f"{title} (step {cp['step']} of {cp['steps']}, us)", ["", "us", "% of makespan"], head)]
+    scope = f"; {cp['scope']}" if cp.get("scope") else ""
+    out: list[Section] = [(f"{title} (step {cp['step']} of {cp['steps']}, us{scope})", ["", "us", "% of makespan"],
+                           head)]
     rows = []
     for dim, key in (("kind", "by_kind"), ("rank", "by_rank"), ("stream", "by_stream"), ("phase", "by_phase")):
         for k, v in sorted(cp[key].items(), key=lambda kv: -kv[1]):

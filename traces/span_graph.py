@@ -30,6 +30,7 @@ from typing import Any
 import networkx as nx
 
 from traces.receive_wait import POST_TO_COMPLETION, comm_span_meaning
+from traces.replicas import one_replica
 from traces.span_nodes import Node, add_parts, comm_name, compute_roles, is_collective, op_of, wait_target
 from traces.stage_chains import channel_order, neighbours, receive_posts, stage_chains
 from traces.step_select import step_trace
@@ -66,6 +67,7 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     """The graph of `step` of `trace` (default: the step with the median makespan). `schedule`: optionally the
     lowered `schedules.Schedule` the trace ran, for exact receive posts and channel orders (traces never imports
     schedules; the caller passes it)."""
+    trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/replicas.py)
     k, st = step_trace(trace, step)
     spans = st.spans
     sched = [s for s in spans if s.stage is not None]

@@ -128,14 +128,9 @@ def _fifo_arrivals(spans: list[Span], rows, arrivals: list[float]) -> None:
 
 
 def peer_rank(trace: Trace) -> Callable[[Span], int | None]:
-    """The global rank of a P2P span's peer. The runtime records the peer's rank in the pipeline group; with data
-    parallelism (meta layout dp > 1) global rank = pipeline rank * dp + replica (pipeline/distributed/layout.py), and
-    both ends of a message are the same replica."""
-    layout = trace.meta.get("layout") if isinstance(trace.meta.get("layout"), dict) else {}
-    dp = layout.get("dp", 1)
-    if not isinstance(dp, int) or dp <= 1:
-        return lambda s: s.peer
-    return lambda s: None if s.peer is None else s.peer * dp + s.rank % dp
+    """The global rank of a P2P span's peer: the runtime records it as such (the lowered program's peer, a global
+    rank also under data parallelism; runs/x of a pp=2 x dp=2 run: rank 3 receives from rank 1)."""
+    return lambda s: s.peer
 
 
 def _wait_for(spans: list[Span], cands, posted_at: float, done_at: float, tol: float) -> int | None:

@@ -159,18 +159,29 @@ def _staged_worker(rank, world, cfgs):
 
 
 @pytest.mark.timeout(300)
-def test_expert_and_data_parallel_layout_prints_the_single_process_losses():
+def test_expert_and_data_parallel_layout_prints_the_single_process_losses(tmp_path):
     """`--pp 2 --dp 2 --ep 2` on the tiny-moe preset: the same config and global batch as one process, so the same
     losses (tiny-moe runs in float64, where the order of sums moves a loss by ~1e-15, far below the 6 printed
-    decimals)."""
+    decimals). Its trace folder, diagnostics included, reads back: the critical path runs through one replica's
+    pipeline, its P2P between the replica's own ranks (issue 34: it failed on "rank 3 never produced F/s0")."""
     from configs import load_config
     from pipeline.single_process import train_single_process
+    from traces.critical_path import critical_path
+    from traces.io import load_trace
 
-    out = _mhcpipe("run", "--config", "tiny-moe", "--steps", "2", "--pp", "2", "--dp", "2", "--ep", "2")
+    out = _mhcpipe("run", "--config", "tiny-moe", "--steps", "2", "--pp", "2", "--dp", "2", "--ep", "2",
+                   "--trace-dir", str(tmp_path), "--diagnostics-every", "1")
     assert out.returncode == 0, _why(out)
     printed = re.findall(r"loss (\S+)", out.stdout)
     want, _, _ = train_single_process(load_config("tiny-moe", {"train": {"steps": 2}}), steps=2)
     assert printed == [f"{v:.6f}" for v in want], (printed, want)
+    trace = load_trace(tmp_path)
+    assert "diagnostics_rank0.json" in trace.meta["skipped"] and trace.ranks == [0, 1, 2, 3]
+    cp = critical_path(trace)
+    assert cp.scope.startswith("data-parallel replica ") and cp.length_us > 0
+    # every message found its other end inside the replica (the old reading sent rank 3's receives to itself)
+    assert [n for n in cp.notes if "no RECV" in n or "not in the trace" in n] == []
+    assert {p.rank for p in cp.path} == {0, 1}
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from traces.critical_path import critical_path
+from traces.replicas import one_replica
 from traces.span_graph import build_span_graph
 from traces.trace import Span, Trace
 from traces.whatif import whatif
@@ -73,16 +74,22 @@ def test_waits_inside_an_op_are_its_part_and_scale_with_comm():
     assert whatif(t, {"comm": 0.0}).step_us == pytest.approx(t.makespan() - 3.0)
 
 
-def test_peers_are_pipeline_ranks_under_data_parallelism():
-    """pp=2 x dp=2: global rank = pipeline rank * 2 + replica; each replica sends to its own counterpart."""
+def test_data_parallel_runs_are_read_one_pipeline_at_a_time():
+    """pp=2 x dp=2: global rank = pipeline rank * 2 + replica, peers recorded as global ranks (as the runtime
+    writes them). Stage names repeat in both replicas, so the graph reads one pipeline: the slowest replica's,
+    its ranks renumbered to pipeline ranks, and the critical path says which global ranks those are."""
     spans = []
     for rep in (0, 1):
         spans += [Span(rep, "compute", "F", 0, 0, 0.0, 5.0 + rep),
-                  Span(rep, "comm", "SEND_F", 0, 0, 5.0 + rep, 1.0, peer=1),
-                  Span(2 + rep, "comm", "RECV_F", 0, 0, 5.0 + rep, 1.0, peer=0),
+                  Span(rep, "comm", "SEND_F", 0, 0, 5.0 + rep, 1.0, peer=2 + rep),
+                  Span(2 + rep, "comm", "RECV_F", 0, 0, 5.0 + rep, 1.0, peer=rep),
                   Span(2 + rep, "compute", "F", 1, 0, 6.0 + rep, 3.0)]
     t = Trace(spans, {**META, "p2p_completion": "stamped", "layout": {"pp": 2, "dp": 2},
                       "schedule": {"kind": "1f1b", "ranks": 2, "microbatches": 2}})
     g = build_span_graph(t)
-    assert sorted(n.label for n in g.nodes if n.kind == "P2P") == ["P2P_F/s0/mb0 r0->r2", "P2P_F/s0/mb0 r1->r3"]
-    assert [p.label for p in critical_path(t).path] == ["F/s0/mb0", "P2P_F/s0/mb0 r1->r3", "F/s1/mb0"]
+    assert sorted(n.label for n in g.nodes if n.kind == "P2P") == ["P2P_F/s0/mb0 r0->r1"]
+    cp = critical_path(t)
+    assert [p.label for p in cp.path] == ["F/s0/mb0", "P2P_F/s0/mb0 r0->r1", "F/s1/mb0"]
+    assert cp.makespan_us == pytest.approx(10.0)  # replica 1 (starts its P2P at 6, ends at 10), not replica 0
+    assert cp.scope == "data-parallel replica 1 (the slowest), pipeline ranks 0 = global 1, 1 = global 3"
+    assert one_replica(t, 0).meta["global_ranks"] == {0: 0, 1: 2}
