@@ -28,9 +28,21 @@ from traces.trace import Trace
 from traces.whatif import SCALE_HELP, parse_scales, whatif
 
 
+DESCRIPTIONS = {
+    "critical-path": "The chain of ops and transfers that sets one step's time, across ranks: where its time goes, "
+                     "the gaps, the slack of every op.\n\nexample:\n  mhcpipe critical-path runs/x --markdown "
+                     "path.md",
+    "whatif": "Replay a measured trace with some ops faster or slower and predict the step.\n\nexample:\n  mhcpipe "
+              "whatif runs/x --scale comm=0.5 --scale mhc=0 [--baseline runs/base]",
+    "overlap": "How much of each rank's communication runs under its compute, per rank, stream and op.\n\n"
+               "example:\n  mhcpipe overlap runs/x --json overlap.json",
+}
+
+
 def register(subparsers) -> None:
     c = subparsers.add_parser("critical-path", help="the chain of ops and transfers that sets a step's time, "
-                              "across ranks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              "across ranks", description=DESCRIPTIONS["critical-path"],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(c)
     c.add_argument("--step", type=int, default=None, help="step to analyse (default: the one with the median "
                    "makespan; counted from 0 after the dropped warm-up step)")
@@ -39,8 +51,8 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_critical_path)
 
     w = subparsers.add_parser("whatif", help="replay a measured trace with some ops faster or slower",
-                              description=__doc__ + "\nKINDS for --scale (factor >= 0; 0 removes the time):\n"
-                              + SCALE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTIONS["whatif"] + "\n\nKINDS for --scale (factor >= 0; 0 removes "
+                              "the time):\n" + SCALE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(w)
     w.add_argument("--scale", action="append", default=[], metavar="KIND=FACTOR", required=True,
                    help="scale the time of KIND by FACTOR (repeat for several kinds); KIND as listed above")
@@ -49,7 +61,8 @@ def register(subparsers) -> None:
     w.set_defaults(func=run_whatif)
 
     o = subparsers.add_parser("overlap", help="communication under compute per rank and stream (ours, nsys, "
-                              "Kineto)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              "Kineto)", description=DESCRIPTIONS["overlap"],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     o.add_argument("trace", help="trace file or folder of per-rank files")
     o.add_argument("--json", dest="json_out", help="write the result as JSON here")
     o.add_argument("--rank", type=int, default=None, help="rank of a single-process file without rank info")

@@ -16,6 +16,7 @@ import argparse
 import math
 from pathlib import Path
 
+from configs import presets
 from costmodel.hardware import hardware_names
 from costmodel.local.host_pricing import HostPricing
 
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset",
-                     help="config preset in configs/ (tiny, paper-3b, paper-9b, paper-27b, v4-flash, v4-pro)")
+                     help=f"config preset in configs/ ({', '.join(presets())})")
     src.add_argument("--config", help="path to a RunConfig YAML")
     p.add_argument("--hardware", default="h800", help=f"one of {', '.join(hardware_names())}, or a profile .json")
     p.add_argument("--pp", type=int, help="pipeline ranks P")
@@ -107,10 +108,7 @@ def load(args: argparse.Namespace):
     source = args.config or args.preset
     if source is None:
         raise ValueError("give --preset NAME or --config FILE.yaml")
-    try:
-        return load_config(source, _overrides(args))
-    except ValueError as err:  # the layout rules speak of the pipeline CLI's --ranks; here it is --pp
-        raise ValueError(str(err).replace("--ranks", "--pp")) from None
+    return load_config(source, _overrides(args))
 
 
 # --sweep keys: what each moves, its unit, and whether its values are integers
@@ -228,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
     _check_output("--json", args.json, ".json")
     _check_output("--trace-out", args.trace_out, ".json")
     _check_output("-o/--output", args.output, ".png")
+    for flag, v in (("--n", args.n), ("--k", args.k)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} {v}: {'residual streams' if flag == '--n' else 'active streams'} must be >= 1")
     cfg = load(args)
     hw = get_hardware(args.hardware)
     if args.comm_sms is not None and not 0 <= args.comm_sms < hw.sms:

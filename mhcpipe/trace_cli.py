@@ -23,6 +23,7 @@ from traces.chrome import chrome_to_traces, is_predicted, validate_chrome, to_ch
 from traces.compare import compare
 from traces.io import load_trace, sniff
 from traces.kineto import is_kineto, read_json
+from traces.matching import drop_warmup_step
 from traces.path_marks import chrome_path_events, paths_for
 from traces.report import to_markdown, to_text, write_json, write_markdown
 from traces.trace import FORMAT_NAME, Trace, TraceError
@@ -32,7 +33,10 @@ VIEW_SUFFIXES = (".png", ".svg", ".html", ".json")
 
 def register(subparsers) -> None:
     v = subparsers.add_parser("view", help="draw a trace (and its prediction): png, svg, html or Perfetto json",
-                              description=__doc__)
+                              description="Draw a trace (a run folder, a file, a prediction) with its critical path "
+                              "outlined: png, svg, html or Perfetto json.\n\nexample:\n  mhcpipe view runs/x -o "
+                              "runs/x/schedule.png [--predicted pred.json]",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("trace", help="measured (or any) trace file, or a folder of per-rank files")
     v.add_argument("--predicted", help="predicted trace drawn above the measured one, on the same time axis")
     v.add_argument("-o", "--output", required=True, help="output file: .png, .svg, .html or .json (Perfetto)")
@@ -45,7 +49,10 @@ def register(subparsers) -> None:
     v.set_defaults(func=run_view)
 
     c = subparsers.add_parser("compare", help="predicted vs measured: per-op error, makespan, bubbles, overhead",
-                              description=__doc__)
+                              description="Predicted against measured: per-op error, makespan, bubbles, both critical "
+                              "paths and, with the baseline pair, mHC's overhead along them.\n\nexample:\n  mhcpipe "
+                              "compare pred.json runs/x --baseline-pred base_pred.json --baseline-meas runs/base",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("pred", help="predicted trace")
     c.add_argument("meas", help="measured trace (file or folder of per-rank files)")
     c.add_argument("--baseline-pred", help="predicted trace of the baseline (no mHC) run")
@@ -54,6 +61,8 @@ def register(subparsers) -> None:
     c.add_argument("--markdown", dest="md_out", help="write the comparison as Markdown here")
     c.add_argument("--plot", dest="plot_out", help="write the mHC overhead breakdown chart here (.png/.svg; needs "
                                                    "the baseline pair)")
+    c.add_argument("--keep-warmup", action="store_true", help="compare every measured step, the first (warm-up) "
+                   "included; default: it is dropped, as critical-path, whatif and the demo's report drop it")
     c.set_defaults(func=run_compare)
 
 
@@ -126,11 +135,20 @@ def run_compare(args: argparse.Namespace) -> int:
     if bool(args.baseline_pred) != bool(args.baseline_meas):
         raise TraceError("--baseline-pred and --baseline-meas go together: give both (the baseline run's "
                          "prediction and measurement) or neither")
+    if args.plot_out and not args.baseline_pred:  # before any output: the chart is mHC's overhead over a baseline
+        raise TraceError("--plot draws mHC's overhead against a baseline: add --baseline-pred and --baseline-meas "
+                         "(the baseline run's prediction and measurement), or drop --plot")
+    def measured(path: str) -> Trace:  # one reading of "the step" everywhere: the warm-up step dropped
+        t = load_trace(path, which="measured")
+        if t.meta.get("source") not in ("predicted", "simulated") and not args.keep_warmup:
+            t = drop_warmup_step(t)
+        return t
+
     pred = load_trace(args.pred, which="predicted")
-    meas = load_trace(args.meas, which="measured")
+    meas = measured(args.meas)
     baseline = None
     if args.baseline_pred:
-        baseline = (load_trace(args.baseline_pred, which="predicted"), load_trace(args.baseline_meas, which="measured"))
+        baseline = (load_trace(args.baseline_pred, which="predicted"), measured(args.baseline_meas))
     comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
     sys.stdout.write(to_text(comp))
     sys.stdout.write("\n" + path_report.to_text(path_report.compare_sections(comp.critical_path)))

@@ -21,7 +21,7 @@ def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     require_counts("dualpipe", num_ranks, num_microbatches)
     P, M = num_ranks, num_microbatches
     require(P % 2 == 0, "dualpipe", f"needs an even number of ranks (got P={P})",
-            "use an even --ranks, or dualpipev for any P")
+            "use an even number of pipeline ranks, or dualpipev for any P")
     require(M % 2 == 0, "dualpipe", f"needs an even number of micro-batches, half per direction (got M={M})",
             f"use M={M + 1}")
     require(M >= 2 * P, "dualpipe", f"needs microbatches >= 2 x ranks (got M={M} < 2P={2 * P})",

@@ -31,9 +31,13 @@ GPU_OPS = ("kernel", "memcpy", "memset")
 
 @dataclass
 class Share:
+    """comm_us sums the spans' durations (concurrent ones each count: the share's denominator); wall_us, set per
+    rank, is the time at least one of them was in flight (their union), which a timeline shows."""
+
     spans: int = 0
     comm_us: float = 0.0
     overlapped_us: float = 0.0
+    wall_us: float | None = None
 
     @property
     def overlap_pct(self) -> float | None:
@@ -145,6 +149,7 @@ def overlap_stats(trace: Trace) -> OverlapStats:
         union = _minus(_union([(s.start, s.end) for s in comp]), _union([(s.start, s.end) for s in blocked]))
         starts = [a for a, _ in union]
         tot = per_rank[r] = Share()
+        tot.wall_us = sum(b - a for a, b in _union([(s.start, s.end) for s in comm]))
         for s in comm:
             ov = _covered(union, starts, s.start, s.end)
             tot.add(s.duration, ov)

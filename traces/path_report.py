@@ -96,6 +96,11 @@ def whatif_sections(w: dict[str, Any]) -> list[Section]:
             ["replayed as recorded", f"{_f(w['replay_step_us'])} (max error {w['reproduction_error_pct']:.2g}%)"],
             [f"predicted with {scales}", f"{_f(w['step_us'])} ({_f(w['change_pct'], 2)}%)"],
             ["mhc means", w["mhc_source"]]]
+    if w.get("baseline_step_us") is not None:
+        bs, ms = w["baseline_step_us"], w["measured_step_us"]
+        rows.insert(1, ["baseline's measured step (--baseline, median over its steps)",
+                        f"{_f(bs)} (the mHC run {_f(100 * (ms / bs - 1), 2)}% slower; predicted "
+                        f"{_f(100 * (w['step_us'] / bs - 1), 2)}%)"])
     out: list[Section] = [("What-if replay (us per step)", ["", ""], rows)]
     b, a = w["critical_path_before"], w["critical_path_after"]
     rows = [["length", _f(b["length_us"]), _f(a["length_us"])], ["gaps", _f(b["gaps_us"]), _f(a["gaps_us"])],
@@ -108,12 +113,14 @@ def whatif_sections(w: dict[str, Any]) -> list[Section]:
 
 
 def overlap_sections(o: dict[str, Any]) -> list[Section]:
-    rows = [[r, o["basis"][r], str(s["spans"]), _f(s["comm_us"]), _f(s["overlapped_us"]), _f(s["overlap_pct"])]
-            for r, s in o["per_rank"].items()]
+    rows = [[r, o["basis"][r], str(s["spans"]), _f(s.get("wall_us")), _f(s["comm_us"]), _f(s["overlapped_us"]),
+             _f(s["overlap_pct"])] for r, s in o["per_rank"].items()]
     out: list[Section] = [("Communication under compute per rank (share of each comm span's time with compute "
-                           "running on its rank)", ["rank", "comm = ", "spans", "comm us", "under compute us", "%"],
-                           rows)]
-    out.append(("Per rank and stream", ["rank", "stream", "spans", "comm us", "under compute us", "%"],
+                           "running on its rank; comm in flight = wall time with at least one comm span open, span "
+                           "time = their durations summed, concurrent spans each counted)",
+                           ["rank", "comm spans are", "spans", "in flight us", "span time us", "under compute us",
+                            "%"], rows)]
+    out.append(("Per rank and stream", ["rank", "stream", "spans", "span time us", "under compute us", "%"],
                 [[str(d["rank"]), d["stream"], str(d["spans"]), _f(d["comm_us"]), _f(d["overlapped_us"]),
                   _f(d["overlap_pct"])] for d in o["per_stream"]]))
     un = [[r, k, str(int(v["count"])), _f(v["us"])] for r, u in o["unmatched"].items() for k, v in list(u.items())[:8]]

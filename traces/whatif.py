@@ -81,9 +81,11 @@ class WhatIf:
     before: CriticalPath  # the median step's critical path, recorded and after scaling
     after: CriticalPath
     notes: list[str] = field(default_factory=list)
+    baseline_step_us: float | None = None  # --baseline: its recorded step (median over its steps), same reading
 
     def to_dict(self) -> dict[str, Any]:
         return {"scales": self.scales, "step_us": self.step_us, "measured_step_us": self.measured_step_us,
+                "baseline_step_us": self.baseline_step_us,
                 "replay_step_us": self.replay_step_us, "reproduction_error_pct": self.reproduction_error_pct,
                 "change_pct": 100.0 * (self.step_us / self.measured_step_us - 1) if self.measured_step_us else None,
                 "steps": self.steps, "mhc_source": self.mhc_source, "notes": self.notes,
@@ -114,9 +116,13 @@ def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None
     def med(key: str) -> float:
         return float(np.median([r[key] for r in rows]))
 
+    base_step = None
+    if baseline is not None:  # the baseline's own recorded step, read the same way (median over its steps)
+        base_step = float(np.median([build_span_graph(baseline, step=k, schedule=schedule).makespan
+                                     for k in steps_of(baseline).steps]))
     return WhatIf(scales=dict(scales), measured_step_us=med("measured_us"), replay_step_us=med("replay_us"),
                   step_us=med("predicted_us"), reproduction_error_pct=100.0 * err, steps=rows, mhc_source=source,
-                  **before_after)
+                  baseline_step_us=base_step, **before_after)
 
 
 def _recorded_source(parts: set[str]) -> str:

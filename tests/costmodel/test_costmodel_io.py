@@ -51,7 +51,7 @@ def test_cli_errors_are_one_line(capsys):
                         (["predict", "--preset", "paper-27b", "--microbatches", "32"], "at least 12"),
                         (["predict", "--preset", "paper-27b", "--pp", "8"], "--uneven"),
                         (["predict", "--preset", "paper-27b", "--variant", "xhc", "--n", "16"], "k"),
-                        (["predict", "--preset", "paper-27b", "--pp", "7"], "even --pp"),
+                        (["predict", "--preset", "paper-27b", "--pp", "7"], "even number of pipeline ranks"),
                         (["predict", "--preset", "tiny", "--ep", "8"], "no MoE"),
                         (["predict", "--preset", "tiny", "--sigma", "nan"], "--sigma"),
                         (["predict", "--preset", "tiny", "--sigma", "-1"], "--sigma"),

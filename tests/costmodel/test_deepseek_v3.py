@@ -150,6 +150,8 @@ def test_v3_prediction_prints_throughput_mfu_and_memory(v3, v3_pred, capsys):
      "parallel.expert_parallel=16 (--ep) must divide model.moe.num_experts=72"),
     (["--preset", "deepseek-v3", "--hardware", "a100"], "train.fp8: the a100 has no FP8 tensor-core rate"),
     (["--preset", "deepseek-v3", "--pp", "64"], "model.num_blocks=61 cannot fill 64 pipeline stages"),
+    (["--preset", "paper-27b", "--n", "0"], "--n 0: residual streams must be >= 1"),
+    (["--preset", "paper-27b", "--variant", "xhc", "--n", "16", "--k", "0"], "--k 0: active streams must be >= 1"),
 ])
 def test_bad_layouts_one_line_exit_2(argv, first, capsys):
     assert main(["predict", *argv]) == 2

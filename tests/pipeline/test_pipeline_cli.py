@@ -111,7 +111,9 @@ def test_run_trace_interleave_checkpoint_resume(tmp_path):
     (["run", "--config", "tiny-moe", "--pp", "1", "--dp", "3", "--ep", "3", "--microbatches", "12"],
      "must divide model.moe.num_experts"),
     (["run", "--config", "tiny", "--pp", "2", "--dp", "2", "--ep", "2"], "has no MoE"),
-    (["run", "--config", "tiny", "--schedule", "dualpipe", "--pp", "3"], "even number of ranks"),
+    (["run", "--config", "tiny", "--schedule", "dualpipe", "--pp", "3"], "use an even number of pipeline ranks"),
+    (["run", "--config", "deepseek-v3", "--pp", "16", "--dp", "1", "--ep", "1", "--microbatches", "32"],
+     "model.mla, model.mtp_depth, train.fp8"),
     (["run", "--config", "tiny-moe", "--pp", "2", "--dp", "3"], "parallel.microbatches=8 must be a multiple"),
     (["run", "--config", "tiny", "--dp", "0"], "--dp 0"),
 ])

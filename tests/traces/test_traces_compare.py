@@ -259,3 +259,11 @@ def test_simulated_dualpipev_from_schedules_round_trips_and_matches_itself():
     fb = next(k for k in c.kinds if k.kind == "FB")
     assert fb.pred_mean_us == 28 and fb.meas_mean_us == pytest.approx(28 + 2.8 / fb.n)  # F + I + W, one 10 % slower
     assert all(k.median_abs_pct == 0 for k in c.kinds) and c.makespan_err_pct <= 0
+
+
+def test_compare_plot_without_a_baseline_fails_before_any_output(tmp_path, capsys):
+    from mhcpipe.cli import main
+
+    assert main(["compare", str(tmp_path / "p.json"), str(tmp_path / "m.json"), "--plot", str(tmp_path / "o.png")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and "--plot draws mHC's overhead" in cap.err

@@ -68,3 +68,18 @@ def test_a_real_kineto_trace_agrees_with_a_brute_force_count(shared_traces, tmp_
     d = json.loads((tmp_path / "o.json").read_text())
     assert d["per_rank"]["0"]["spans"] == 21 and d["unmatched"]["0"]
     assert "Communication under compute" in capsys.readouterr().out
+
+
+def test_concurrent_comm_spans_count_once_in_flight_and_each_in_span_time(capsys, tmp_path):
+    """Two all-to-alls in flight together for 10 us: 20 us of span time (the share's denominator), 10 us in
+    flight (what a timeline shows); the printed table names which is which."""
+    spans = [Span(0, "compute", "F", 0, 0, 0.0, 10.0),
+             Span(0, "comm", "A2A_DISPATCH", 0, 0, 0.0, 10.0), Span(0, "comm", "A2A_COMBINE", 0, 1, 0.0, 10.0)]
+    o = overlap_stats(Trace(spans, {"source": "measured"}))
+    r0 = o.per_rank[0]
+    assert (r0.comm_us, r0.wall_us, r0.overlapped_us) == (20.0, 10.0, 20.0)
+    path = tmp_path / "t.json"
+    Trace(spans, {"source": "measured"}).save(path)
+    assert main(["overlap", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "in flight us" in out and "span time us" in out and "comm =" not in out

@@ -83,9 +83,14 @@ def test_compare_cli_writes_table_markdown_json_and_overhead_chart(mhcpipe, pair
     assert rc == 0, err
     assert "Per-op error by kind" in out and "mHC overhead" in out and " pp" in out
     d = json.loads((tmp_path / "c.json").read_text())
-    assert d["matched"] == 2 * 120 and d["steps"] == 2 and d["overhead"]["pred_pct"] > 0
+    # the measured run's first (warm-up) step is dropped, as critical-path, whatif and the demo's report drop it
+    assert d["matched"] == 120 and d["steps"] == 1 and d["overhead"]["pred_pct"] > 0
     assert (tmp_path / "c.md").read_text().startswith("# Predicted vs measured")
     assert imread(tmp_path / "o.png").shape[1] > 500
+    rc, out, err = mhcpipe("compare", pred, meas, "--keep-warmup", "--json", tmp_path / "k.json")
+    assert rc == 0, err
+    k = json.loads((tmp_path / "k.json").read_text())
+    assert k["matched"] == 2 * 120 and k["steps"] == 2
 
 
 @pytest.mark.parametrize("args, message", [

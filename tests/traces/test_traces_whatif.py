@@ -18,6 +18,7 @@ import pytest
 from mhcpipe.cli import main
 from schedules import Durations, build, lower_comms, simulate
 from traces.trace import Span, Trace
+from traces.path_report import to_text, whatif_sections
 from traces.whatif import parse_scales, whatif
 from test_traces_critical_path import KINDS, close, random_durations, with_delays
 
@@ -81,6 +82,10 @@ def test_mhc_zero_against_a_baseline_lands_on_the_baseline():
     w = whatif(heavy, {"mhc": 0.0}, baseline=base, schedule=lower_comms(s), baseline_name="base.json")
     assert "A/B" in w.mhc_source and "base.json" in w.mhc_source
     assert close(w.step_us, base.makespan())
+    # the baseline's own recorded step is reported beside the prediction (and printed)
+    assert close(w.baseline_step_us, base.makespan()) and w.to_dict()["baseline_step_us"] == w.baseline_step_us
+    assert "baseline's measured step" in to_text(whatif_sections(w.to_dict()), [])
+    assert whatif(heavy, {"mhc": 0.0}, schedule=lower_comms(s)).baseline_step_us is None
     half = whatif(heavy, {"mhc": 0.5}, baseline=base, schedule=lower_comms(s))
     assert base.makespan() < half.step_us < heavy.makespan()
 
