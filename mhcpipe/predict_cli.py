@@ -341,12 +341,21 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
             print(line)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     xs = [r[0] for r in rows]
-    ax.plot(xs, [r[1] for r in rows], "o-", label="total overhead")
+    ax.plot(xs, [r[1] for r in rows], "o-", label="step overhead (the sum)")
     ax.plot(xs, [r[2] for r in rows], "s--", label="kernel traffic")
     ax.plot(xs, [r[3] for r in rows], "^--", label="recompute")
     ax.plot(xs, [r[4] for r in rows], "v--", label="n-fold boundary traffic")
+    if any(abs(r[5]) > 1e-9 for r in rows):
+        ax.plot(xs, [r[5] for r in rows], "d--", label="gradient sync")
     if key in RESOURCE_SWEEPS:
         ax.set_xscale("log")
+    # ticks at the swept values only (a log axis's own minor labels collide), each labelled as given
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{v:g}" for v in xs], fontsize=8)
     ax.set_xlabel(label)
     ax.set_ylabel("% of the baseline step")
     ax.set_title(f"{cfg.model.name} on {hw.name}: predicted mHC overhead")

@@ -24,6 +24,7 @@ from traces.compare import compare
 from traces.io import load_trace, sniff
 from traces.kineto import is_kineto, read_json
 from traces.matching import drop_warmup_step
+from traces.names import STEP_KIND
 from traces.path_marks import chrome_path_events, paths_for
 from traces.report import to_markdown, to_text, write_json, write_markdown
 from traces.trace import FORMAT_NAME, Trace, TraceError
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
     v.add_argument("--streams", default=None,
                    help="comma-separated streams to draw (default: all, e.g. compute,hp,comm,cuda:7)")
     v.add_argument("--rank", type=int, default=None, help="rank of a single-process trace file without rank info")
+    v.add_argument("--step", default=None, metavar="K|all",
+                   help="which step of a measured trace to draw: K (counted from 0 after the warm-up step), or all; "
+                        "default: the median step (the one critical-path analyses), so ops are wide enough to read")
     v.add_argument("--no-critical-path", dest="critical", action="store_false",
                    help="do not outline the critical path (drawn in red by default where the names allow it)")
     v.set_defaults(func=run_view)
@@ -89,6 +93,7 @@ def run_view(args: argparse.Namespace) -> int:
             pred.meta = {**pred.meta, "source": "predicted"}
         traces = [pred] + [t for t in traces if not is_predicted(t)]
     traces.sort(key=lambda t: not is_predicted(t))  # predicted rows on top
+    traces = [t if is_predicted(t) else one_step(t, args.step) for t in traces]
     streams = tuple(s.strip() for s in args.streams.split(",")) if args.streams else None
     paths, path_notes = paths_for(traces) if args.critical else ({}, [])
     if suffix == ".json":
@@ -108,11 +113,11 @@ def run_view(args: argparse.Namespace) -> int:
         if preds and meass:
             comp = compare(preds[0], meass[0], critical=args.critical)
             comparison = markdown_tables_to_html(to_markdown(comp) + path_markdown(comp.critical_path))
-        write_html(out, traces, title=args.title or _title(args), comparison_html=comparison, streams=streams,
+        write_html(out, traces, title=args.title or _title(args, traces), comparison_html=comparison, streams=streams,
                    critical=args.critical, paths=paths)
     else:
         from traces.view import write_picture
-        write_picture(out, traces, title=args.title or _title(args), streams=streams, critical=args.critical,
+        write_picture(out, traces, title=args.title or _title(args, traces), streams=streams, critical=args.critical,
                       paths=paths)
     n = sum(len(t.spans) for t in traces)
     print(f"wrote {out} ({n} spans, {sum(len(t.ranks) for t in traces)} rank rows"
@@ -122,13 +127,43 @@ def run_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_step(trace: Trace, step: str | None) -> Trace:
+    """A measured trace's step to draw (`--step`): the median step after the warm-up by default, K, or all of them.
+    A trace without schedule steps (a foreign one) is drawn whole."""
+    from traces.step_select import steps_of, step_trace
+
+    if step is not None and step != "all" and not step.isdigit():
+        raise TraceError(f"--step {step!r}: give a step number K (0 = the first after the warm-up) or all")
+    if step == "all":
+        return trace
+    try:
+        dropped = drop_warmup_step(trace)
+        info = steps_of(dropped)
+    except TraceError:
+        if step is not None:
+            raise TraceError(f"--step {step}: the trace has no schedule steps (names as in traces.md §5); draw it "
+                             "whole (drop --step)") from None
+        return trace
+    if len(info.steps) <= 1 and step is None:
+        return dropped
+    _, t = step_trace(dropped, None if step is None else int(step), info)
+    # one step drawn: its step range would only cover the ops it frames (the title says which step)
+    return Trace([s for s in t.spans if s.kind != STEP_KIND], t.meta)
+
+
 def path_markdown(critical: dict) -> str:
     """The critical-path tables of a comparison (Comparison.critical_path) as Markdown ('' when there are none)."""
     return path_report.to_markdown(path_report.compare_sections(critical))
 
 
-def _title(args: argparse.Namespace) -> str:
-    return Path(args.trace).name + (f" vs prediction {Path(args.predicted).name}" if args.predicted else "")
+def _title(args: argparse.Namespace, traces: list[Trace] | None = None) -> str:
+    """The run the picture shows (traces.view.describe_run), else the file names."""
+    from traces.view import describe_run
+
+    meas = [t for t in traces or [] if not is_predicted(t)] or list(traces or [])
+    what = describe_run(meas[0]) if meas else ""
+    files = Path(args.trace).name + (f" vs prediction {Path(args.predicted).name}" if args.predicted else "")
+    return f"{what}  ({files})" if what else files
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -212,8 +212,12 @@ def draw(runs: list[Run], path: str | Path) -> Path:
         if ends:
             a_gain.plot(*zip(*ends), "x", color=c, ms=7, label=f"{run.label} stage bwd")
         at = [lay["layer"] for lay in sd.layers]
-        a_share.plot(at, [max(lay["read_share"]) for lay in sd.layers], "-", color=c, label=f"{run.label} read")
-        a_share.plot(at, [max(lay["write_share"]) for lay in sd.layers], "--", color=c, label=f"{run.label} write")
+        # read and write often coincide (at 1/N for uniform streams): write wide and hollow-marked underneath,
+        # read thin and dotted-marked on top, so both stay visible
+        a_share.plot(at, [max(lay["write_share"]) for lay in sd.layers], "--", color=c, lw=2.4, alpha=0.45,
+                     marker="s", ms=6, mfc="none", zorder=2, label=f"{run.label} write")
+        a_share.plot(at, [max(lay["read_share"]) for lay in sd.layers], "-", color=c, lw=1.0, marker="o", ms=2.5,
+                     zorder=3, label=f"{run.label} read")
         if run.streams:
             a_share.axhline(1.0 / run.streams, color=c, lw=0.8, ls=":")
         steps = [s.step for s in run.steps]
@@ -227,7 +231,7 @@ def draw(runs: list[Run], path: str | Path) -> Path:
               ylabel="max / min stream RMS", yscale="log")
     a_gain.set(title="composite Amax gain of token-mean H_res\n(fwd solid, bwd dashed; x: stage composite, token max)",
                xlabel="depth (after sub-layer)", ylabel="gain", yscale="log")
-    a_share.set(title="largest share of one stream\nread (solid), write (dashed); dotted: uniform 1/N",
+    a_share.set(title="largest share of one stream\nread (thin, dots), write (wide, squares); dotted: uniform 1/N",
                 xlabel="sub-layer", ylabel="share", ylim=(0, 1.05))
     a_step.set(title="over logged steps\nmax imbalance (solid), model composite bwd gain (dashed)", xlabel="step",
                ylabel="value", yscale="log")

@@ -44,6 +44,8 @@ COLORS = {**KIND_COLORS, "FB": KIND_COLORS["F"], "RG": KIND_COLORS["RC"], STEP_K
           "A2A_DISPATCH": "#26a69a", "A2A_COMBINE": "#00796b", "WAIT": "#e57373"}
 MHC_KERNELS = frozenset({"coef", "sinkhorn", "pre", "post_res"})  # mHC kernel parts (purple); other parts of an
 # F/B/I/W are stretches of it (an overlapped F&B half: `F/s3/mb7/L12.block`) and take its colour
+KIND_LABELS = {"FB": "F&B pair", "B.wfill": "B (W work filled in)", "exposed comm": "exposed communication"}
+"""Readable names of the breakdown's kinds (an internal span kind never reaches a legend as is)."""
 STREAM_ORDER = {"compute": 0, "hp": 1, "comm": 2, STEP_KIND: 3, "gpu-ranges": 4, "cpu": 5}
 
 
@@ -122,7 +124,7 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
             idx = groups[(rank, stream)]
             lanes = assign_lanes([t.spans[i] for i in idx])
             r = len(rows)
-            rows.append(Row(ti, rank, stream, max(lanes) + 1, f"{titles[ti]} r{rank} {stream}"))
+            rows.append(Row(ti, rank, stream, max(lanes) + 1, f"{titles[ti]} r{rank}{_place(t, rank)} {stream}"))
             for i, lane in zip(idx, lanes):
                 s = t.spans[i]
                 cell_of.setdefault(id(s), (r, lane))
@@ -148,6 +150,26 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
                   dur=np.asarray(cols["dur"], dtype=float), color=cols["color"], text=cols["text"],
                   name=cols["name"], kind=cols["kind"], border=np.asarray(cols["border"], dtype=int),
                   t_max=t_max, idle=idle, stats=stats, cell_of=cell_of, origins=origins)
+
+
+def _place(t: Trace, rank: int) -> str:
+    """' (pp1 dp0)' for a rank of a data-parallel run (global rank = pipeline rank x D + replica), else ''."""
+    lay = t.meta.get("layout") if isinstance(t.meta.get("layout"), dict) else {}
+    dp = lay.get("dp", 1)
+    if not isinstance(dp, int) or dp <= 1:
+        return ""
+    return f" (pp{rank // dp} dp{rank % dp})"
+
+
+def ms_axis(ax, unit: str, t_max: float, which: str = "x") -> str:
+    """Ticks in ms for a us axis longer than 10 ms (no '1e6' offset); returns the unit the label should name."""
+    if unit != "us" or t_max < 1e4:
+        return unit
+    from matplotlib.ticker import FuncFormatter
+
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:,.0f}" if t_max >= 1e5 else f"{v / 1e3:,.1f}"))
+    return "ms"
 
 
 def _pairs_with_halves(t: Trace, groups) -> set[int]:
@@ -199,8 +221,10 @@ def draw_layout(ax, lay: Layout, width_px: float) -> None:
     verts = np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y0 + h], 1),
                       np.stack([x0, y0 + h], 1)], axis=1)
     # bubbles: a pale band behind every row, so empty time reads as a gap in the row
-    for i, row in enumerate(lay.rows):
-        ax.axhspan(i - ROW_H / 2, i + ROW_H / 2, color="#f4f4f4", zorder=0, lw=0)
+    for i, row in enumerate(lay.rows):  # a compute row's empty time is the rank idle: hatched, as in the bars
+        hatch = "///" if row.stream == "compute" else None
+        ax.axhspan(i - ROW_H / 2, i + ROW_H / 2, facecolor="#f7f7f7", edgecolor="#d0d0d0" if hatch else "none",
+                   hatch=hatch, zorder=0, lw=0)
     edges = n <= EDGE_LIMIT
     ax.add_collection(PolyCollection(verts, facecolors=lay.color, edgecolors="black" if edges else "none",
                                      linewidths=0.3 if edges else 0, zorder=2))
@@ -238,7 +262,11 @@ def _legend_handles(lay: Layout) -> list[Patch]:
             used.add("B")
     if "kernel" in present and any("nccl" in n.lower() for n, k in zip(lay.name, lay.kind) if k == "kernel"):
         used.add("nccl")
-    return [Patch(facecolor=COLORS[k], edgecolor="black", label=lbl) for k, lbl in items if k in used]
+    out = [Patch(facecolor=COLORS[k], edgecolor="black", label=lbl) for k, lbl in items if k in used]
+    if len(lay.border) and lay.border.any():
+        out.append(Patch(facecolor="none", edgecolor="black", linewidth=1.4, label="F&B pair (overlapped)"))
+    out.append(Patch(facecolor="#f7f7f7", edgecolor="#b0b0b0", hatch="///", label="idle (compute row empty)"))
+    return out
 
 
 def breakdown(trace: Trace, stats: TimeStats | None = None) -> tuple[list[int], dict[str, list[float]]]:
@@ -266,10 +294,13 @@ def breakdown(trace: Trace, stats: TimeStats | None = None) -> tuple[list[int], 
     from traces.trace import union_length
     mk = trace.makespan()
     per_kind: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    gpu = any(s.kind in ("kernel", "memcpy", "memset") for s in trace.spans)
     for s in trace.spans:
         if s.kind in ("kernel", "memcpy", "memset"):
             k = "nccl" if s.kind == "kernel" and "nccl" in s.name.lower() else s.kind
             per_kind[k][s.rank].append((s.start, s.end))
+        elif not gpu and s.kind != STEP_KIND:  # a trace of ranges only (CPU ranges, NVTX): they are the busy time
+            per_kind[s.kind][s.rank].append((s.start, s.end))
     all_busy = {r: union_length([iv for k in per_kind for iv in per_kind[k][r]]) for r in ranks}
     for k in sorted(per_kind):
         parts[k] = [union_length(per_kind[k][r]) for r in ranks]
@@ -288,7 +319,7 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     for ti, (t, title) in enumerate(zip(traces, titles)):
         ranks, parts = breakdown(t, (stats or {}).get(ti))
         for j, r in enumerate(ranks):
-            labels.append(f"{title} r{r}")
+            labels.append(f"{title} r{r}{_place(t, r)}")
             bars.append({k: v[j] for k, v in parts.items()})
     kinds = list(dict.fromkeys(k for b in bars for k in b))
     lefts = np.zeros(len(bars))
@@ -296,13 +327,14 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
         vals = np.asarray([b.get(k, 0.0) for b in bars])
         color = "#a8a04a" if k == "FB" else color_of(k)  # F&B pairs: a mix of F orange and B green
         ax.barh(np.arange(len(bars)), vals, left=lefts, color=color,
-                edgecolor="black", linewidth=0.3, label=k, hatch="//" if k == "idle" else None)
+                edgecolor="black", linewidth=0.3, label=KIND_LABELS.get(k, k), hatch="//" if k == "idle" else None)
         lefts += vals
     ax.set_yticks(np.arange(len(bars)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     per_step = any(schedule_spans(t) for t in traces)
     unit = traces[0].meta.get("time_unit", "us") if traces else "us"
+    unit = ms_axis(ax, unit, float(lefts.max()) if len(lefts) else 0.0)
     ax.set_xlabel((f"time per step ({unit}): busy by kind, exposed communication, idle (hatched); bar length = makespan"
                    if per_step else
                    f"time over the whole trace ({unit}): busy by kind (union per rank), idle (hatched)"))
@@ -336,7 +368,7 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
             ax.axhline(i - 0.5, color="black", lw=1.2)
         elif lay.rows[i].rank != lay.rows[i - 1].rank:
             ax.axhline(i - 0.5, color="#999999", lw=0.5)
-    unit = traces[0].meta.get("time_unit", "us") if traces else "us"
+    unit = ms_axis(ax, traces[0].meta.get("time_unit", "us") if traces else "us", lay.t_max)
     ax.set_xlabel(f"time ({unit}) since each trace's first schedule op (its first span if it has none)")
     handles = _legend_handles(lay) + ([Patch(facecolor="none", edgecolor=PATH_COLOR, linewidth=1.4,
                                              label="critical path")] if lay.marks else [])
@@ -346,6 +378,32 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
     if ax2 is not None:
         draw_breakdown(ax2, traces, titles, lay.stats)
     return fig
+
+
+def describe_run(t: Trace) -> str:
+    """One line of what a trace shows, from its meta: model, schedule and layout, residual, which step."""
+    m = t.meta
+    parts = []
+    if m.get("model") or m.get("config"):
+        parts.append(str(m.get("model") or m.get("config")))
+    sch = m.get("schedule") if isinstance(m.get("schedule"), dict) else {}
+    lay = m.get("layout") if isinstance(m.get("layout"), dict) else {}
+    if sch.get("kind"):
+        shape = f"PP{lay.get('pp', sch.get('ranks', '?'))}"
+        if lay.get("dp", 1) > 1:
+            shape += f" x DP{lay['dp']}"
+        if lay.get("ep", 1) > 1:
+            shape += f" EP{lay['ep']}"
+        parts.append(f"{sch['kind']} {shape}, M={sch.get('microbatches', '?')}")
+    res = m.get("residual")
+    if isinstance(res, dict) and res.get("variant"):
+        parts.append(f"{res['variant']} n={res.get('n', '?')}")
+    elif isinstance(res, str):
+        parts.append(res)
+    if "step" in m and "steps" in m:
+        parts.append(f"step {m['step']} of {m['steps']} after the warm-up")
+    parts.append(str(m.get("source", "trace")))
+    return ", ".join(parts)
 
 
 def titles_for(traces: list[Trace]) -> list[str]:

@@ -118,7 +118,40 @@ def test_view_outlines_the_path_in_png_html_and_perfetto(runs, tmp_path, capsys)
     data = json.loads((tmp_path / "v.json").read_text())
     assert not validate_chrome(data)
     crit = [e for e in data["traceEvents"] if e.get("cat") == "critical_path" and e["ph"] == "X"]
-    assert len(crit) == len(critical_path(Trace.load(src)).path)
+    # the view draws one step, the median after the warm-up (mhcpipe view --step), and outlines that step's path
+    from mhcpipe.trace_cli import one_step
+
+    assert len(crit) == len(critical_path(one_step(Trace.load(src), None)).path)
     assert main(["view", str(src), "-o", str(tmp_path / "w.json"), "--no-critical-path"]) == 0
     plain = json.loads((tmp_path / "w.json").read_text())["traceEvents"]
     assert not any(e.get("cat") == "critical_path" for e in plain)
+
+
+def test_view_draws_one_steady_step_titled_by_the_run_in_ms(runs, tmp_path, capsys):
+    """Issue 34: a measured run's picture shows one step (the median after the warm-up) unless --step says
+    otherwise, is titled by the run (model, schedule, layout, residual, step), ticks in ms without an offset,
+    and names every mark in its legends (F&B pair frames, idle; no internal span kinds)."""
+    from matplotlib.ticker import FuncFormatter
+
+    from mhcpipe.trace_cli import one_step
+    from traces.view import describe_run, render_figure
+
+    src = runs["root"] / "mhc" / "trace.json"
+    full = Trace.load(src)
+    one = one_step(full, None)
+    steps = {s for s in one.spans if s.kind == "step"}
+    assert not steps and 0 < len(one.spans) < len(full.spans) / 2
+    assert one.meta["steps"] == 2 and one.meta["step"] in (0, 1)  # 3 steps, the warm-up dropped
+    title = describe_run(one)
+    assert title.startswith("test, dualpipev PP4, M=8") and "mhc n=4" in title and "after the warm-up" in title
+    for argv, ok in ((["--step", "1"], 0), (["--step", "all"], 0), (["--step", "7"], 2), (["--step", "x"], 2)):
+        assert main(["view", str(src), "-o", str(tmp_path / "v.png"), *argv]) == ok
+        cap = capsys.readouterr()
+        assert ok == 0 or (len(cap.err.strip().splitlines()) == 1 and "--step" in cap.err), cap.err
+    fig = render_figure([one], ["meas"], title=title)
+    ax, bars = fig.axes[0], fig.axes[1]
+    assert isinstance(ax.xaxis.get_major_formatter(), FuncFormatter) and "(ms)" in ax.get_xlabel()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "F&B pair (overlapped)" in labels and "idle (compute row empty)" in labels
+    kinds = [t.get_text() for t in bars.get_legend().get_texts()]
+    assert not [k for k in kinds if "." in k] and "F&B pair" in kinds

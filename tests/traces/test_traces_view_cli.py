@@ -127,3 +127,16 @@ def test_many_spans_render_to_png_and_html(tmp_path):
     assert imread(tmp_path / "big.png").shape[1] >= 1400
     html = (tmp_path / "big.html").read_text()
     assert html.count("F/s7/mb229") >= 1 and html.count("B/s0/mb229") >= 1
+
+
+def test_a_trace_of_ranges_only_is_busy_where_its_ranges_are():
+    """A foreign trace with neither schedule ops nor kernels (CPU or NVTX ranges): its ranges are the busy time,
+    not 100% idle."""
+    from traces.trace import Span, Trace
+    from traces.view import breakdown
+
+    t = Trace([Span(0, "cpu", "range", None, None, 0.0, 10.0, name="a"),
+               Span(0, "cpu", "range", None, None, 4.0, 2.0, name="inner"),
+               Span(1, "cpu", "range", None, None, 2.0, 8.0, name="b")], {"source": "imported"})
+    ranks, parts = breakdown(t)
+    assert ranks == [0, 1] and parts["range"] == [10.0, 8.0] and parts["idle"] == [0.0, 2.0]
