@@ -83,8 +83,15 @@ def draw_timeline(ax, trace: Trace, streams: tuple[str, ...] = ("compute",), y0:
 
 
 def _second_direction_stages(trace: Trace) -> set[int]:
+    """The stages drawn in the darker tones: DualPipe's second direction, DualPipeV's second chunk (the V's way
+    back: the second half of its one chain of 2P stages)."""
     pipelines = trace.meta.get("pipelines") or []
-    return set(pipelines[1]) if len(pipelines) == 2 else set()
+    if len(pipelines) == 2:
+        return set(pipelines[1])
+    sch = trace.meta.get("schedule") if isinstance(trace.meta.get("schedule"), dict) else {}
+    if sch.get("kind") == "dualpipev" and len(pipelines) == 1 and len(pipelines[0]) % 2 == 0:
+        return set(pipelines[0][len(pipelines[0]) // 2:])
+    return set()
 
 
 def _unit(trace: Trace) -> float:

@@ -33,7 +33,7 @@ from traces.compare import Comparison, TimeStats, _kind_order, time_stats
 from traces.matching import schedule_spans
 from traces.names import RANGE_KIND, STEP_KIND
 from traces.path_marks import PATH_COLOR, draw_marks, paths_for, place
-from traces.plot import KIND_COLORS
+from traces.plot import KIND_COLORS, SECOND_DIRECTION_COLORS, _second_direction_stages
 from traces.trace import Trace, TraceError
 
 MAX_LABELS = 3000
@@ -120,6 +120,15 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
             if streams is None or s.stream in streams:
                 groups[(s.rank, s.stream)].append(i)
         framed = _pairs_with_halves(t, groups)
+        second = _second_direction_stages(t)
+
+        def tone(kind: str, stage: int | None, default: str) -> str:
+            """DualPipe's second direction / DualPipeV's second chunk in darker tones (F, I, B, W)."""
+            base = kind.split(".", 1)[0]
+            if stage in second and base in SECOND_DIRECTION_COLORS and kind == base:
+                return SECOND_DIRECTION_COLORS[base]
+            return default
+
         for (rank, stream) in sorted(groups, key=lambda k: (k[0], _stream_key(k[1]))):
             idx = groups[(rank, stream)]
             lanes = assign_lanes([t.spans[i] for i in idx])
@@ -135,14 +144,17 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
                     _push(cols, r, lane, a, s.duration, "#ffffff", "", label, s.kind, 1)
                 elif s.kind == "FB" and s.partner is not None:
                     half = s.duration / 2
-                    for k, (c, mb) in enumerate(((COLORS["F"], s.mb), (COLORS["B"], s.partner[1]))):
+                    halves = ((tone("F", s.stage, COLORS["F"]), s.mb),
+                              (tone("B", s.partner[0], COLORS["B"]), s.partner[1]))
+                    for k, (c, mb) in enumerate(halves):
                         _push(cols, r, lane, a + k * half, half, c, str(mb), label, s.kind, 1 if k == 0 else 0)
                 else:
                     if s.kind in (RANGE_KIND, STEP_KIND):
                         text = label
                     else:
                         text = "" if s.mb is None or "." in s.kind else str(s.mb)
-                    _push(cols, r, lane, a, s.duration, color_of(s.kind, s.name), text, label, s.kind, 0)
+                    _push(cols, r, lane, a, s.duration, tone(s.kind, s.stage, color_of(s.kind, s.name)), text, label,
+                          s.kind, 0)
     if not rows:
         raise TraceError("nothing to draw: the trace has no spans" + (f" on streams {streams}" if streams else ""))
     return Layout(titles=titles, rows=rows, row=np.asarray(cols["row"], dtype=int),
@@ -263,6 +275,10 @@ def _legend_handles(lay: Layout) -> list[Patch]:
     if "kernel" in present and any("nccl" in n.lower() for n, k in zip(lay.name, lay.kind) if k == "kernel"):
         used.add("nccl")
     out = [Patch(facecolor=COLORS[k], edgecolor="black", label=lbl) for k, lbl in items if k in used]
+    dark = set(SECOND_DIRECTION_COLORS.values())
+    if any(c in dark for c in lay.color):
+        out.append(Patch(facecolor=SECOND_DIRECTION_COLORS["F"], edgecolor="black",
+                         label="darker: 2nd chunk / direction (F, I, B, W)"))
     if len(lay.border) and lay.border.any():
         out.append(Patch(facecolor="none", edgecolor="black", linewidth=1.4, label="F&B pair (overlapped)"))
     out.append(Patch(facecolor="#f7f7f7", edgecolor="#b0b0b0", hatch="///", label="idle (compute row empty)"))

@@ -153,5 +153,6 @@ def test_view_draws_one_steady_step_titled_by_the_run_in_ms(runs, tmp_path, caps
     assert isinstance(ax.xaxis.get_major_formatter(), FuncFormatter) and "(ms)" in ax.get_xlabel()
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "F&B pair (overlapped)" in labels and "idle (compute row empty)" in labels
+    assert "darker: 2nd chunk / direction (F, I, B, W)" in labels  # DualPipeV: the V's way back in its own tones
     kinds = [t.get_text() for t in bars.get_legend().get_texts()]
     assert not [k for k in kinds if "." in k] and "F&B pair" in kinds
