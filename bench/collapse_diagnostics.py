@@ -32,7 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from traces.diagnose import draw, load, summary  # noqa: E402
+from pipeline.observability.diagnose import draw, load, summary  # noqa: E402
 
 
 def corpus(path: Path) -> Path:

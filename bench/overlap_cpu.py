@@ -6,7 +6,7 @@
 One job trains the same model twice, F&B pairs overlapped (the default) and serial (`--no-overlap`: forward,
 then backward, every all-to-all waited right after its post, the pair's sends after it), one step of each in turn
 (`pipeline.runtime.train.train_interleaved`), so both see the same machine state; both traces are recorded. From the
-traces (`traces.comm_overlap`, steps after the warm-up): the share of communication time the compute thread did
+traces (`traces.analysis.comm_overlap`, steps after the warm-up): the share of communication time the compute thread did
 not block on, for the ops posted inside F&B pairs (the expert-parallel all-to-alls and the pair's sends), split
 by kind, and over the whole step; the time blocked per step; and the step time (slowest rank, median) with the
 overlapped / serial ratio. For the all-to-alls it also reports how much of the blocked time came before the
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config
 from pipeline.launch.local import interleaved_worker, launch
-from traces.comm_overlap import comm_overlap, total
+from traces.analysis.comm_overlap import comm_overlap, total
 from traces.trace import Trace
 
 

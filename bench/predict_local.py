@@ -11,7 +11,7 @@
    trace alone (costmodel.local.calibration.calibrate_local_for: micro-benchmarks of a one-block middle stage
    through the runtime's Stage code, baseline and mHC (pipeline.launch.host_measurements), cores(k), plus the baseline
    run); predict(cfg, hw) for the baseline (a replay of the run just measured) and mHC n = 4; compare. The mHC
-   run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.compare per
+   run is never an input (costmodel.md §3). `--steps` steps per run, the first dropped. traces.analysis.compare per
    run: step time (makespan of the schedule spans), per-kind errors, overhead in pp; also the runtime's own
    reported step time (max over ranks, incl. optimizer).
 Prints a table and writes bench/results/predict_local.json. Targets (issue 5): mHC step within 15 %, per-kind
@@ -43,7 +43,7 @@ def oracle_trace(meas):
     action prediction."""
     from dataclasses import replace
 
-    from traces.matching import span_key, step_index
+    from traces.analysis.matching import span_key, step_index
     from traces.trace import Trace
 
     steps = step_index(meas)
@@ -63,7 +63,7 @@ def out_of_run_oracle(pred, others, q: float):
 
     import numpy as np
 
-    from traces.matching import span_key
+    from traces.analysis.matching import span_key
     from traces.trace import Trace
 
     pooled: dict = {}
@@ -79,7 +79,7 @@ def out_of_run_floor(preds, meas_runs) -> list[dict]:
     """Per run and compute kind, the median |error| of out_of_run_oracle: with the median (q = 0.5), and with the
     quantile that is best for that kind on the run itself (hindsight, q = 0.05 ... 0.95): what no prediction made
     before the run can beat by much when single actions' times are random."""
-    from traces.compare import compare
+    from traces.analysis.compare import compare
 
     out = []
     for i, (pred, meas) in enumerate(zip(preds, meas_runs)):
@@ -122,8 +122,8 @@ def main() -> int:
     from pipeline.launch.run_args import with_residual_flag
     from pipeline.launch.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config
-    from traces.compare import compare
-    from traces.matching import drop_warmup_step
+    from traces.analysis.compare import compare
+    from traces.analysis.matching import drop_warmup_step
 
     t_start = time.time()
     out = Path(args.out)

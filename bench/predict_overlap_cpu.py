@@ -15,7 +15,7 @@ all-to-all waiting had every core of this host busy with other ranks):
   (costmodel.overlap: CUDA semantics, the halves' segments in a fixed alternating issue order on one compute
   stream) and "turns" (costmodel.measured_pair.turns: the CPU runtime's hand-over policy, pipeline/runtime/overlap.py);
 * measured (both traces): the F&B span durations (median per kind), the all-to-all hidden % inside the pairs
-  (traces.comm_overlap's definition), and the step time (slowest rank per step, median).
+  (traces.analysis.comm_overlap's definition), and the step time (slowest rank per step, median).
 The overlap gain is serial / overlapped: per kind (F&B medians), for the F&B time per step (all pairs of a rank,
 mean over ranks), and for the step. The predicted step is first order: the serial step minus the predicted F&B
 saving per step of the rank (mean over ranks), i.e. every saved microsecond comes off the step.

@@ -5,10 +5,11 @@ check only for correctness, at a smaller size).
                                           [--out bench/results/trace_scale.json]
 
 Rows, each the median of --reps runs on one thread:
-* `view png` / `view html`: traces.view.write_picture and traces.html_view.write_html of a simulated 1F1B
+* `view png` / `view html`: traces.drawing.view.write_picture and traces.drawing.html_view.write_html of a simulated
+1F1B
   schedule (schedules.simulate) of --ranks x --microbatches, compute and P2P spans (8 x 2300: ~10^5 spans).
   Target: under 20 s each (a user opens a long measured run with `mhcpipe view`).
-* `check-comm`: traces.comm_replay.check_comm (both views) of a two-rank exchange with --pairs micro-batches,
+* `check-comm`: traces.analysis.comm_replay.check_comm (both views) of a two-rank exchange with --pairs micro-batches,
   four P2P ops and two host waits each (25,000: 10^5 ops). Target: under 20 s (a worklist, not rescans).
 A row over its target makes the exit code 1.
 """
@@ -27,10 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schedules import build, simulate
-from traces.comm_replay import check_comm
-from traces.html_view import write_html
+from traces.analysis.comm_replay import check_comm
+from traces.drawing.html_view import write_html
 from traces.trace import Span, Trace
-from traces.view import write_picture
+from traces.drawing.view import write_picture
 
 TARGET_S = 20.0
 

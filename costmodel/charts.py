@@ -15,7 +15,7 @@ from matplotlib.patches import Patch
 
 from costmodel.explain import PAPER_PCT, Explanation
 from costmodel.sensitivity import Sensitivity
-from traces.png import save_png
+from traces.drawing.png import save_png
 
 UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"
 LOW, HIGH = "#1f77b4", "#ff7f0e"

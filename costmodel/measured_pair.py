@@ -25,11 +25,11 @@ Prediction (`predict`), the pair serial (`costmodel.overlap` "serial") and overl
 * "turns": `turns`, the CPU runtime's own hand-over policy (pipeline/runtime/overlap.py, `dynamic` on CPU): the thread
   goes to whichever half can compute, and the two halves' all-to-alls fly at the same time.
 Predicted comm hidden % = 100 * (1 - exposed / comm): the share of all-to-all time with compute running, which
-is what the measured definition (traces.comm_overlap: an op's time not covered by the compute thread's WAIT
+is what the measured definition (traces.analysis.comm_overlap: an op's time not covered by the compute thread's WAIT
 spans) counts.
 
 Measured (`measure_pairs`, the overlapped or the serial trace): per kind the F&B span durations, the all-to-all
-hidden % of the ops posted inside the pairs (traces.comm_overlap's definition, per kind), and the time the pair
+hidden % of the ops posted inside the pairs (traces.analysis.comm_overlap's definition, per kind), and the time the pair
 waited for its own inputs inside its span (overlapped pairs wait for their receives inside, serial ones before).
 
 Host check (`cores_taken_pct`): the model gives each rank a core. On a host with more busy ranks than cores, the
@@ -297,7 +297,7 @@ def measure_pairs(trace: Trace) -> dict[PairKind, PairMeasure]:
 
 
 def hidden_pct(measures: dict[PairKind, PairMeasure]) -> float | None:
-    """All kinds together (the same number as traces.comm_overlap's F&B all-to-all share)."""
+    """All kinds together (the same number as traces.analysis.comm_overlap's F&B all-to-all share)."""
     comm = sum(m.a2a_us for m in measures.values())
     exposed = sum(min(m.a2a_exposed_us, m.a2a_us) for m in measures.values())
     return None if comm <= 0 else 100.0 * (1.0 - exposed / comm)

@@ -31,8 +31,8 @@ from configs import RunConfig
 from schedules.build import build
 from schedules.ir import Schedule
 from schedules.simulate import SimResult
-from traces.critical_path import critical_path
-from traces.project import union_length
+from traces.analysis.critical_path import critical_path
+from traces.formats.project import union_length
 
 
 @dataclass

@@ -13,7 +13,7 @@ stage, L_r sub-layers per recompute block, P pipeline ranks.
 * Exposed all-to-all: per action, the expert all-to-all time with no compute running (overlap.OverlapResult
   .exposed_comm of the action's kernel simulation), summed over a rank's actions; exposed P2P is predict's
   `exposed_comm_us` (comm spans not covered by compute).
-* Critical path: traces.critical_path (the step's span graph replayed, walked back from the op that ends last),
+* Critical path: traces.analysis.critical_path (the step's span graph replayed, walked back from the op that ends last),
   summed per action kind, communication and gaps.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from costmodel.ops import Kernel
 from costmodel.pricing import Pricer
 from schedules.ir import Kind, Schedule
 from schedules.simulate import SimResult
-from traces.critical_path import COMM_NODE_KINDS, critical_path
+from traces.analysis.critical_path import COMM_NODE_KINDS, critical_path
 from traces.trace import Span
 
 _COMPUTE = ("F", "I", "W", "B", "FB")
@@ -106,7 +106,7 @@ def exposed_a2a_us(pricer: Pricer, sim: SimResult) -> tuple[float, float]:
 
 # ---- critical path -------------------------------------------------------------------------------------------
 def critical_path_summary(sim: SimResult) -> dict:
-    """traces.critical_path on the simulated trace, summed: compute on the path per action kind, communication
+    """traces.analysis.critical_path on the simulated trace, summed: compute on the path per action kind, communication
     on it (P2P transfers, collectives), the rest (waits' own time), and the gaps between the path's spans
     (none in a simulated trace, where every start is some input's end); the four add up to the makespan."""
     cp = critical_path(sim.trace)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.hardware import HardwareSpec
-from traces.matching import schedule_descriptor
+from traces.analysis.matching import schedule_descriptor
 
 RUNTIME_KINDS = ("F", "I", "W", "B", "FB")
 

@@ -5,12 +5,12 @@ one would gain, and how much communication runs under compute.
     mhcpipe whatif TRACE --scale comm=0.5 --scale mhc=0.7 [--baseline BASE] [--json OUT]
     mhcpipe overlap TRACE [--json OUT]
 
-TRACE is any trace `traces.io.load_trace` reads (our JSON, Chrome/Perfetto, PyTorch profiler, Nsight Systems
+TRACE is any trace `traces.formats.io.load_trace` reads (our JSON, Chrome/Perfetto, PyTorch profiler, Nsight Systems
 SQLite, nsys CSV) or a folder of per-rank files; critical-path and whatif need op names of traces.md §5 (e.g.
 F/s3/mb7). A measured trace's first step (warm-up) is left out when it has more than one (`--keep-warmup`).
 A prediction records transfers, not where receives were posted: its replay takes each receive as posted by the
 receiver's last op before the transfer, which can only delay a re-timed step (in Python, pass the lowered
-schedule: traces.whatif.whatif(trace, scales, schedule=...) then equals schedules.simulate).
+schedule: traces.analysis.whatif.whatif(trace, scales, schedule=...) then equals schedules.simulate).
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-from traces.critical_path import critical_path
-from traces.io import load_trace
-from traces.matching import drop_warmup_step
-from traces.overlap_stats import overlap_stats
-from traces.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
+from traces.analysis.critical_path import critical_path
+from traces.formats.io import load_trace
+from traces.analysis.matching import drop_warmup_step
+from traces.analysis.overlap_stats import overlap_stats
+from traces.analysis.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
 from traces.trace import Trace
-from traces.whatif import SCALE_HELP, parse_scales, whatif
+from traces.analysis.whatif import SCALE_HELP, parse_scales, whatif
 
 
 DESCRIPTIONS = {

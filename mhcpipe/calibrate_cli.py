@@ -46,7 +46,7 @@ def _fit_main(args: argparse.Namespace) -> int:
     from costmodel.roofline_fit import RooflineFit, at_bound
     from costmodel.trace_fit import fit_trace
     from configs import load_config
-    from traces.io import load_trace
+    from traces.formats.io import load_trace
 
     source = args.config or args.preset
     if source is None:

@@ -15,7 +15,7 @@ line a summary per view) and exits 1; bad input exits 2.
 FR_DIR is a folder of torch Flight Recorder dumps (`rank_<r>` pickles, written by NCCL's watchdog on a timeout into
 the run's flight_recorder folder, which the error line names) and our op ledgers (`actions_rank<r>.json`): it
 prints, per process group, the ranks that posted a collective the others never reached, and every NCCL op that did
-not complete, each with the pipeline action it carried (traces/flight_recorder.py). The dumps are read as data
+not complete, each with the pipeline action it carried (traces/formats/flight_recorder.py). The dumps are read as data
 only; a file that is not one is refused in one line (exit 2).
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from traces.comm_replay import VIEWS, ReplayResult, replay
-from traces.flight_recorder import analyse, is_dump_folder
-from traces.io import load_trace
+from traces.analysis.comm_replay import VIEWS, ReplayResult, replay
+from traces.formats.flight_recorder import analyse, is_dump_folder
+from traces.formats.io import load_trace
 
 MAX_LINES = 20
 HELP = "replay a measured trace's communication under NCCL's rules: deadlocks, order mismatches, unmatched ops"

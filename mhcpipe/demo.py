@@ -84,7 +84,7 @@ def last_step(trace):
     """The last recorded step of a measured trace, shifted to start at 0 (steady state, for pictures)."""
     from dataclasses import replace
 
-    from traces.matching import step_index
+    from traces.analysis.matching import step_index
     from traces.trace import Trace
 
     steps = step_index(trace)
@@ -116,7 +116,7 @@ def measured_memory(lines: list[str], residual: str) -> tuple[str, str]:
 def critical_path_section(mhc_cmp, base_cmp, whatif_mhc0: dict | None) -> list[str]:
     """The report's critical-path section: the chain that set the step time, predicted vs measured, mHC's overhead
     along it by cause, and the what-if replay of the mHC run without mHC."""
-    from traces.path_report import compare_sections, to_markdown
+    from traces.analysis.path_report import compare_sections, to_markdown
 
     cp = mhc_cmp.critical_path
     meas, base = cp.get("meas"), base_cmp.critical_path.get("meas")
@@ -125,7 +125,8 @@ def critical_path_section(mhc_cmp, base_cmp, whatif_mhc0: dict | None) -> list[s
     mk = meas["makespan_us"]
     top = sorted(meas["by_kind"].items(), key=lambda kv: -kv[1])[:3]
     lines = ["## Critical path", "",
-             "The chain of ops and transfers that set one step's time, across ranks (traces.critical_path: the "
+             "The chain of ops and transfers that set one step's time, across ranks "
+             "(traces.analysis.critical_path: the "
              f"measured step with the median makespan, step {meas['step']} of {meas['steps']}; `mhcpipe critical-path` "
              "lists it op by op). Path length = time its ops ran; gaps = delays between them (launch, host and OS "
              "time: here 4 ranks share the machine's cores). schedule.png outlines in red the path of the step it "
@@ -153,7 +154,7 @@ def critical_path_section(mhc_cmp, base_cmp, whatif_mhc0: dict | None) -> list[s
 
 def write_report(path: Path, cfg, hw, pred, base_cmp, mhc_cmp, timings: dict, measured_mem: dict,
                  whatif_mhc0: dict | None = None) -> Path:
-    from traces.report import to_markdown
+    from traces.analysis.report import to_markdown
 
     s = pred.summary
     o = mhc_cmp.overhead
@@ -225,10 +226,10 @@ def predict_on_this_host(cfg, hw, base_trace, quick: bool):
 
 def draw(out: Path, cfg, predicted, measured, cmp) -> None:
     """Step 5's pictures: schedule.png (predicted above the last measured step), overhead.png, the Perfetto
-    trace.json (with a `critical path` thread per rank, traces.path_marks) and comparison.json."""
-    from traces.chrome import to_chrome
-    from traces.path_marks import chrome_path_events, paths_for
-    from traces.view import plot_overhead, write_picture
+    trace.json (with a `critical path` thread per rank, traces.drawing.path_marks) and comparison.json."""
+    from traces.formats.chrome import to_chrome
+    from traces.drawing.path_marks import chrome_path_events, paths_for
+    from traces.drawing.view import plot_overhead, write_picture
 
     steady = last_step(measured)
     write_picture(out / "schedule.png", [predicted, steady], streams=("compute", "hp"),
@@ -245,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
     if args.schedule_only:
         return schedule_picture(Path(args.out))
     from costmodel.calibrate import calibrate_local
-    from traces.compare import compare
-    from traces.matching import drop_warmup_step
+    from traces.analysis.compare import compare
+    from traces.analysis.matching import drop_warmup_step
     from traces.trace import Trace
-    from traces.whatif import whatif
+    from traces.analysis.whatif import whatif
 
     from pipeline.launch.run_args import variant_dir, with_residual_flag
     from configs import load_config
@@ -316,7 +317,7 @@ def schedule_picture(out: Path) -> int:
     """DualPipe P=8, M=20 at DeepSeek's unit costs: the picture of the schedule itself."""
     from schedules import Durations, build, simulate
     from schedules.formulas import bubble_formula
-    from traces.plot import plot_schedule
+    from traces.drawing.plot import plot_schedule
 
     d = Durations(F=1, I=1, W=1)
     schedule = build("dualpipe", 8, 20)

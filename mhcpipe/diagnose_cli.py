@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from traces.diagnose import draw, load, summary
+from pipeline.observability.diagnose import draw, load, summary
 
 _COLUMNS = (  # (header, key in a step summary, format)
     ("imb max", "imbalance_max", ".4g"), ("imb out", "imbalance_out", ".4g"),

@@ -307,7 +307,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from traces.png import save_png
+    from traces.drawing.png import save_png
     from costmodel.mhc_cost import ResidualSpec
     from costmodel.predict import predict
 

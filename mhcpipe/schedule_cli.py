@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     for out in args.output:
         suffix = Path(out).suffix.lower()
         if suffix in (".png", ".svg"):
-            from traces.plot import plot_schedule
+            from traces.drawing.plot import plot_schedule
 
             title = (f"{schedule.kind}, P={schedule.num_ranks}, M={schedule.num_microbatches}, costs {args.cost}: "
                      f"makespan {result.makespan:g}, bubble {100 * result.bubble_fraction:.1f}%")
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         result.trace.save(args.trace)
         print(f"wrote {args.trace}")
     if args.perfetto:
-        from traces.chrome import save_chrome
+        from traces.formats.chrome import save_chrome
 
         save_chrome(args.perfetto, result.trace)
         print(f"wrote {args.perfetto}")

@@ -8,7 +8,8 @@
 arrows); `compare` adds both critical paths and, with the baseline pair, mHC's overhead along them by cause
 (`mhcpipe critical-path` lists one path in full).
 
-TRACE, PRED and MEAS are any format `traces.io.load_trace` reads (our JSON, Chrome/Perfetto JSON, PyTorch profiler
+TRACE, PRED and MEAS are any format `traces.formats.io.load_trace` reads (our JSON, Chrome/Perfetto JSON, PyTorch
+profiler
 JSON[.gz], Nsight Systems SQLite, nsys stats NVTX CSV[.xz]) or a folder of per-rank files.
 """
 from __future__ import annotations
@@ -18,15 +19,15 @@ import json
 import sys
 from pathlib import Path
 
-from traces import path_report
-from traces.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
-from traces.compare import compare
-from traces.io import load_trace, sniff
-from traces.kineto import is_kineto, read_json
-from traces.matching import drop_warmup_step
+from traces.analysis import path_report
+from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
+from traces.analysis.compare import compare
+from traces.formats.io import load_trace, sniff
+from traces.formats.kineto import is_kineto, read_json
+from traces.analysis.matching import drop_warmup_step
 from traces.names import STEP_KIND
-from traces.path_marks import chrome_path_events, paths_for
-from traces.report import to_markdown, to_text, write_json, write_markdown
+from traces.drawing.path_marks import chrome_path_events, paths_for
+from traces.analysis.report import to_markdown, to_text, write_json, write_markdown
 from traces.trace import FORMAT_NAME, Trace, TraceError
 
 VIEW_SUFFIXES = (".png", ".svg", ".html", ".json")
@@ -98,7 +99,7 @@ def run_view(args: argparse.Namespace) -> int:
     paths, path_notes = paths_for(traces) if args.critical else ({}, [])
     if suffix == ".json":
         data = to_chrome(*traces)
-        if args.critical:  # a `critical path` thread per rank, flows between its ops (traces.path_marks)
+        if args.critical:  # a `critical path` thread per rank, flows between its ops (traces.drawing.path_marks)
             data["traceEvents"].extend(chrome_path_events(traces, paths))
         problems = validate_chrome(data)
         if problems:
@@ -106,7 +107,7 @@ def run_view(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data))
     elif suffix == ".html":
-        from traces.html_view import markdown_tables_to_html, write_html
+        from traces.drawing.html_view import markdown_tables_to_html, write_html
         comparison = ""
         preds = [t for t in traces if is_predicted(t)]
         meass = [t for t in traces if not is_predicted(t)]
@@ -116,7 +117,7 @@ def run_view(args: argparse.Namespace) -> int:
         write_html(out, traces, title=args.title or _title(args, traces), comparison_html=comparison, streams=streams,
                    critical=args.critical, paths=paths)
     else:
-        from traces.view import write_picture
+        from traces.drawing.view import write_picture
         write_picture(out, traces, title=args.title or _title(args, traces), streams=streams, critical=args.critical,
                       paths=paths)
     n = sum(len(t.spans) for t in traces)
@@ -130,7 +131,7 @@ def run_view(args: argparse.Namespace) -> int:
 def one_step(trace: Trace, step: str | None) -> Trace:
     """A measured trace's step to draw (`--step`): the median step after the warm-up by default, K, or all of them.
     A trace without schedule steps (a foreign one) is drawn whole."""
-    from traces.step_select import steps_of, step_trace
+    from traces.analysis.step_select import steps_of, step_trace
 
     if step is not None and step != "all" and not step.isdigit():
         raise TraceError(f"--step {step!r}: give a step number K (0 = the first after the warm-up) or all")
@@ -157,8 +158,8 @@ def path_markdown(critical: dict) -> str:
 
 
 def _title(args: argparse.Namespace, traces: list[Trace] | None = None) -> str:
-    """The run the picture shows (traces.view.describe_run), else the file names."""
-    from traces.view import describe_run
+    """The run the picture shows (traces.drawing.view.describe_run), else the file names."""
+    from traces.drawing.view import describe_run
 
     meas = [t for t in traces or [] if not is_predicted(t)] or list(traces or [])
     what = describe_run(meas[0]) if meas else ""
@@ -194,6 +195,6 @@ def run_compare(args: argparse.Namespace) -> int:
         with open(args.md_out, "a") as fh:
             fh.write(path_markdown(comp.critical_path))
     if args.plot_out:
-        from traces.view import plot_overhead
+        from traces.drawing.view import plot_overhead
         plot_overhead(comp, args.plot_out)
     return 0

@@ -81,7 +81,7 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
             "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
                          "microbatches": schedule.num_microbatches},
-            # how the trace was made, for readers that rebuild its dependencies (traces.span_graph)
+            # how the trace was made, for readers that rebuild its dependencies (traces.analysis.span_graph)
             "p2p": p2p, "fb_release_inside_pair": fb_timing is not None}
     trace = Trace(spans=result.spans, meta=meta)
     makespan = max(result.end, default=0.0)

@@ -52,7 +52,7 @@ class Span:
     peer: for SEND/RECV, the other rank (global rank in measured traces).
     group, batch: for a measured communication span, the process group's name (the same on all its members, one
     per communicator) and the op's batch on that group (per rank, increasing in posting order; the ops of one
-    batch_isend_irecv share it), so that `traces.comm_replay` can replay the posting order under NCCL's rules.
+    batch_isend_irecv share it), so that `traces.analysis.comm_replay` can replay the posting order under NCCL's rules.
     Not frozen: a frozen dataclass constructs ~5x slower, and simulations create 10^5-10^6 spans; treat spans
     as values (use dataclasses.replace) all the same.
     """
@@ -165,7 +165,7 @@ class Trace:
     def from_dict(cls, data: Any, source: str = "<dict>") -> "Trace":
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
-                             "for Chrome/Perfetto JSON use traces.chrome.load_chrome")
+                             "for Chrome/Perfetto JSON use traces.formats.chrome.load_chrome")
         if data.get("version") != FORMAT_VERSION:
             raise TraceError(f"{source}: trace format version {data.get('version')!r} is not supported "
                              f"(this build reads version {FORMAT_VERSION})")

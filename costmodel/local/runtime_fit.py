@@ -39,7 +39,7 @@ from costmodel.pricing import Options, Pricer, resolve_layout
 from costmodel.runtime_profile import RuntimeProfile, runtime_key
 from costmodel.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
 from schedules.build import build
-from traces.matching import step_index
+from traces.analysis.matching import step_index
 
 STALL_FACTOR = 5.0  # a duration above this many medians of its key is a stall (page faults, VM steal), not sharing
 WORK_ROUNDS = 6  # rounds of fit_work: enough for the simulated durations to settle within a few % of the targets
@@ -89,7 +89,7 @@ def baseline_action_stats(trace, skip_steps: int = 1) -> tuple[dict[str, float],
 
 def gaps_and_makespan(trace, skip_steps: int = 1) -> tuple[float, float]:
     """(median gap before a compute action that waited for no receive, on its rank's clock; median step makespan
-    as traces.compare measures it), over the steady-state steps."""
+    as traces.analysis.compare measures it), over the steady-state steps."""
     spans = trace.spans
     halves = nested_in_fb(spans)
     gaps, makespans = [], []

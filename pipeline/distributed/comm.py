@@ -188,7 +188,8 @@ class Comms:
     def launch(self, post, spans: list[tuple], group: str | None = None, pg=None, kind: str = "coll"):
         """Call `post()` (which issues one batch of async ops on the process group named `group` and returns
         their works) and open one comm span per (kind, stage, mb, peer, name) in `spans`, carrying the group and
-        the batch's number on it (per group, in posting order: traces.comm_replay); `pg` (the process group) and
+        the batch's number on it (per group, in posting order: traces.analysis.comm_replay); `pg` (the process group)
+        and
         `kind` ("coll" or "p2p") go to the op ledger for Flight Recorder (op_ledger): on CPU once the ops are in
         flight (posting is the compute thread's work), on CUDA from the communication stream, which first waits
         for the compute stream (the data is ready). Returns (works, tokens)."""

@@ -140,7 +140,7 @@ class ParallelGroups:
     names: dict = field(default_factory=dict)
 
     def comm_groups(self) -> dict[str, list[int]]:
-        """{name: global ranks} of this rank's named groups (trace meta `comm_groups`, traces.comm_replay)."""
+        """{name: global ranks} of this rank's named groups (trace meta `comm_groups`, traces.analysis.comm_replay)."""
         import torch.distributed as dist
 
         out = {}

@@ -1,6 +1,6 @@
 """What a run records about itself: the NVTX-annotated span recorder that writes the measured trace (recorder), and
-the per-layer residual-stream diagnostics, probed in the stage (diagnostics_probe) and logged per step
-(diagnostics_log).
+the per-layer residual-stream diagnostics, probed in the stage (diagnostics_probe), logged per step
+(diagnostics_log) and read back as tables and a picture (diagnose, `mhcpipe diagnose`).
 
 May import: pipeline.distributed (the recorder's clock alignment is a collective).
 """

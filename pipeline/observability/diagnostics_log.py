@@ -21,7 +21,7 @@ File `diagnostics_rank{rank}.json`: {"schema": SCHEMA, "rank", "every", "final_s
 "layers": [layer_stats + {"layer", "stage"}, sorted by layer], "stages": [{"stage", "first_layer", "last_layer",
 "layers", "tokens", "gain_fwd_max", "gain_fwd_mean", "gain_bwd_max", "gain_bwd_mean", "exit"}]}]}; "exit" is
 {"layer" (the next sub-layer index), "stream_rms", "imbalance"} or null if `stage_end` was not called.
-`traces.diagnose` reads and merges these files.
+`pipeline.observability.diagnose` reads and merges these files.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kernels.diagnostics import View, amax_gain, imbalance_ratio, layer_stats, stream_imbalance
-from traces.diagnose import FILE_PATTERN, SCHEMA
+from pipeline.observability.diagnose import FILE_PATTERN, SCHEMA
 
 
 def diagnostics_path(trace_dir: Path, rank: int) -> Path:

@@ -10,7 +10,7 @@ folder (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE for torch 2.11)
 
 What Flight Recorder cannot know is the pipeline action behind an op ("nccl:send 0->1, p2p seq 12" is
 `SEND_F/s0/mb3`). pipeline.distributed.op_ledger records it as the runtime posts; `write_ledger` puts it next to
-the dumps as `actions_rank<r>.json`, and `mhcpipe check-comm DIR` (traces/flight_recorder.py) joins the two.
+the dumps as `actions_rank<r>.json`, and `mhcpipe check-comm DIR` (traces/formats/flight_recorder.py) joins the two.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ class Recorder:
                     batch: int | None = None, cuda_stream=None) -> tuple:
         """A comm span (stream "comm"): begun at post (CUDA: an event on `cuda_stream`, the communication
         stream); an NVTX mark, not a range, since it overlaps the compute ranges of the same thread. `group`,
-        `batch`: the process group's name and the op's batch number on it (traces.comm_replay)."""
+        `batch`: the process group's name and the op's batch number on it (traces.analysis.comm_replay)."""
         if _nvtx is not None:
             _nvtx.mark(name, color="grey", domain=DOMAIN, category="P2P")
         if not self.enabled:

@@ -97,7 +97,7 @@ class RankRuntime:
         # gloo P2P completion is watched (waiter threads) only where the runtime uses it: an F&B pair that hands the
         # turn over while a receive is in flight (expert parallelism). Elsewhere, recording included, it is not:
         # the threads' wake-ups take CPU time from the step's compute, and such a trace then says that its P2P
-        # spans end where a wait saw them done (meta p2p_completion), which traces.comm_overlap respects.
+        # spans end where a wait saw them done (meta p2p_completion), which traces.analysis.comm_overlap respects.
         # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
         nccl = device.type == "cuda" and not staged and groups.world_group is not None
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None,
@@ -236,7 +236,8 @@ class RankRuntime:
                 "pipelines": [list(chain) for chain in self.plan.schedule.pipelines],  # stage chains (traces)
                 "layout": {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                            "overlap": self.pair is not None},
-                "wait_spans": True,  # every block on a communication handle is a WAIT span (traces.comm_overlap)
+                # every block on a communication handle is a WAIT span (traces.analysis.comm_overlap)
+                "wait_spans": True,
                 "p2p_completion": "stamped" if self.comms.waiter is not None else "at the wait",
                 "time_unit": "us", "device": str(self.device), "model": self.cfg.model.name,
                 "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},

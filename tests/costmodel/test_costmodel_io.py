@@ -11,7 +11,7 @@ from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import Options, predict
 from mhcpipe.cli import main
 from configs import CONFIG_DIR, load_config, presets
-from traces.compare import compare
+from traces.analysis.compare import compare
 
 
 def test_unknown_hardware_lists_names():
@@ -106,7 +106,8 @@ def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
 
 
 def test_predicted_traces_carry_the_schedule_names(small_cfg):
-    """The baseline and mHC predictions of one schedule name their spans alike (traces.md §5), so traces.compare
+    """The baseline and mHC predictions of one schedule name their spans alike (traces.md §5), so
+    traces.analysis.compare
     joins every span of one with its twin in the other, and the per-kind errors it reports are those of the
     twins' durations (here: how much longer mHC's actions are than the baseline's)."""
     pred = predict(small_cfg, "h800", ladder=False)

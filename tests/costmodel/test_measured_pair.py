@@ -5,7 +5,7 @@ import pytest
 
 from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict, serial_samples,
                                      steady)
-from traces.comm_overlap import comm_overlap, total
+from traces.analysis.comm_overlap import comm_overlap, total
 from traces.trace import Span, Trace
 
 META = {"wait_spans": True, "p2p_completion": "stamped"}
@@ -135,7 +135,7 @@ def test_turns_switch_at_block_boundaries():
 
 
 def test_measured_hidden_matches_traces_comm_overlap():
-    """Overlapped pairs: per-kind all-to-all hidden % sums to traces.comm_overlap's F&B number."""
+    """Overlapped pairs: per-kind all-to-all hidden % sums to traces.analysis.comm_overlap's F&B number."""
     spans = [Span(0, "compute", "step", None, None, 0.0, 1.0, name="step/0"),
              Span(0, "compute", "step", None, None, 5.0, 500.0, name="step/1")]
     for k, (t0, kind) in enumerate(((10.0, ((0, 1), (3, 0))), (200.0, ((1, 2), (2, 1))))):

@@ -168,8 +168,8 @@ def test_expert_and_data_parallel_layout_prints_the_single_process_losses(tmp_pa
     pipeline, its P2P between the replica's own ranks (issue 34: it failed on "rank 3 never produced F/s0")."""
     from configs import load_config
     from pipeline.single_process import train_single_process
-    from traces.critical_path import critical_path
-    from traces.io import load_trace
+    from traces.analysis.critical_path import critical_path
+    from traces.formats.io import load_trace
 
     out = _mhcpipe("run", "--config", "tiny-moe", "--steps", "2", "--pp", "2", "--dp", "2", "--ep", "2",
                    "--trace-dir", str(tmp_path), "--diagnostics-every", "1")

@@ -4,7 +4,7 @@ job on 4 gloo ranks, predict, compare, and write the report and pictures.
 Prediction accuracy is not asserted (it depends on the machine's load; bench/predict_local.py measures it). What
 is: the report and the printed summary carry comparison.json's numbers; comparison.json's measured step times
 agree with the runtime's own step spans in the measured traces (a second clock, read here without
-traces.compare); and the measured mHC overhead is the ratio of those step times and clearly positive (mHC at
+traces.analysis.compare); and the measured mHC overhead is the ratio of those step times and clearly positive (mHC at
 n = 4 with 20 Sinkhorn rounds on eager CPU kernels: +215% to +427% in bench/results/predict_local.json and
 pipeline_cpu.json).
 """

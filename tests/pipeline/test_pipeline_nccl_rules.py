@@ -9,7 +9,7 @@
 * The strict transport itself: a receive order that differs from the send order is an error naming both
   messages; collectives that differ across the members of a group are an error at the end of the step.
 * Every comm span of a recorded run carries its group, batch and the peer's global rank, and
-  `traces.comm_replay` (mhcpipe check-comm) finds the old design's trace deadlocked and the new one's ok.
+  `traces.analysis.comm_replay` (mhcpipe check-comm) finds the old design's trace deadlocked and the new one's ok.
 """
 from __future__ import annotations
 
@@ -281,8 +281,8 @@ def _trace_pair(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.timeout(300)
 def test_comm_spans_carry_group_batch_and_global_peer_and_check_comm_reads_them(tmp_path):
-    from traces.comm_replay import check_comm
-    from traces.io import load_trace
+    from traces.analysis.comm_replay import check_comm
+    from traces.formats.io import load_trace
 
     new_path, old_path = _trace_pair(tmp_path)
     trace = load_trace(new_path)

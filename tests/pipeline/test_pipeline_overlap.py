@@ -4,7 +4,7 @@ EP=2, DualPipeV; one job trains the same model with overlap and with `--no-overl
 * Overlapped, a communication span of one half (its all-to-all) runs while the other half computes; serial, never.
 * The forward output's send is posted when the forward half ends, not after the backward half; serial, after.
 * Each half waits only for its own receive: no wait for the backward half's receive before the forward began.
-* The exposed communication is a measurement: WAIT spans, matched to their ops (traces.comm_overlap).
+* The exposed communication is a measurement: WAIT spans, matched to their ops (traces.analysis.comm_overlap).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from _pipeline_helpers import check_ok, tiny_config
 from pipeline.launch.local import interleaved_worker
 from rank_pool import launch
-from traces.comm_overlap import comm_overlap, total
+from traces.analysis.comm_overlap import comm_overlap, total
 from traces.trace import Trace
 
 PIECE = re.compile(r"^(F|B)/s(\d+)/mb(\d+)/L\d+\.\w+$")

@@ -1,4 +1,4 @@
-"""`traces.comm_replay` and `mhcpipe check-comm`: a trace's communication replayed under NCCL's rules.
+"""`traces.analysis.comm_replay` and `mhcpipe check-comm`: a trace's communication replayed under NCCL's rules.
 
 * One shared pipeline group deadlocks a 1F1B exchange (each rank's head waits for the op queued behind the other's
   head) in both views; per-direction groups, or both ops in one batch, do not.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 from mhcpipe.cli import main
-from traces.comm_replay import check_comm, replay
+from traces.analysis.comm_replay import check_comm, replay
 from traces.trace import Span, Trace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from kernels import MHCConfig, MHCSublayer
 from kernels.diagnostics import View, amax_gain, composite, layer_stats, mhc_view
 from kernels.sinkhorn import sinkhorn
 from pipeline.observability.diagnostics_log import DiagnosticsLog
-from traces.diagnose import SCHEMA, load, summary
+from pipeline.observability.diagnose import SCHEMA, load, summary
 
 F64 = torch.float64
 T, N, C = 6, 4, 5

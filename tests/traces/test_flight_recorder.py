@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
-from traces.flight_recorder import FlightRecorderError, analyse, load_dump
+from traces.formats.flight_recorder import FlightRecorderError, analyse, load_dump
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOO_RECORDS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)

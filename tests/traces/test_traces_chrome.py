@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traces_testlib import one_f_one_b
-from traces.chrome import (PREDICTED_PID_OFFSET, assign_lanes, chrome_to_traces, load_chrome, save_chrome,
+from traces.formats.chrome import (PREDICTED_PID_OFFSET, assign_lanes, chrome_to_traces, load_chrome, save_chrome,
                            to_chrome, validate_chrome)
-from traces.io import load_trace
+from traces.formats.io import load_trace
 from traces.names import OPS, RangeName, format_name, parse_name
 from traces.trace import Span, Trace, TraceError
 

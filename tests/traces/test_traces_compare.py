@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from traces.compare import compare
-from traces.matching import drop_warmup_step, step_index
-from traces.report import to_json, to_markdown, to_text
+from traces.analysis.compare import compare
+from traces.analysis.matching import drop_warmup_step, step_index
+from traces.analysis.report import to_json, to_markdown, to_text
 from traces.trace import Span, Trace, TraceError
 from traces_testlib import one_f_one_b
 
@@ -222,7 +222,7 @@ def test_reports_markdown_and_json():
 
 
 def test_time_budget_carves_mhc_parts_out_of_their_op():
-    from traces.compare import time_stats
+    from traces.analysis.compare import time_stats
     t = Trace(spans=[Span(0, "compute", "F", 0, 0, 0, 10), Span(0, "compute", "F.pre", 0, 0, 2, 2,
                                                                   name="F/s0/mb0/L0.pre"),
                      Span(0, "hp", "F.post_res", 0, 0, 8, 3, name="F/s0/mb0/L0.post_res~hp"),  # other stream
@@ -244,7 +244,7 @@ def test_simulated_dualpipev_from_schedules_round_trips_and_matches_itself():
     from dataclasses import replace
 
     from schedules import Durations, build, simulate
-    from traces.chrome import chrome_to_traces, to_chrome, validate_chrome
+    from traces.formats.chrome import chrome_to_traces, to_chrome, validate_chrome
 
     pred = simulate(build("dualpipev", 4, 8), Durations(F=10, I=10, W=8, p2p_latency=0.5)).trace
     assert any(s.kind == "FB" and s.partner is not None for s in pred.spans)

@@ -1,4 +1,4 @@
-"""The critical path of a step (traces.critical_path) on traces whose truth is known.
+"""The critical path of a step (traces.analysis.critical_path) on traces whose truth is known.
 
 * schedules.simulate is an as-soon-as-possible schedule of the dependencies: its critical path has no gaps and
   its length is the makespan, for every schedule kind and random per-stage costs (hypothesis).
@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from mhcpipe.cli import main
 from schedules import Action, Durations, Kind, build, lower_comms, simulate
-from traces.critical_path import critical_path
-from traces.replay import critical_chain, measured_durations, replay, slack
-from traces.span_graph import build_span_graph
+from traces.analysis.critical_path import critical_path
+from traces.analysis.replay import critical_chain, measured_durations, replay, slack
+from traces.analysis.span_graph import build_span_graph
 from traces.trace import Trace, TraceError
 
 KINDS = [("1f1b", 4, 8), ("gpipe", 3, 5), ("zb1p", 4, 8), ("dualpipe", 4, 8), ("dualpipev", 4, 8)]

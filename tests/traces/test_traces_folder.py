@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mhcpipe.cli import main
-from traces.io import TraceError, load_trace
+from traces.formats.io import TraceError, load_trace
 from traces.trace import Span, Trace
 
 META = {"source": "measured", "time_unit": "us", "schedule": {"kind": "1f1b", "ranks": 2, "microbatches": 1}}

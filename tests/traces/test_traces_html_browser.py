@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from schedules import build, simulate
-from traces.html_view import write_html
+from traces.drawing.html_view import write_html
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-headless-shell")
 # Chromium on a closed network, as root: no sandbox, no GPU, no background connections (its default ones are
@@ -19,7 +19,7 @@ BROWSER = shutil.which("chromium") or shutil.which("chromium-headless-shell")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--enable-logging=stderr", "--v=0", "--window-size=1400,900"]
-F_ORANGE = np.array([0xF4, 0xA2, 0x59]) / 255.0  # the view's forward colour (traces.plot.KIND_COLORS["F"])
+F_ORANGE = np.array([0xF4, 0xA2, 0x59]) / 255.0  # the view's forward colour (traces.drawing.plot.KIND_COLORS["F"])
 
 
 def screenshot(html, out, tmp_path) -> str:

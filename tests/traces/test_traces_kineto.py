@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from traces.io import load_trace
-from traces.kineto import load_kineto
+from traces.formats.io import load_trace
+from traces.formats.kineto import load_kineto
 from traces.trace import TraceError
 
 T0 = 1_700_000_000_000_000  # absolute Kineto-style microseconds

@@ -1,4 +1,4 @@
-"""PyTorch profiler files from older releases (traces.kineto): capitalised categories ("Kernel", "Operator",
+"""PyTorch profiler files from older releases (traces.formats.kineto): capitalised categories ("Kernel", "Operator",
 "Runtime", "Memcpy", "Memset"), GPU tids given as "stream 7", no distributedInfo, record_function ranges written
 as Operator events. Built here by hand in that schema (the layout of the torch-tb-profiler test traces) at the
 size of the trace in the issue, and read with the right counts."""
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mhcpipe.cli import main
-from traces.io import counts, load_trace
+from traces.formats.io import counts, load_trace
 
 KERNELS = 8_800
 

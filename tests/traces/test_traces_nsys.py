@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from traces.nsys import PID_MASK, load_nsys
+from traces.formats.nsys import PID_MASK, load_nsys
 from traces.trace import TraceError
 
 HW = 1 << 56  # real globalTids carry hardware/VM bits above the pid

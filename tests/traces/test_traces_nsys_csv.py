@@ -6,8 +6,8 @@ import lzma
 
 import pytest
 
-from traces.compare import compare
-from traces.io import load_trace
+from traces.analysis.compare import compare
+from traces.formats.io import load_trace
 from traces.trace import TraceError
 from traces_testlib import one_f_one_b
 

@@ -1,4 +1,5 @@
-"""Communication under compute (traces.overlap_stats): hand-made timelines with known overlaps, NCCL kernels found by
+"""Communication under compute (traces.analysis.overlap_stats): hand-made timelines with known overlaps, NCCL kernels
+found by
 name in an imported trace, and a real Kineto trace checked against a brute-force count."""
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from mhcpipe.cli import main
-from traces.io import load_trace
-from traces.overlap_stats import overlap_stats
+from traces.formats.io import load_trace
+from traces.analysis.overlap_stats import overlap_stats
 from traces.trace import Span, Trace
 from traces_testlib import shared_traces  # noqa: F401  (fixture)
 

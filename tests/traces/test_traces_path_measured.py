@@ -25,17 +25,17 @@ from _pipeline_helpers import check_ok, tiny_config
 from mhcpipe.cli import main
 from pipeline.launch.local import interleaved_worker
 from rank_pool import launch
-from traces.chrome import validate_chrome
-from traces.compare import compare
-from traces.critical_path import critical_path
-from traces.matching import drop_warmup_step
-from traces.path_marks import paths_for, place
-from traces.replay import critical_chain, measured_durations, replay, slack
-from traces.span_graph import build_span_graph
-from traces.step_select import steps_of
+from traces.formats.chrome import validate_chrome
+from traces.analysis.compare import compare
+from traces.analysis.critical_path import critical_path
+from traces.analysis.matching import drop_warmup_step
+from traces.drawing.path_marks import paths_for, place
+from traces.analysis.replay import critical_chain, measured_durations, replay, slack
+from traces.analysis.span_graph import build_span_graph
+from traces.analysis.step_select import steps_of
 from traces.trace import Trace
-from traces.view import build_layout
-from traces.whatif import whatif
+from traces.drawing.view import build_layout
+from traces.analysis.whatif import whatif
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,7 +134,7 @@ def test_view_draws_one_steady_step_titled_by_the_run_in_ms(runs, tmp_path, caps
     from matplotlib.ticker import FuncFormatter
 
     from mhcpipe.trace_cli import one_step
-    from traces.view import describe_run, render_figure
+    from traces.drawing.view import describe_run, render_figure
 
     src = runs["root"] / "mhc" / "trace.json"
     full = Trace.load(src)

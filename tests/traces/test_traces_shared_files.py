@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from traces.chrome import to_chrome, validate_chrome
-from traces.io import counts, load_trace
+from traces.formats.chrome import to_chrome, validate_chrome
+from traces.formats.io import counts, load_trace
 from traces_testlib import shared_traces  # noqa: F401  (fixture)
 
 # file -> (format, {rank: (ranges, kernels, memcpy, memset)}); ranges = NVTX ranges / user annotations

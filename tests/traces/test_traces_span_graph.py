@@ -1,15 +1,16 @@
-"""The dependency graph of a measured step (traces.span_graph, traces.transfers) on hand-made runtime traces whose
+"""The dependency graph of a measured step (traces.analysis.span_graph, traces.analysis.transfers) on hand-made
+runtime traces whose
 answer is known: when a transfer arrived ("at the wait" completions), which input released an op, what a wait
 inside an op is, and which global rank a P2P peer is under data parallelism."""
 from __future__ import annotations
 
 import pytest
 
-from traces.critical_path import critical_path
-from traces.replicas import one_replica
-from traces.span_graph import build_span_graph
+from traces.analysis.critical_path import critical_path
+from traces.analysis.replicas import one_replica
+from traces.analysis.span_graph import build_span_graph
 from traces.trace import Span, Trace
-from traces.whatif import whatif
+from traces.analysis.whatif import whatif
 
 META = {"source": "measured", "wait_spans": True, "p2p_completion": "at the wait", "time_unit": "us",
         "schedule": {"kind": "1f1b", "ranks": 2, "microbatches": 1}}

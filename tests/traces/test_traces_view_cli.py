@@ -9,10 +9,10 @@ import pytest
 from matplotlib.image import imread
 
 import mhcpipe.cli as cli
-from traces.chrome import validate_chrome
-from traces.io import load_trace
-from traces.html_view import write_html
-from traces.view import build_layout, write_picture
+from traces.formats.chrome import validate_chrome
+from traces.formats.io import load_trace
+from traces.drawing.html_view import write_html
+from traces.drawing.view import build_layout, write_picture
 from traces_testlib import one_f_one_b, shared_traces  # noqa: F401
 
 
@@ -133,7 +133,7 @@ def test_a_trace_of_ranges_only_is_busy_where_its_ranges_are():
     """A foreign trace with neither schedule ops nor kernels (CPU or NVTX ranges): its ranges are the busy time,
     not 100% idle."""
     from traces.trace import Span, Trace
-    from traces.view import breakdown
+    from traces.drawing.view import breakdown
 
     t = Trace([Span(0, "cpu", "range", None, None, 0.0, 10.0, name="a"),
                Span(0, "cpu", "range", None, None, 4.0, 2.0, name="inner"),

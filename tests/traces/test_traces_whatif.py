@@ -1,4 +1,4 @@
-"""What-if replay (traces.whatif) against the simulator it must agree with, and its inputs.
+"""What-if replay (traces.analysis.whatif) against the simulator it must agree with, and its inputs.
 
 * With the lowered schedule, re-timing a simulated trace (F, B, comm, FB halves) gives exactly the makespan
   schedules.simulate computes with those costs; without it (receive posts read off the trace) never less, and
@@ -18,8 +18,8 @@ import pytest
 from mhcpipe.cli import main
 from schedules import Durations, build, lower_comms, simulate
 from traces.trace import Span, Trace
-from traces.path_report import to_text, whatif_sections
-from traces.whatif import parse_scales, whatif
+from traces.analysis.path_report import to_text, whatif_sections
+from traces.analysis.whatif import parse_scales, whatif
 from test_traces_critical_path import KINDS, close, random_durations, with_delays
 
 

@@ -1,4 +1,4 @@
-"""The operations of one step as nodes of a dependency graph (traces.span_graph adds the edges).
+"""The operations of one step as nodes of a dependency graph (traces.analysis.span_graph adds the edges).
 
 * Compute nodes: the schedule ops a rank's compute thread (stream) ran - F, I, B, W, FB, RC - as the top-level
   spans of the rank's compute stream. A measured F&B pair whose halves are spans of their own
@@ -8,7 +8,7 @@
   name, is what `--scale mhc=...` or `--scale recompute=...` shortens (a part on the hp stream of a GPU run
   overlaps its op; only its time inside the op's interval counts).
 * Transfer nodes: one per stage-boundary message (a RECV span and its SEND on the peer), from both sides posted
-  to the message's arrival (traces.transfers); all-to-all and gradient all-reduce spans are comm nodes from
+  to the message's arrival (traces.analysis.transfers); all-to-all and gradient all-reduce spans are comm nodes from
   their post to their completion.
 * Wait nodes: a measured `WAIT/<op>` span (the compute thread blocked on that op) from the op's arrival (or the
   wait's start, whichever is later) to the wait's end: the time after the arrival is the wait's own overhead;
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from traces.matching import logical_stream
+from traces.analysis.matching import logical_stream
 from traces.names import A2A_KINDS, COMM_KINDS, WAIT_KIND, parse_name
 from traces.trace import Span
 

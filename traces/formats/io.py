@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from traces.chrome import chrome_to_traces, pick
-from traces.kineto import is_kineto, kineto_to_trace, read_json
-from traces.nsys import load_nsys
-from traces.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
+from traces.formats.chrome import chrome_to_traces, pick
+from traces.formats.kineto import is_kineto, kineto_to_trace, read_json
+from traces.formats.nsys import load_nsys
+from traces.formats.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
 from traces.trace import FORMAT_NAME, Trace, TraceError
 
 _RANK_IN_NAME = re.compile(r"(?:rank|proc|prof)[-_]?(\d+)", re.IGNORECASE)

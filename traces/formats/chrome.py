@@ -17,8 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from traces.matching import match_spans
-from traces.transfers import peer_rank
+from traces.analysis.matching import match_spans
+from traces.analysis.transfers import peer_rank
 from traces.names import RANGE_KIND, parse_name
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 
@@ -273,7 +273,7 @@ def _span_from_event(ev: dict[str, Any], rank: int, ts: float, dur: float,
 def load_chrome(path: str | Path, which: str | None = None) -> Trace:
     """Read a Chrome/Perfetto JSON file (plain or gzip). A file with both a predicted and a measured trace
     needs `which` ("predicted" or "measured")."""
-    from traces.kineto import read_json
+    from traces.formats.kineto import read_json
 
     path = Path(path)
     traces = chrome_to_traces(read_json(path), source=str(path))

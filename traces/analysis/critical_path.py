@@ -1,8 +1,8 @@
 """The critical path of a step across ranks and streams: which operations and transfers set the step time.
 
-`critical_path(trace)` builds the step's dependency graph (traces.span_graph: program order per rank, the
+`critical_path(trace)` builds the step's dependency graph (traces.analysis.span_graph: program order per rank, the
 schedule's data edges, SEND/RECV pairs, channel order, waits), replays it with the recorded durations
-(traces.replay; this reproduces every recorded start) and walks back the chain of binding inputs from the op
+(traces.analysis.replay; this reproduces every recorded start) and walks back the chain of binding inputs from the op
 that ends last. Works on predicted traces (schedules.simulate, the cost model; one step) and measured ones (the
 step with the median makespan, or `step`).
 
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from traces.replay import Chain, Timing, critical_chain, replay, slack
-from traces.span_graph import SpanGraph, build_span_graph
+from traces.analysis.replay import Chain, Timing, critical_chain, replay, slack
+from traces.analysis.span_graph import SpanGraph, build_span_graph
 from traces.trace import Span, Trace
 
-MHC_PARTS = frozenset({"coef", "sinkhorn", "pre", "post_res"})  # traces.md §5 KERNELs of mHC (traces.view too)
+MHC_PARTS = frozenset({"coef", "sinkhorn", "pre", "post_res"})  # traces.md §5 KERNELs of mHC (traces.drawing.view too)
 COMM_NODE_KINDS = frozenset({"P2P", "A2A_DISPATCH", "A2A_COMBINE", "RG"})
 PHASES = ("fill", "steady", "drain")
 
@@ -68,7 +68,7 @@ class CriticalPath:
     t0_us: float = 0.0  # the step's start on the trace's time axis (PathStep.start_us counts from here)
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    scope: str = ""  # which pipeline of a data-parallel run the path runs through (traces/replicas.py)
+    scope: str = ""  # which pipeline of a data-parallel run the path runs through (traces/analysis/replicas.py)
     wire_us: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, max_slack: int | None = None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """mHC's overhead attributed along the critical paths: given the baseline's and mHC's trace (both predicted, or
 both measured, of the same schedule), how much of T_mHC - T_base each cause explains.
 
-With L = the critical path's length and G its gaps (traces.critical_path; T = L + G for the analysed step), and
+With L = the critical path's length and G its gaps (traces.analysis.critical_path; T = L + G for the analysed step), and
 for every op v on mHC's path d_m(v) its duration, d_b(v) the same op's duration in the baseline (median over the
 baseline's steps; 0 for an op the baseline does not have), exactly
     T_mHC - T_base = sum_v (d_m(v) - d_b(v))          the path's ops grew:
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from traces.critical_path import COMM_NODE_KINDS, CriticalPath, critical_path
-from traces.span_graph import build_span_graph
-from traces.step_select import steps_of
+from traces.analysis.critical_path import COMM_NODE_KINDS, CriticalPath, critical_path
+from traces.analysis.span_graph import build_span_graph
+from traces.analysis.step_select import steps_of
 from traces.trace import Trace, TraceError
 
 CAUSES = ("mhc_kernels", "recompute", "boundary_bytes", "bubble_change", "host_gaps")

@@ -7,10 +7,10 @@ prediction and the instance order (by start) is the step index. Unmatched spans 
 
 Per op e = (pred - meas) / meas: signed median, median |e| and p90 |e| per kind with counts, for the ops whose
 spans mean the same on both sides. SEND/RECV spans do not when one trace is a prediction and the other a run
-(traces.receive_wait.comm_span_meaning): the predicted span is the transfer (both sides posted -> arrival), the
+(traces.analysis.receive_wait.comm_span_meaning): the predicted span is the transfer (both sides posted -> arrival), the
 measured one the op from its post to its completion, which also holds the wait for the peer. Those are listed
 apart with their means (`comm_spans`), not as errors; the communication the two sides can compare is the time
-a rank's compute waits for incoming messages, per rank (traces.receive_wait). Makespan: end of the last minus
+a rank's compute waits for incoming messages, per rank (traces.analysis.receive_wait). Makespan: end of the last minus
 start of the first schedule span of a step (median over measured steps, with min/max as the run-to-run
 spread); relative error in %. Per rank: busy (union of compute + hp spans), idle = makespan - busy, bubble
 fraction, waiting for messages. Overhead (with a baseline pair): T_mHC / T_base - 1, predicted and measured
@@ -28,12 +28,12 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from traces.comm_overlap import comm_overlap
+from traces.analysis.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS
-from traces.path_overhead import compare_paths
-from traces.receive_wait import comm_span_meaning, receive_wait
+from traces.analysis.path_overhead import compare_paths
+from traces.analysis.receive_wait import comm_span_meaning, receive_wait
 from traces.trace import Span, Trace, TraceError, union_length
-from traces.matching import (check_same_schedule, key_groups, key_label, logical_stream, match_spans,
+from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, match_spans,
                              schedule_spans, span_key)
 
 @dataclass
@@ -57,10 +57,10 @@ class RankStats:
     pred_bubble_pct: float
     meas_bubble_pct: float
     bubble_diff_pp: float
-    # the time per step the rank's compute waited for incoming messages (traces.receive_wait)
+    # the time per step the rank's compute waited for incoming messages (traces.analysis.receive_wait)
     pred_recv_wait_us: float
     meas_recv_wait_us: float
-    # from the measured trace's WAIT spans (traces.comm_overlap), None when it has none: per step, the time the
+    # from the measured trace's WAIT spans (traces.analysis.comm_overlap), None when it has none: per step, the time the
     # compute thread blocked on communication, and the share of communication time hidden under compute
     meas_comm_wait_us: float | None = None
     comm_hidden_pct: float | None = None
@@ -125,7 +125,7 @@ class Comparison:
     comm_span_meaning: dict[str, str] = field(default_factory=dict)  # "pred" / "meas": what a SEND/RECV span covers
     comm_spans: list[CommSpans] = field(default_factory=list)  # SEND/RECV kinds kept out of `kinds` (unlike spans)
     # the critical path of a step, predicted ("pred") and measured ("meas"), and with a baseline pair mHC's
-    # overhead along them ("overhead_on_path"): traces.path_overhead.compare_paths
+    # overhead along them ("overhead_on_path"): traces.analysis.path_overhead.compare_paths
     critical_path: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Everything neither communication nor compute is reported in `unmatched` (per ran
 name), not dropped. overlapped(c) = |c ∩ union of the rank's compute|; share = overlapped / duration.
 
 A measured SEND/RECV span runs from its post to its completion, which on CPU gloo is seen only at the wait
-(traces.comm_overlap): its "overlap" then includes time after the message arrived (stated in `notes`).
+(traces.analysis.comm_overlap): its "overlap" then includes time after the message arrived (stated in `notes`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from traces.matching import logical_stream
+from traces.analysis.matching import logical_stream
 from traces.names import ALL_COMM_KINDS, RANGE_KIND, STEP_KIND, WAIT_KIND
 from traces.trace import Span, Trace
 

@@ -1,6 +1,6 @@
 """Waiting for messages: per rank and step, the time its compute waits for incoming stage-boundary messages
 (RECV_F, RECV_B). It is the exposed P2P communication that a prediction and a measurement can both state, so
-traces.compare compares it per rank; the SEND/RECV spans themselves mean different things on the two sides
+traces.analysis.compare compares it per rank; the SEND/RECV spans themselves mean different things on the two sides
 (`comm_span_meaning`).
 
 * A trace that records WAIT spans (the runtime's, meta `wait_spans`): the WAIT spans of a receive, i.e. the

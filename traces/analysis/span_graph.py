@@ -1,8 +1,9 @@
-"""The dependency graph of one step of a trace: its operations (traces.span_nodes, traces.transfers) joined by the
-schedule's dependencies, as a networkx DAG. traces.replay times it, traces.critical_path walks it.
+"""The dependency graph of one step of a trace: its operations (traces.analysis.span_nodes, traces.analysis.transfers)
+joined by the
+schedule's dependencies, as a networkx DAG. traces.analysis.replay times it, traces.analysis.critical_path walks it.
 
 Edges (u -> v: v cannot start before u ends, plus `lag`), the rules of schedules/deps.py and schedules/graph.py
-read off span names (traces.md §5) and the stage chains (traces.stage_chains):
+read off span names (traces.md §5) and the stage chains (traces.analysis.stage_chains):
   * program order: on each rank's compute thread, an op follows the op that ended last before the thread reached
     it (serial on a CPU thread or one stream; overlapping halves of a GPU F&B pair get no edge between them);
   * data: F(s, m) needs F(prev(s), m) - on the same rank, else its transfer to this rank; B/I(s, m) needs
@@ -29,13 +30,13 @@ from typing import Any
 
 import networkx as nx
 
-from traces.receive_wait import POST_TO_COMPLETION, comm_span_meaning
-from traces.replicas import one_replica
-from traces.span_nodes import Node, add_parts, comm_name, compute_roles, is_collective, op_of, wait_target
-from traces.stage_chains import channel_order, neighbours, receive_posts, stage_chains
-from traces.step_select import step_trace
+from traces.analysis.receive_wait import POST_TO_COMPLETION, comm_span_meaning
+from traces.analysis.replicas import one_replica
+from traces.analysis.span_nodes import Node, add_parts, comm_name, compute_roles, is_collective, op_of, wait_target
+from traces.analysis.stage_chains import channel_order, neighbours, receive_posts, stage_chains
+from traces.analysis.step_select import step_trace
 from traces.trace import Trace, TraceError
-from traces.transfers import Transfer, build_transfers
+from traces.analysis.transfers import Transfer, build_transfers
 
 MAX_LISTED = 8
 
@@ -67,7 +68,7 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     """The graph of `step` of `trace` (default: the step with the median makespan). `schedule`: optionally the
     lowered `schedules.Schedule` the trace ran, for exact receive posts and channel orders (traces never imports
     schedules; the caller passes it)."""
-    trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/replicas.py)
+    trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/analysis/replicas.py)
     k, st = step_trace(trace, step)
     spans = st.spans
     sched = [s for s in spans if s.stage is not None]
@@ -120,7 +121,7 @@ class _Builder:
         self.transfers: list[Transfer] = []
         self.wire: dict[str, float] = {}
         self.thread: dict[int, list[int]] = defaultdict(list)  # rank -> compute-lane nodes
-        # measured SEND/RECV spans start at their post; predicted ones at the transfer (traces.receive_wait)
+        # measured SEND/RECV spans start at their post; predicted ones at the transfer (traces.analysis.receive_wait)
         self.posted_spans = comm_span_meaning(trace) == POST_TO_COMPLETION
         # (rank, op name) -> (comm node, when this rank posted it)
         self.comm_by_name: dict[tuple[int, str], list[tuple[int, float]]] = defaultdict(list)

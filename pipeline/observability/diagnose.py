@@ -195,7 +195,7 @@ def draw(runs: list[Run], path: str | Path) -> Path:
     """One PNG, four panels; each run one colour (see the module docstring). Returns the path written."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    from traces.png import plt, save_png  # matplotlib (Agg) only when a picture is asked for
+    from traces.drawing.png import plt, save_png  # matplotlib (Agg) only when a picture is asked for
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (a_imb, a_gain), (a_share, a_step) = axes

@@ -1,11 +1,12 @@
 """One step of a trace: which spans belong to step k, each step's makespan, and the representative step.
 
-Schedule spans (traces.matching.schedule_spans) take their step from the instance order of their key
-(traces.matching.step_index, as `mhcpipe compare` does). Every other span of a rank (WAIT, step and optimizer
+Schedule spans (traces.analysis.matching.schedule_spans) take their step from the instance order of their key
+(traces.analysis.matching.step_index, as `mhcpipe compare` does). Every other span of a rank (WAIT, step and optimizer
 ranges, kernels) belongs to the step whose window on that rank holds its start: from the rank's first schedule
 span of the step to its first schedule span of the next step (so the waits that drain a step's sends at its end
 stay in it). A step counts when it holds at least half the schedule spans of step 0 (a cut-off last step does
-not), as in traces.compare.time_stats. Makespan of a step: end of its last minus start of its first schedule span.
+not), as in traces.analysis.compare.time_stats. Makespan of a step: end of its last minus start of its first schedule
+span.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
-from traces.matching import step_index
+from traces.analysis.matching import step_index
 from traces.trace import Trace, TraceError
 
 

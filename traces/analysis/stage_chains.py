@@ -1,4 +1,5 @@
-"""What the schedule a trace ran says, for the critical path's graph (traces.span_graph): which stage feeds which
+"""What the schedule a trace ran says, for the critical path's graph (traces.analysis.span_graph): which stage feeds
+which
 (the stage chains: F(s) -> F(next(s)) and B(next(s)) -> B(s) for every micro-batch) and, given the lowered
 schedule itself, where each receive is posted and each channel's message order.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from traces.matching import schedule_descriptor
+from traces.analysis.matching import schedule_descriptor
 from traces.trace import Trace, TraceError
 
 
@@ -52,7 +53,8 @@ def neighbours(chains: tuple[tuple[int, ...], ...]) -> tuple[dict[int, int | Non
 
 def receive_posts(schedule: Any, halves: dict, nodes: list) -> dict[tuple[int, str, int, int], int | None]:
     """(receiver, direction, stage, mb) -> the node of the compute action the lowered schedule posts the RECV
-    after (None: before any). `halves`: (rank, half, stage, mb) -> node ids (traces.span_graph), `nodes` the nodes."""
+    after (None: before any). `halves`: (rank, half, stage, mb) -> node ids (traces.analysis.span_graph), `nodes` the
+    nodes."""
     out: dict[tuple[int, str, int, int], int | None] = {}
     for rank, acts in enumerate(getattr(schedule, "actions", ())):
         last: int | None = None

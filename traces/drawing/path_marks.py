@@ -1,19 +1,19 @@
-"""The critical path drawn over a trace's picture (traces.view, traces.html_view) and in Perfetto JSON.
+"""The critical path drawn over a trace's picture (traces.drawing.view, traces.drawing.html_view) and in Perfetto JSON.
 
 Each op of the path is marked where and when it set the step time: on the row of its span (a transfer on the
 receiver's comm row), over the op's interval on the path (a transfer from both sides posted to its arrival, a
 wait from its op's arrival to its end), outlined in red; a red line joins consecutive ops, so the chain reads
 across ranks. In Perfetto JSON each rank gets a `critical path` thread with the path's ops as slices, and flow
 arrows join consecutive ops. A measured trace with several steps is marked in its median step
-(traces.critical_path). Traces of more than MAX_VIEW_SPANS spans are drawn without it.
+(traces.analysis.critical_path). Traces of more than MAX_VIEW_SPANS spans are drawn without it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from traces.chrome import PREDICTED_PID_OFFSET, is_predicted
-from traces.critical_path import CriticalPath, critical_path
+from traces.formats.chrome import PREDICTED_PID_OFFSET, is_predicted
+from traces.analysis.critical_path import CriticalPath, critical_path
 from traces.trace import Trace, TraceError
 
 PATH_COLOR = "#d00000"

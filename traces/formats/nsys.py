@@ -2,7 +2,7 @@
 
 * NVTX push/pop and start/end ranges (`NVTX_EVENTS`, message from `text` or `textId` -> `StringIds`) are
   projected onto GPU time through the CUDA runtime calls inside each range (`correlationId` -> kernels,
-  memcpys, memsets; traces.md §2.2, `traces.project`). Ranges that launched nothing keep their CPU interval on
+  memcpys, memsets; traces.md §2.2, `traces.formats.project`). Ranges that launched nothing keep their CPU interval on
   stream "cpu"; ranges whose names do not follow the naming convention are kept as kind "range" and counted in
   `meta["foreign_ranges"]`. When the export holds no GPU work at all the convention ranges keep their CPU
   times on their logical stream (a CPU-only run).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.names import parse_name, range_span
-from traces.project import Launches
+from traces.formats.project import Launches
 from traces.trace import Span, Trace, TraceError
 
 KNOWN_SCHEMA_MAJORS = (2, 3)

@@ -1,6 +1,6 @@
 """The HTML view of traces: one self-contained file with an interactive canvas timeline (wheel = zoom, drag = pan,
 hover = details), the per-rank breakdown as an embedded PNG and the comparison's tables. The layout and colours
-are the static pictures' (traces.view), so both show the same cells.
+are the static pictures' (traces.drawing.view), so both show the same cells.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from traces.names import RANGE_KIND, STEP_KIND
-from traces.path_marks import PATH_COLOR, paths_for, place
+from traces.drawing.path_marks import PATH_COLOR, paths_for, place
 from traces.trace import Trace
-from traces.view import COLORS, build_layout, draw_breakdown, titles_for
+from traces.drawing.view import COLORS, build_layout, draw_breakdown, titles_for
 
 # the page: markup, style and the canvas script, with __TITLE__, __LEGEND__, __PNG__, __COMPARISON__, __DATA__ and
 # __PATHCOLOR__ filled in by write_html (package data, so it reads as HTML and JavaScript)
@@ -31,7 +31,7 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
                streams: tuple[str, ...] | None = None, critical: bool = True, paths: dict | None = None) -> Path:
     """One self-contained HTML file: an interactive canvas timeline (wheel = zoom, drag = pan, hover = details),
     the per-rank breakdown as an embedded PNG, and the comparison tables when given. `critical`: outline each
-    trace's critical path in red (traces.path_marks; `paths` if already found)."""
+    trace's critical path in red (traces.drawing.path_marks; `paths` if already found)."""
     titles = titles_for(traces)
     lay = build_layout(traces, titles, streams)
     if critical and paths is None:
@@ -64,7 +64,7 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
                                     ("kernel", "kernel"), ("nccl", "NCCL"), ("memcpy", "memcpy"))) + \
         (f'<span class="sw" style="background:none;border:2px solid {PATH_COLOR}"></span>critical path'
          if marks else "")
-    page = resources.files("traces").joinpath(_PAGE).read_text(encoding="utf-8")
+    page = resources.files("traces.drawing").joinpath(_PAGE).read_text(encoding="utf-8")
     doc = page.replace("__TITLE__", html.escape(title or "mhc-pipe trace")) \
         .replace("__LEGEND__", legend).replace("__PNG__", png).replace("__COMPARISON__", comparison_html) \
         .replace("__PATHCOLOR__", PATH_COLOR) \

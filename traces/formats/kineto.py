@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.names import parse_name, range_span
-from traces.project import Launches
+from traces.formats.project import Launches
 from traces.trace import Span, Trace, TraceError
 
 GPU_OP_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",

@@ -1,11 +1,11 @@
-"""Pictures of traces: PNG/SVG (matplotlib); the interactive HTML file is traces.html_view, on the same layout.
+"""Pictures of traces: PNG/SVG (matplotlib); the interactive HTML file is traces.drawing.html_view, on the same layout.
 
 One row per rank and stream (logical streams first, then step / range / cpu rows, then CUDA streams), cells
 coloured by kind (F orange, I/B green, W blue, overlapped F&B split orange|green, P2P grey, mHC parts and
 recompute purple, kernels slate), micro-batch numbers in cells that are wide enough, predicted rows above
 measured rows on one time axis (each trace starts at its first schedule op), empty stretches of a row are
 bubbles and each compute row is annotated with its idle share; the critical path of each trace (its median step)
-is outlined in red and joined by a red line (traces.path_marks). Below: time per rank split into kinds, exposed
+is outlined in red and joined by a red line (traces.drawing.path_marks). Below: time per rank split into kinds, exposed
 communication and idle. Spans that overlap without nesting on one stream are drawn in thinner lanes.
 
 Drawing is vectorised (one PolyCollection), so 10^5 spans render in a few seconds; labels are only drawn
@@ -28,12 +28,12 @@ from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
-from traces.chrome import assign_lanes, is_predicted
-from traces.compare import Comparison, TimeStats, _kind_order, time_stats
-from traces.matching import schedule_spans
+from traces.formats.chrome import assign_lanes, is_predicted
+from traces.analysis.compare import Comparison, TimeStats, _kind_order, time_stats
+from traces.analysis.matching import schedule_spans
 from traces.names import RANGE_KIND, STEP_KIND
-from traces.path_marks import PATH_COLOR, draw_marks, paths_for, place
-from traces.plot import KIND_COLORS, SECOND_DIRECTION_COLORS, _second_direction_stages
+from traces.drawing.path_marks import PATH_COLOR, draw_marks, paths_for, place
+from traces.drawing.plot import KIND_COLORS, SECOND_DIRECTION_COLORS, _second_direction_stages
 from traces.trace import Trace, TraceError
 
 MAX_LABELS = 3000
@@ -97,7 +97,7 @@ class Layout:
     stats: dict[int, TimeStats] = field(default_factory=dict)  # trace -> its time budget (schedule traces)
     cell_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(span) -> (row, lane) of its cell
     origins: dict[int, float] = field(default_factory=dict)  # trace -> its time zero on the layout
-    marks: list = field(default_factory=list)  # critical path marks (traces.path_marks.Mark)
+    marks: list = field(default_factory=list)  # critical path marks (traces.drawing.path_marks.Mark)
 
 
 def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...] | None = None) -> Layout:
@@ -360,7 +360,7 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
 def render_figure(traces: list[Trace], titles: list[str], title: str = "", streams: tuple[str, ...] | None = None,
                   with_breakdown: bool = True, critical: bool = True, paths: dict | None = None):
     lay = build_layout(traces, titles, streams)
-    if critical:  # the critical path of each trace, outlined in red (traces.path_marks)
+    if critical:  # the critical path of each trace, outlined in red (traces.drawing.path_marks)
         lay.marks = place(paths_for(traces)[0] if paths is None else paths, lay.cell_of, lay.origins)
     nrows = len(lay.rows)
     nbars = sum(len(t.ranks) for t in traces) if with_breakdown else 0
@@ -428,7 +428,7 @@ def titles_for(traces: list[Trace]) -> list[str]:
 
 def write_picture(path: Path, traces: list[Trace], title: str = "", streams: tuple[str, ...] | None = None,
                   critical: bool = True, paths: dict | None = None) -> Path:
-    """`paths`: the traces' critical paths if already found (traces.path_marks.paths_for)."""
+    """`paths`: the traces' critical paths if already found (traces.drawing.path_marks.paths_for)."""
     fig = render_figure(traces, titles_for(traces), title=title, streams=streams, critical=critical, paths=paths)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

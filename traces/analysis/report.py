@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from traces import path_report
-from traces.compare import Comparison
+from traces.analysis import path_report
+from traces.analysis.compare import Comparison
 
 MAX_LISTED = 10
 

@@ -5,7 +5,7 @@ A message is a RECV span (`RECV_F/s3/mb7`, on the receiver, `peer` = the sender)
 direction, stage and micro-batch on the sender whose `peer` is the receiver. posted = max(when the sender began
 posting, RECV start) (a measured CPU SEND span opens when the post returned, and gloo may move the data inside
 the post: the caller says when the post began).
-The arrival depends on what the trace recorded (meta `p2p_completion`, traces.comm_overlap):
+The arrival depends on what the trace recorded (meta `p2p_completion`, traces.analysis.comm_overlap):
   * a prediction, or a run whose P2P completions are stamped: the RECV span's end;
   * a run whose P2P ops complete "at the wait" (gloo on CPU: completion is only seen from inside a wait): the RECV
     span ends when the consumer's wait returned, an upper bound of the arrival. When the wait began before the
@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from traces.span_nodes import P2P, Node, comm_name, is_p2p
+from traces.analysis.span_nodes import P2P, Node, comm_name, is_p2p
 from traces.trace import Span, Trace
 
 

@@ -1,4 +1,4 @@
-"""Timing a step's dependency graph (traces.span_graph) with given durations: the replay, the longest chain
+"""Timing a step's dependency graph (traces.analysis.span_graph) with given durations: the replay, the longest chain
 through it (the critical path) and every node's slack.
 
 Replay, in topological order (the rule of the event engine, schedules/engine.py, on spans):
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from traces.span_graph import SpanGraph
+from traces.analysis.span_graph import SpanGraph
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     whatif(trace, {"comm": 0.5, "mhc": 0.7}) -> WhatIf (step_us: the predicted step time)
 
-Each counted step's dependency graph (traces.span_graph) is replayed (traces.replay) with every operation's
+Each counted step's dependency graph (traces.analysis.span_graph) is replayed (traces.analysis.replay) with every
+operation's
 duration scaled by the factors of its categories, the recorded delays between operations kept (scaled only by
 `gap`). Unscaled, the replay reproduces each step's recorded makespan (`reproduction_error_pct` states how
 closely: floating point only). `step_us` and `measured_step_us` are medians over the steps.
@@ -31,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from traces.critical_path import MHC_PARTS, CriticalPath, from_timing
-from traces.matching import key_groups, span_key
-from traces.replay import critical_chain, replay
-from traces.span_graph import SpanGraph, build_span_graph
-from traces.step_select import steps_of
+from traces.analysis.critical_path import MHC_PARTS, CriticalPath, from_timing
+from traces.analysis.matching import key_groups, span_key
+from traces.analysis.replay import critical_chain, replay
+from traces.analysis.span_graph import SpanGraph, build_span_graph
+from traces.analysis.step_select import steps_of
 from traces.trace import Trace, TraceError
 
 OP_KINDS = ("F", "I", "B", "W", "FB")
