@@ -331,6 +331,17 @@ class Pricer:
             if ops:
                 ops[-1] = replace(ops[-1], switch=True)
 
+        def sublayer(sub: tuple) -> None:
+            """One sub-layer's backward: its residual kernels around the sub-layer's I (the post/res backward
+            first, mHC), then its W anchored on the first I kernel."""
+            work, _, after, bwd = sub
+            start = len(ops)
+            if with_i:
+                split = 0 if spec.is_baseline else len(after)
+                add(bwd[:split] + work.I + bwd[split:])
+            if with_w:
+                add(work.W, start if with_i else -1)
+
         if last:
             h = head(s)
             for _ in range(s.mtp):  # MTP first: its gradient joins the main head's at the last block's output
@@ -339,13 +350,8 @@ class Pricer:
                     add(h.I + contract)
                 if with_w:
                     add(h.W, start if with_i else -1)
-                for work, before, after, bwd in reversed(self._block(False)):
-                    start = len(ops)
-                    if with_i:
-                        split = 0 if spec.is_baseline else len(after)
-                        add(bwd[:split] + work.I + bwd[split:])
-                    if with_w:
-                        add(work.W, start if with_i else -1)
+                for sub in reversed(self._block(False)):
+                    sublayer(sub)
                 switch()
                 pre, start = mtp_prelude(s), len(ops)
                 if with_i:
@@ -359,17 +365,11 @@ class Pricer:
                 add(h.W, len(ops) - len(h.I) - len(contract) if with_i else -1)
             switch()
         for idx in range(len(subs) - 1, -1, -1):
-            work, before, after, bwd = subs[idx]
             if with_i and L_r and (idx == L - 1 or (idx + 1) % L_r == 0):
                 rcs = recompute_kernels(spec, s.T, s.C, s.d, idx - (idx // L_r) * L_r + 1)
                 if rcs:  # entering a recompute block from its end: rebuild its mHC intermediates and F's norms
                     add(rcs)
-            start = len(ops)
-            if with_i:
-                split = 0 if spec.is_baseline else len(after)
-                add(bwd[:split] + work.I + bwd[split:])
-            if with_w:
-                add(work.W, start if with_i else -1)
+            sublayer(subs[idx])
             if idx % 2 == 0:
                 switch()
         if with_i and stage_entry(spec, s.T, s.C, s.d)[1]:

@@ -214,18 +214,16 @@ def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -
     if hw.comm_sms:
         scaled("all-to-all SMs", hw.comm_sms, lambda v: hw.model_copy(update={"comm_sms": int(v)}),
                "DeepSeek-V3 §3.2.2: 20 of 132 SMs; DeepEP's default", integer=True)
-    scaled("IB efficiency", hw.inter.efficiency,
-           lambda v: hw.model_copy(update={"inter": hw.inter.model_copy(update={"efficiency": v})}),
-           "Calculon's InfiniBand 0.9", cap=1.0)
-    scaled("IB latency us", hw.inter.latency_us,
-           lambda v: hw.model_copy(update={"inter": hw.inter.model_copy(update={"latency_us": v})}),
-           "Calculon's 2 us")
-    scaled("NVLink efficiency", hw.intra.efficiency,
-           lambda v: hw.model_copy(update={"intra": hw.intra.model_copy(update={"efficiency": v})}),
-           "Calculon's 0.6; H800 0.8, DeepSeek-V3's 160 of 200 GB/s", cap=1.0)
-    scaled("NVLink latency us", hw.intra.latency_us,
-           lambda v: hw.model_copy(update={"intra": hw.intra.model_copy(update={"latency_us": v})}),
-           "Calculon's 1 us")
+    for name, link, field_, source, cap in (
+            ("IB efficiency", "inter", "efficiency", "Calculon's InfiniBand 0.9", 1.0),
+            ("IB latency us", "inter", "latency_us", "Calculon's 2 us", None),
+            ("NVLink efficiency", "intra", "efficiency", "Calculon's 0.6; H800 0.8, DeepSeek-V3's 160 of 200 GB/s",
+             1.0),
+            ("NVLink latency us", "intra", "latency_us", "Calculon's 1 us", None)):
+        ln = getattr(hw, link)
+        scaled(name, getattr(ln, field_),
+               lambda v, link=link, ln=ln, f=field_: hw.model_copy(update={link: ln.model_copy(update={f: v})}),
+               source, cap=cap)
     scaled("attention backward factor", hw.attention_bwd_factor,
            lambda v: hw.model_copy(update={"attention_bwd_factor": v}),
            "FlashAttention-2: five matmuls against two")
