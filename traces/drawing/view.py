@@ -243,10 +243,12 @@ def draw_layout(ax, lay: Layout, width_px: float) -> None:
     t_span = max(lay.t_max, 1e-9)
     px = lay.dur / t_span * width_px
     need = np.asarray([max(9.0, 5.5 * len(t)) if t else np.inf for t in lay.text])
-    cand = np.nonzero(px >= need)[0]
+    # labels only where they fit: wide enough, and in a lane of at least half a row (stacked lanes of
+    # concurrent transfers leave no height for digits: they would pile into blobs)
+    cand = np.nonzero((px >= need) & (h >= 0.5 * ROW_H - 1e-9))[0]
     if len(cand) <= MAX_LABELS:
         for i in cand:
-            fs = 6 if px[i] < 16 or h[i] < 0.5 else 7
+            fs = 6 if px[i] < 16 or h[i] < 0.5 * ROW_H else 7
             ax.text(x0[i] + lay.dur[i] / 2, y0[i] + h[i] / 2, lay.text[i], ha="center", va="center",
                     fontsize=fs, zorder=3, clip_on=True)
     trans = blended_transform_factory(ax.transAxes, ax.transData)
