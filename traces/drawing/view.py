@@ -283,7 +283,8 @@ def _legend_handles(lay: Layout) -> list[Patch]:
                          label="darker: 2nd chunk / direction (F, I, B, W)"))
     if len(lay.border) and lay.border.any():
         out.append(Patch(facecolor="none", edgecolor="black", linewidth=1.4, label="F&B pair (overlapped)"))
-    out.append(Patch(facecolor="#f7f7f7", edgecolor="#b0b0b0", hatch="///", label="idle (compute row empty)"))
+    if any(r.stream == "compute" for r in lay.rows):  # only compute rows draw their empty time hatched
+        out.append(Patch(facecolor="#f7f7f7", edgecolor="#b0b0b0", hatch="///", label="idle (compute row empty)"))
     return out
 
 
