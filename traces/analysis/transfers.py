@@ -54,11 +54,10 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
     `waits`: (rank, waited-for op name) -> WAIT span indices; `send_posted`: SEND span index -> when the sender
     began posting it."""
     spans = trace.spans
-    peer = peer_rank(trace)
     sends: dict[tuple[str, int | None, int | None, int, int | None], list[int]] = defaultdict(list)
     for i, s in enumerate(spans):
         if is_p2p(s) and s.kind.startswith("SEND"):
-            sends[(s.kind[-1], s.stage, s.mb, s.rank, peer(s))].append(i)
+            sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
     late = at_the_wait(trace)
     rows = []
     notes: list[str] = []
@@ -69,7 +68,7 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
         if r.peer is None:
             notes.append(f"{r.label} on rank {r.rank} names no sender (peer); left out")
             continue
-        src = peer(r)
+        src = r.peer  # a global rank, as the runtime records it
         cands = [i for i in sends.get((r.kind[-1], r.stage, r.mb, src, r.rank), ()) if i not in used_sends]
         send = min(cands, key=lambda i: abs(spans[i].start - r.start)) if cands else None
         if send is not None:
@@ -125,12 +124,6 @@ def _fifo_arrivals(spans: list[Span], rows, arrivals: list[float]) -> None:
             bound = spans[w].end if w is not None else spans[j].end
             arrivals[k] = min(max(arrivals[k], prev), max(bound, arrivals[k]))
             prev = arrivals[k]
-
-
-def peer_rank(trace: Trace) -> Callable[[Span], int | None]:
-    """The global rank of a P2P span's peer: the runtime records it as such (the lowered program's peer, a global
-    rank also under data parallelism; runs/x of a pp=2 x dp=2 run: rank 3 receives from rank 1)."""
-    return lambda s: s.peer
 
 
 def _wait_for(spans: list[Span], cands, posted_at: float, done_at: float, tol: float) -> int | None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from traces.analysis.matching import match_spans
-from traces.analysis.transfers import peer_rank
 from traces.names import RANGE_KIND, parse_name
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 
@@ -119,11 +118,10 @@ def _p2p_flows(trace: Trace, tid_of_span: list[int]) -> list[dict[str, Any]]:
             sends[(s.kind[-1], s.stage, s.mb, s.rank)] = i
     flows = []
     flow_id = 0
-    peer_of = peer_rank(trace)  # the runtime records pipeline ranks as peers; with data parallelism they differ
     for j, r in enumerate(trace.spans):
         if r.kind not in ("RECV_F", "RECV_B") or r.peer is None:
             continue
-        i = sends.get((r.kind[-1], r.stage, r.mb, peer_of(r)))
+        i = sends.get((r.kind[-1], r.stage, r.mb, r.peer))  # peers are global ranks, as the runtime records them
         if i is None:
             continue
         s = trace.spans[i]
