@@ -13,7 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from costmodel.explain import PAPER_PCT, Explanation
+from costmodel.explain import Explanation
+from costmodel.honest import PAPER_PCT
 from costmodel.sensitivity import Sensitivity
 from traces.drawing.png import save_png
 

@@ -252,7 +252,7 @@ def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -
                 return hw.model_copy(update={"reserve": r.model_copy(update={term: v})})
         sides = [(f"{value * k / unit:.3g}", cfg, make(value * k)) for k in (1 - f, 1 + f)]
         out.append((name, f"{value / unit:.3g} -+{pct:g}% ({source}; memory only)", sides))
-    from costmodel.explain import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
+    from costmodel.honest import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
 
     if hw.interference != SIGMA_ALT:
         out.append(("sigma (compute under A2A)", f"{hw.interference:g} -> {SIGMA_ALT:g} (DeepSeek-V3 §3.2.2 "

@@ -229,7 +229,8 @@ def draw(out: Path, cfg, predicted, measured, cmp) -> None:
     trace.json (with a `critical path` thread per rank, traces.drawing.path_marks) and comparison.json."""
     from traces.formats.chrome import to_chrome
     from traces.drawing.path_marks import chrome_path_events, paths_for
-    from traces.drawing.view import plot_overhead, write_picture
+    from traces.drawing.overhead_chart import plot_overhead
+    from traces.drawing.view import write_picture
 
     steady = last_step(measured)
     write_picture(out / "schedule.png", [predicted, steady], streams=("compute", "hp"),

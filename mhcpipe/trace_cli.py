@@ -195,6 +195,6 @@ def run_compare(args: argparse.Namespace) -> int:
         with open(args.md_out, "a") as fh:
             fh.write(path_markdown(comp.critical_path))
     if args.plot_out:
-        from traces.drawing.view import plot_overhead
+        from traces.drawing.overhead_chart import plot_overhead
         plot_overhead(comp, args.plot_out)
     return 0

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from costmodel.explain import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MECHANISMS, MEMORY_CURVE, PAPER_PCT, SPEC_GEMM,
-                               Variant, discriminators, explain, format_explain, honest_variants, honest_verdict,
-                               ladder_steps, pairs_by_rung, to_json)
+from costmodel.explain import MECHANISMS, explain, format_explain, ladder_steps, pairs_by_rung, to_json
+from costmodel.honest import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, SPEC_GEMM, Variant,
+                              discriminators, honest_variants, honest_verdict)
 from costmodel.hardware import get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict, residual_spec_of
