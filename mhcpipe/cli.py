@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     "mhcpipe.tune_cli",
     "mhcpipe.checkpoint_cli",
     "mhcpipe.calibrate_cli",
+    "mhcpipe.check_split_cli",
 )
 
 

@@ -58,16 +58,21 @@ class RankPlan:
         return len({s.chunk for s in self.stages})
 
 
+def chunk_count(kind: str, schedule: Schedule) -> int:
+    """How many cuts of the model: P for DualPipe (each chunk runs in both directions), one per stage else."""
+    return schedule.num_ranks if kind == "dualpipe" else schedule.num_stages
+
+
 def chunks_for(kind: str, num_blocks: int, schedule: Schedule) -> list[range]:
-    """Blocks of every model chunk: P chunks for DualPipe (each run in both directions), one per stage else."""
-    if kind == "dualpipe":
-        return stage_blocks(num_blocks, schedule.num_ranks)
-    return stage_blocks(num_blocks, schedule.num_stages)
+    """Blocks of every model chunk, as even as possible."""
+    return stage_blocks(num_blocks, chunk_count(kind, schedule))
 
 
-def plan_stages(cfg: RunConfig, schedule: Schedule) -> tuple[StageSpec, ...]:
+def plan_stages(cfg: RunConfig, schedule: Schedule, chunks: list[range] | None = None) -> tuple[StageSpec, ...]:
+    """`chunks`: the blocks of every cut (a user model's own partition); default even by block count."""
     kind = cfg.parallel.schedule
-    chunks = chunks_for(kind, cfg.model.num_blocks, schedule)
+    if chunks is None:
+        chunks = chunks_for(kind, cfg.model.num_blocks, schedule)
     prev, nxt = schedule.prev_stage(), schedule.next_stage()
     specs = []
     for p_idx, chain in enumerate(schedule.pipelines):
@@ -81,15 +86,16 @@ def plan_stages(cfg: RunConfig, schedule: Schedule) -> tuple[StageSpec, ...]:
     return tuple(specs)
 
 
-def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None, dp_rank: int = 0) -> RankPlan:
-    """The plan of pipeline rank `rank` in data-parallel replica `dp_rank`."""
+def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None, dp_rank: int = 0,
+              chunks: list[range] | None = None) -> RankPlan:
+    """The plan of pipeline rank `rank` in data-parallel replica `dp_rank` (`chunks`: see plan_stages)."""
     par = cfg.parallel
     if schedule is None:
         schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
     if not 0 <= rank < schedule.num_ranks:
         raise ValueError(f"rank {rank} outside the {schedule.num_ranks} ranks of parallel.ranks")
     mirror = schedule.num_ranks - 1 - rank if par.schedule == "dualpipe" else None
-    return RankPlan(rank, schedule, plan_stages(cfg, schedule), mirror, dp_rank)
+    return RankPlan(rank, schedule, plan_stages(cfg, schedule, chunks), mirror, dp_rank)
 
 
 def global_microbatch(plan: RankPlan, pipeline: int, mb: int) -> int:

@@ -192,6 +192,9 @@ class Executor:
         run = ChunkRun(stage, mb)
         self.runs[(stage, mb)] = run
         st = self.stages[stage]
+        if getattr(st, "wants_ids", False) and not self.specs[stage].has_embed:
+            ids, _ = self.batch.microbatch(global_microbatch(self.plan, self.specs[stage].pipeline, mb))
+            run.ids = ids.to(self.device, non_blocking=True)  # the real ids, never derived from the state
         if self.expert is not None:
             self.expert.set_chunk(stage, mb)
         pair = self.pair if side else None
@@ -339,6 +342,7 @@ class Executor:
         """Execute every action of this rank for one step; returns this rank's summed loss contributions.
         Gradient reductions posted during the step are finished by the caller (`GradReducer.finish`)."""
         self._reset()
+        self.batch = batch
         acts, i = self.actions, 0
         while i < len(acts):
             a = acts[i]

@@ -54,6 +54,7 @@ class ChunkRun:
     output: torch.Tensor | None = None  # detached stage output (to send or hand off)
     loss: torch.Tensor | None = None  # head stages: this micro-batch's loss contribution
     input_grad: torch.Tensor | None = None  # set by the backward (None on an embedding stage)
+    ids: torch.Tensor | None = None  # the micro-batch's token ids, for a stage whose blocks ask for them
 
     def release_output(self) -> torch.Tensor:
         """The detached output, for its send; from now on the backward holds only the output's gradient edge, so

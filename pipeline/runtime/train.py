@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from configs import recompute_block_size
+from schedules import build
 from kernels import single_pass
 
 from pipeline.distributed.comm import Comms
@@ -41,9 +42,11 @@ from pipeline.distributed.warmup import warm_up
 from pipeline.observability.diagnostics_log import DiagnosticsLog
 from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
 from pipeline.distributed.p2p import Transport
-from pipeline.partition import plan_rank
+from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
+from pipeline.runtime.user_stage import UserStage
+from pipeline.user_model import UserModel
 from pipeline.weight_grad import WeightGradStore
 
 
@@ -81,14 +84,20 @@ class RankRuntime:
     count saved activation bytes per step (instrumentation with a per-tensor cost; peak_act is 0 without it)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, *, groups: ParallelGroups | None = None,
-                 staged: bool = False, on_action=None, record: bool = True, count_activations: bool | None = None):
+                 staged: bool = False, on_action=None, record: bool = True, count_activations: bool | None = None,
+                 model: UserModel | None = None, probe=None):
+        """`model`: a user's model (pipeline.user_model) instead of the built-in one; `cfg.model` then describes
+        it (pipeline.launch.user_main.user_config). `probe`: check-split's boundary probe (UserStage)."""
         par = cfg.parallel
         layout = Layout.of(cfg)
         if groups is None:
             layout.check(cfg)
             groups = ParallelGroups.single(layout, rank)
         self.cfg, self.rank, self.device, self.groups = cfg, groups.rank, device, groups
-        self.plan = plan_rank(cfg, groups.pp_rank, dp_rank=groups.dp_rank)
+        self.user_model = model
+        schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
+        chunks = None if model is None else model.chunks(chunk_count(par.schedule, schedule))
+        self.plan = plan_rank(cfg, groups.pp_rank, schedule, dp_rank=groups.dp_rank, chunks=chunks)
         self.dtype = activation_dtype(cfg.train.dtype)
         self.store = WeightGradStore()
         n = cfg.model.residual.n
@@ -112,9 +121,16 @@ class RankRuntime:
         rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
                      for sp in self.plan.local()}
         self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
-        self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
-                                       expert=self.expert).to(device=device, dtype=param_dtype(cfg.train.dtype))
-                       for sp in self.plan.local()}
+        if model is not None:
+            self.rc_block = None
+            self.stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches,
+                                               probe=probe).to(device=device, dtype=param_dtype(cfg.train.dtype))
+                           for sp in self.plan.local()}
+        else:
+            self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype,
+                                           rc_block=rc_blocks[sp.stage], expert=self.expert
+                                           ).to(device=device, dtype=param_dtype(cfg.train.dtype))
+                           for sp in self.plan.local()}
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():
             for name, p in st.named_parameters():
@@ -322,13 +338,19 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
 
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
           diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
-          staged: bool = False, log=print, on_action=None) -> list[StepStats]:
-    """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group."""
+          staged: bool = False, log=print, on_action=None, model: UserModel | None = None,
+          probe=None) -> list[StepStats]:
+    """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group.
+    `model`: a user's model (pipeline.user_model) instead of the built-in one; `probe`: see RankRuntime."""
     from pipeline.checkpoint import dcp  # torch.distributed.checkpoint's import: only for runs that use it
 
     groups = make_groups(cfg, rank, world, device, staged)
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
-                     record=trace_dir is not None)
+                     record=trace_dir is not None, model=model, probe=probe)
+    pairs = any(a.kind.value == "FB" for a in rt.executor.actions)
+    if model is not None and rt.pair is not None and rank == 0 and pairs:
+        log("note: F&B pairs of a user model run their halves one after the other (a user block exposes no phases "
+            "to interleave; parallel.overlap has nothing to overlap)")
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")

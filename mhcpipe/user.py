@@ -1,0 +1,31 @@
+"""Your own model through mhc-pipe: the names a user's script imports.
+
+    from mhcpipe.user import UserModel, run
+
+    def build(seq_len: int = 32) -> UserModel:
+        return UserModel(embed=..., blocks=[...], head=..., loss=..., n=4, hidden=64, vocab_size=256)
+
+    if __name__ == "__main__":
+        run(build)      # torchrun --nproc-per-node 4 my_model.py --schedule dualpipev --trace-dir runs/mine
+
+The contract of each piece: pipeline.user_model; the run flags are `mhcpipe run`'s (`--help`); the check that the
+split computes what the unsplit model does: `mhcpipe check-split my_model.py:build`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from pipeline.launch.entry import main
+from pipeline.user_model import ContractError, UserModel
+
+__all__ = ["UserModel", "ContractError", "run", "main"]
+
+
+def run(build, argv: list[str] | None = None) -> None:
+    """Train the model `build` makes under torchrun with the run flags of the command line; exits the process
+    (without interpreter finalization, as `python -m pipeline` does: a loaded host can abort it after the run)."""
+    code = main(argv, build=build)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

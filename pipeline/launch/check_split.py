@@ -1,0 +1,215 @@
+"""check-split: a user's model split into pipeline stages must compute what the unsplit model computes.
+
+For every schedule and pp x dp layout asked, one step of the model runs on CPU ranks (gloo, float64) through the
+real runtime, every stage reporting what crosses its boundaries (pipeline.runtime.user_stage: the state it
+received and sent, its loss, the gradients it received and sent) and every parameter's gradient; the unsplit
+model (pipeline.user_reference) runs the same batch micro-batch by micro-batch in this process. The first
+difference, in the order data flows (forward boundaries by block, the losses, backward boundaries from the last
+block down, then the parameters in model order), is named with its stage, rank, blocks and micro-batch; or the
+case is `ok` with the worst relative error (Frobenius norm of the difference / the unsplit tensor's) of all
+compared tensors.
+
+Tolerance: relative 1e-6 by default. In float64 a correct split differs by ~1e-15 where every piece computes in
+float64; libraries that compute a part in float32 whatever the input (hyper-connections' Sinkhorn) leave
+~1e-8..1e-7; a boundary bug differs by O(1).
+
+All cases of one world size run in one launch (`launcher`: pipeline.launch.local.launch, or the tests' rank pool);
+`worker` is what each rank runs (tests wrap `split_worker` to inject a bug into a rank and watch the check fail).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.user_model import ContractError
+
+DEFAULT_RTOL = 1e-6
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+
+
+@dataclass
+class CaseResult:
+    schedule: str
+    pp: int
+    dp: int
+    ok: bool
+    message: str  # the first difference, or a rank's error
+    worst: float  # worst relative error over every compared tensor (ok cases)
+    loss: float | None = None
+
+    def line(self) -> str:
+        where = f"{self.schedule:<10} pp{self.pp} x dp{self.dp}"
+        if self.ok:
+            return f"{where}  ok    worst relative error {self.worst:.1e}  (loss {self.loss:.6f})"
+        return f"{where}  FAIL  {self.message}"
+
+
+def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl"):
+    """The check's config of one case: float64 on CPU, one step, the layout and schedule asked; P2P under NCCL's
+    rules by default (the strict transport: a posting order NCCL would hang on or mismatch fails with every rank's
+    queue heads), or `rules` 'backend' (plain gloo: a mismatched order then shows as wrong numbers)."""
+    from configs import parse_config
+
+    data = base.model_dump()
+    data["parallel"].update(schedule=schedule, ranks=pp, data_parallel=dp, expert_parallel=1)
+    data["train"].update(dtype="float64", device="cpu", steps=1, comm_rules=rules)
+    data["recompute"] = {"mode": "off"}
+    try:
+        return parse_config(data)
+    except ValueError as err:
+        raise ValueError(f"{schedule} pp{pp} x dp{dp}: {err}") from None
+
+
+def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dicts: list[dict]) -> list[dict]:
+    """One rank of every case: build the model, run one step with the boundary probe, return what it saw."""
+    from configs import parse_config
+    from pipeline.launch.user_config import build_model, load_builder, user_config
+    from pipeline.partition import global_microbatch
+    from pipeline.runtime.train import RankRuntime, make_groups
+
+    builder = load_builder(spec)
+    out = []
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        model = build_model(builder, cfg.train.seed, residual, cfg.parallel.seq_len)
+        cfg = user_config(cfg, model)
+        seen: list[tuple[str, int, int, torch.Tensor]] = []
+        groups = make_groups(cfg, rank, world, torch.device("cpu"))
+        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, record=False, model=model,
+                         probe=lambda what, stage, mb, t: seen.append((what, stage, mb, t.clone())))
+        stats = rt.step(0)
+        specs = {sp.stage: sp for sp in rt.plan.stages}
+        records = [(what, stage, global_microbatch(rt.plan, specs[stage].pipeline, mb), t)
+                   for what, stage, mb, t in seen]
+        stages = {sp.stage: (sp.blocks.start, sp.blocks.stop - 1, sp.rank) for sp in rt.plan.stages}
+        out.append({"records": records, "grads": rt.grads(), "stages": stages, "loss": stats.loss,
+                    "rank": rank, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank})
+        rt.close()
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    diff = torch.linalg.vector_norm((got.to(torch.float64) - want.to(torch.float64)).reshape(-1))
+    scale = torch.linalg.vector_norm(want.to(torch.float64).reshape(-1))
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def compare(ref, ranks: list[dict], num_blocks: int, rtol: float) -> tuple[str | None, float]:
+    """(the first difference as one line, or None; the worst relative error) of one case."""
+    stages: dict[int, tuple[int, int, int]] = {}
+    for r in ranks:
+        stages.update(r["stages"])
+    dp_of = {r["rank"]: r["dp_rank"] for r in ranks}
+
+    def where(stage: int, g: int, rank: int) -> str:
+        first, last, _ = stages[stage]
+        blocks = f"block {first}" if first == last else f"blocks {first}-{last}"
+        rep = f", replica {dp_of[rank]}" if len(set(dp_of.values())) > 1 else ""
+        return f"stage {stage} (rank {rank}{rep}, {blocks}) micro-batch {g}"
+
+    checks = []  # (order key, description, got, want)
+    for r in ranks:
+        for what, stage, g, t in r["records"]:
+            first, last, _ = stages[stage]
+            here = where(stage, g, r["rank"])
+            if what == "in":
+                checks.append(((0, first - 1, 1, g), f"{here}: the state it received differs from the unsplit "
+                               f"model's state after {_after(first - 1)}", t, ref.states[g, first - 1]))
+            elif what == "out":
+                checks.append(((0, last, 0, g), f"{here}: the state it sends differs from the unsplit model's "
+                               f"state after block {last}", t, ref.states[g, last]))
+            elif what == "loss":
+                checks.append(((1, 0, 0, g), f"{here}: its loss differs from the unsplit model's", t, ref.losses[g]))
+            elif what == "grad_in":
+                checks.append(((2, -(first - 1), 0, g), f"{here}: the gradient it sends back differs from the "
+                               f"unsplit model's gradient of the state after {_after(first - 1)}", t,
+                               ref.state_grads[g, first - 1]))
+            elif what == "grad_out":
+                checks.append(((2, -last, 1, g), f"{here}: the gradient it received differs from the unsplit "
+                               f"model's gradient of the state after block {last}", t, ref.state_grads[g, last]))
+    losses = {g for r in ranks for what, _, g, _ in r["records"] if what == "loss"}
+    missing = sorted(set(ref.losses) - losses)
+    worst, first_bad = 0.0, None
+    for _, text, got, want in sorted(checks, key=lambda c: c[0]):
+        err = _rel(got, want)
+        if err > rtol and first_bad is None:
+            shape = "" if got.shape == want.shape else f" (shape {list(got.shape)}, unsplit {list(want.shape)})"
+            first_bad = f"{text} (relative error {err:.2e}){shape}"
+        worst = max(worst, err)
+    if first_bad is None and missing:
+        first_bad = f"micro-batch {missing[0]} never reached the head (no loss on any rank)"
+    for name in ref.order:
+        holders = [r for r in ranks if name in r["grads"]]
+        want = ref.grads.get(name)
+        if want is None:
+            continue
+        if not holders:
+            if first_bad is None:
+                first_bad = f"parameter {name}: no rank holds a gradient for it"
+            continue
+        err = max(_rel(r["grads"][name], want) for r in holders)
+        if err > rtol and first_bad is None:
+            stage = _stage_of(name, stages, num_blocks)
+            first_bad = f"parameter {name} ({stage}): its gradient differs from the unsplit model's " \
+                        f"(relative error {err:.2e})"
+        worst = max(worst, err)
+    return first_bad, worst
+
+
+def _after(b: int) -> str:
+    return "the stream entry (embedding, expand)" if b < 0 else f"block {b}"
+
+
+def _stage_of(name: str, stages: dict, num_blocks: int) -> str:
+    if name.startswith("blocks."):
+        b = int(name.split(".")[1])
+    elif name.startswith("head."):
+        b = num_blocks - 1
+    else:
+        b = 0
+    held = sorted(s for s, (first, last, _) in stages.items() if first <= b <= last)
+    return f"stage {' and '.join(map(str, held))}" if held else "no stage"
+
+
+def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: str | None = None,
+              rtol: float = DEFAULT_RTOL, rules: str = "nccl", launcher=None, worker=split_worker,
+              timeout_s: float = 600.0, log=None) -> list[CaseResult]:
+    """Every (schedule, pp, dp) case against the unsplit model; one launch per world size."""
+    from pipeline.launch.user_config import build_model, load_builder, user_config
+    from pipeline.user_reference import unsplit_run
+
+    if launcher is None:
+        from pipeline.launch.local import launch as launcher
+    builder = load_builder(spec)
+    cfgs = {case: case_config(base, *case, rules=rules) for case in cases}
+    model = build_model(builder, base.train.seed, residual, base.parallel.seq_len)
+    ref_cfg = user_config(cfgs[cases[0]], model)
+    model.chunks(max(1, min(pp for _, pp, _ in cases)))  # a split the model cannot take: one line, before launching
+    try:
+        ref = unsplit_run(model, ref_cfg)
+    except ContractError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's code: one line
+        raise ValueError(f"the unsplit model failed: {type(err).__name__}: {err}") from None
+    results: list[CaseResult] = []
+    for world in sorted({pp * dp for _, pp, dp in cases}):
+        group = [c for c in cases if c[1] * c[2] == world]
+        got = launcher(worker, world, (spec, residual, [cfgs[c].model_dump() for c in group]), timeout_s=timeout_s)
+        failed = [r for r in got if r.exitcode != 0 or r.error]
+        if failed:
+            r = failed[0]
+            msg = r.error or f"rank {r.rank} exited with {r.exitcode} (killed at the deadline: {timeout_s:.0f} s)"
+            results.extend(CaseResult(s, pp, dp, False, f"rank {r.rank}: {msg.splitlines()[0]}", float("nan"))
+                           for s, pp, dp in group)
+            continue
+        for i, (s, pp, dp) in enumerate(group):
+            ranks = [r.value[i] for r in got]
+            bad, worst = compare(ref, ranks, len(model.blocks), rtol)
+            res = CaseResult(s, pp, dp, bad is None, bad or "", worst, ranks[0]["loss"])
+            results.append(res)
+            if log is not None:
+                log(res.line())
+    return results

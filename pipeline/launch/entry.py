@@ -1,0 +1,183 @@
+"""The torchrun entry's body: `torchrun --nproc-per-node 4 -m pipeline --config configs/tiny.yaml --schedule
+dualpipev --trace-dir runs/x` (pipeline/__main__.py calls `main`), and a user's own script, whose last line is
+`raise SystemExit(main(build))` (`torchrun --nproc-per-node 4 my_model.py --schedule dualpipev`: its model, built by
+`build`, through the same runtime; pipeline.user_model, pipeline.launch.user_config). With `--interleave
+residual:1` the same job also trains the baseline, one step of each in turn
+(pipeline.runtime.train.train_interleaved), and writes runs/x/mhc_4/ and runs/x/residual_1/.
+
+Layout: world = pipeline ranks (--pp) x data-parallel replicas (--dp), expert parallelism (--ep) inside dp
+(pipeline.distributed.layout); without --pp the pipeline takes world / dp ranks. Several nodes: the same command on
+each, with torchrun's --nnodes and rendezvous flags. Reads RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) from
+torchrun. Backend: NCCL when every rank has its own GPU, gloo on CPU, and gloo with the host-staged transport
+when several ranks share a GPU (or with --transport host). Bad flags, config, layout or user model: one line on
+stderr, exit 2, before any rank computes. A distributed failure (timeout, dead peer): one line naming the rank, the
+op and the peer, exit 1, without tearing the group down (that can hang with a dead peer).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pipeline.launch.run_args import (check_resume, config_from_args, diagnostics_dir, interleaved_configs, variant_dir)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run's flags (this entry's and `mhcpipe run`'s; pipeline.launch.run_args turns them into the config)."""
+    p.add_argument("--config", default="tiny", help="YAML path or preset name in configs/ (default tiny)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"], help="parallel.schedule")
+    p.add_argument("--microbatches", type=int, help="parallel.microbatches: of the global batch (split over --dp)")
+    p.add_argument("--pp", type=int, help="parallel.ranks: pipeline ranks (default: processes / --dp)")
+    p.add_argument("--dp", type=int, help="parallel.data_parallel: data-parallel replicas of the pipeline")
+    p.add_argument("--ep", type=int, help="parallel.expert_parallel: ranks of dp that split each stage's experts")
+    p.add_argument("--cpu-bind", action="store_true",
+                   help="CPU runs: bind local rank i to core i mod cores (train.cpu_bind; "
+                        "pipeline/runtime/cpu_binding.py)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run F&B pairs as forward then backward (parallel.overlap false), for A/B measurements")
+    p.add_argument("--steps", type=int, help="train.steps")
+    p.add_argument("--residual", help="residual variant and n, e.g. 'mhc:4', 'mhc-sp:4', 'residual:1', or xHC's N:k "
+                                                "'xhc:16:4'")
+    p.add_argument("--expand", choices=["copy", "lss"],
+                   help="model.residual.expand: stack entry, copies or LSS per-stream learned scaling")
+    p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
+    p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
+    p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
+                   default=os.environ.get("MHCPIPE_TRANSPORT") or "auto",
+                   help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "
+                        "'host' = stage P2P through host memory (several ranks on one GPU); 'strict' = gloo P2P "
+                        "under NCCL's rules (a posting order that would hang on NCCL fails here with every rank's "
+                        "queue heads; train.comm_rules nccl), 'strict-pair' = the same with one queue per rank pair")
+    p.add_argument("--p2p-groups", choices=["channel", "shared"],
+                   help="parallel.p2p_groups: 'channel' (default) = one process group per direction of each "
+                        "pipeline link; 'shared' = one for all, the old design that deadlocks under NCCL (kept to "
+                        "reproduce it with --transport strict and mhcpipe check-comm)")
+    p.add_argument("--diagnostics-every", type=int, metavar="K",
+                   help="train.diagnostics_every: log stream-collapse diagnostics on step 0, every K-th step and the "
+                        "last, into --diagnostics-dir or --trace-dir (draw them with `mhcpipe diagnose`)")
+    p.add_argument("--diagnostics-dir", type=Path,
+                   help="where diagnostics_rank<r>.json go (default --trace-dir); without --trace-dir no spans are "
+                        "recorded, so a run of hundreds of steps stays light")
+    p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
+                        "pipeline/checkpoint/dcp.py)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--interleave", metavar="VARIANT:N",
+                   help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "
+                        "A/B measurement of the residual's cost in which both see the same machine state; "
+                        "traces go to TRACE_DIR/<variant>_<n>/")
+
+
+def main(argv: list[str] | None = None, build=None) -> int:
+    """Parse the run flags and train. `build`: a user's model builder (pipeline.launch.user_config), None = the
+    built-in model of --config."""
+    prog = "python -m pipeline" if build is None else Path(sys.argv[0]).name
+    parser = argparse.ArgumentParser(prog=prog, description="Train a model on a DualPipe-style pipeline (torchrun).")
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        how = "-m pipeline" if build is None else sys.argv[0]
+        print(f"{prog}: error: not started by torchrun (RANK/WORLD_SIZE unset); "
+              f"use `torchrun --nproc-per-node P {how} ...`" + (" or `mhcpipe run ...`" if build is None else ""),
+              file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    model = None
+    try:
+        if build is None:
+            cfg = config_from_args(args, world)
+            cfgs = interleaved_configs(cfg, args)
+        else:
+            from pipeline.launch.user_config import user_run
+
+            cfg, model = user_run(build, args, world)
+            cfgs = [cfg]
+        check_resume(cfg, args)
+    except ValueError as err:
+        # every rank reports: torchrun may kill rank 0 before it prints once another rank has exited
+        print(f"{prog}: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+        return 2
+
+    import torch
+
+    from pipeline.distributed.errors import PipelineError
+    from pipeline.distributed.p2p import init_distributed
+    from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
+    from pipeline.launch.gpu_sharing import gpu_shared_with_another_rank
+    from pipeline.runtime.train import pick_device, train, train_interleaved
+
+    fr_dir, backend = None, "gloo"
+    try:
+        device = pick_device(cfg, local_rank)
+        staged = args.transport == "host"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            # NCCL refuses two ranks on one GPU; one visible GPU per rank (SLURM --gpus-per-task=1) is not that
+            if not staged and gpu_shared_with_another_rank(device, local_rank, local_world, cfg.train.timeout_s):
+                staged = True
+        backend = "nccl" if device.type == "cuda" and not staged else "gloo"
+        fr_dir = flight_recorder_dir(args.trace_dir, os.environ)
+        flight_recorder_env(fr_dir, os.environ)  # before the process group exists: torch reads it at creation
+        note = init_distributed(backend, cfg.train.timeout_s, device)
+        if note and rank == 0:
+            print(f"{prog}: note: {note}", file=sys.stderr, flush=True)
+        def log(line: str) -> None:
+            print(line, flush=True)
+
+        if len(cfgs) > 1:
+            dirs = None if args.trace_dir is None else [variant_dir(args.trace_dir, c) for c in cfgs]
+            diag = diagnostics_dir(args)
+            train_interleaved(cfgs, rank, world, device, trace_dirs=dirs, staged=staged, log=log,
+                              diagnostics_dirs=None if diag is None else [variant_dir(diag, c) for c in cfgs])
+        else:
+            train(cfg, rank, world, device, trace_dir=args.trace_dir, diagnostics_dir=diagnostics_dir(args),
+                  checkpoint_dir=args.checkpoint_dir,
+                  resume=args.resume, staged=staged, log=log, model=model)
+    except PipelineError as err:
+        print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
+        if fr_dir is not None:
+            report_flight_recorder(fr_dir, rank, backend, cfg.train.timeout_s)
+        os._exit(1)
+    except ValueError as err:
+        print(f"{prog}: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+        os._exit(2)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float) -> None:
+    """After a one-line error: this rank's op ledger next to Flight Recorder's dumps, and one line saying where they
+    are. NCCL: the watchdog writes the dumps when the stuck op reaches the process-group timeout (counted from its
+    post); the rank waits that long for its own (MHCPIPE_FR_WAIT_S overrides; 0 = do not wait), so that torchrun
+    does not stop the job before every rank has written."""
+    from pipeline.distributed.p2p import process_group_timeout_s
+    from pipeline.observability.flight_recorder import dump_prefix, wait_for_dump, write_ledger
+
+    try:
+        write_ledger(folder, rank)
+    except OSError as err:
+        print(f"mhcpipe: note: could not write the op ledger into {folder}: {err}", file=sys.stderr, flush=True)
+        return
+    prefix = dump_prefix(os.environ) or str(folder / "rank_")
+    if backend != "nccl":
+        if rank == 0:
+            print(f"mhcpipe: note: op ledgers in {folder} (Flight Recorder writes dumps on NCCL runs only, at the "
+                  "process-group timeout)", file=sys.stderr, flush=True)
+        return
+    wait = float(os.environ.get("MHCPIPE_FR_WAIT_S", process_group_timeout_s(backend, timeout_s) + 30))
+    if rank == 0:
+        print(f"mhcpipe: note: Flight Recorder dumps go to {prefix}<rank> when NCCL's watchdog reaches the stuck op "
+              f"(waiting up to {wait:.0f} s; MHCPIPE_FR_WAIT_S=0 skips); then: mhcpipe check-comm {folder}",
+              file=sys.stderr, flush=True)
+    got = wait_for_dump(prefix, rank, wait) if wait > 0 else False
+    print(f"mhcpipe: rank {rank}: Flight Recorder dump {'written: ' + prefix + str(rank) if got else 'not written'}"
+          f"; op ledger {folder}/actions_rank{rank}.json", file=sys.stderr, flush=True)
+
+

@@ -1,0 +1,90 @@
+"""One pipeline stage of a user's model (pipeline.user_model): the same generator protocol as the built-in
+`Stage`, so the executor, the F&B pair runner, the gradient reduction, checkpoints and traces treat both alike.
+
+Shape letters: T tokens of a micro-batch, n streams, C hidden.
+
+Segments: on a pipeline's first stage the embedding and stream entry (ids -> [T, n, C]: the only place streams are
+expanded), then one segment per block, then on its last stage the head (the stream reduction and the logits) with
+the loss. Every segment starts from a detached leaf, so backward runs block by block and the stage's input-grad is
+the first segment's leaf grad. A stage that receives its input gets [T, n, C] from the previous stage and hands
+its blocks the micro-batch's token ids when one asks (`needs_token_ids`).
+
+`probe` (check-split): called with (what, stage, mb, tensor) for what crosses this stage's boundaries - "in" (the
+state it received), "out" (the state it sends), "loss", "grad_out" (the gradient it received), "grad_in" (the
+gradient it sends) - so a difference from the unsplit model is named by stage and micro-batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.partition import StageSpec
+from pipeline.runtime.stage import ChunkRun
+from pipeline.user_model import Parts, UserModel
+
+
+class UserStage(nn.Module):
+    def __init__(self, spec: StageSpec, model: UserModel, *, dtype: torch.dtype, microbatches: int, probe=None):
+        super().__init__()
+        self.spec = spec
+        self.model = model
+        self.parts = Parts(model, spec.blocks, embed=spec.has_embed, head=spec.has_head)
+        self.dtype = dtype
+        self.microbatches = microbatches
+        self.probe = probe
+        self.wants_ids = model.wants_token_ids(spec.blocks)
+        first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
+        self.labels = ([f"L{first}.embed"] if spec.has_embed else []) + \
+            [f"L{2 * b}.block" for b in spec.blocks] + ([f"L{end}.head"] if spec.has_head else [])
+        self.exchanges = False  # no expert-parallel all-to-alls of ours inside a user block: pairs run serially
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """By the model's global names (`embed.*`, `blocks.<b>.*`, `head.*`), not under `parts.`."""
+        return self.parts.named_parameters(prefix, recurse, remove_duplicate)
+
+    def _tell(self, what: str, mb: int, t: torch.Tensor | None) -> None:
+        if self.probe is not None and t is not None:
+            self.probe(what, self.spec.stage, mb, t.detach())
+
+    def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env):
+        mb, model = run.mb, self.model
+        ids = run.ids
+        if self.spec.has_embed:
+            ids = inp
+            x = model.embed_tokens(inp, self.dtype)
+            run.segs.append((None, x, None))
+            yield
+        else:
+            x = inp
+            self._tell("in", mb, x)
+        for b in self.spec.blocks:
+            leaf = x.detach().requires_grad_(True)
+            with env.saved.hooks():
+                y = model.run_block(b, leaf, ids)
+            run.segs.append((leaf, y, None))
+            x = y
+            yield
+        if self.spec.has_head:
+            leaf = x.detach().requires_grad_(True)
+            with env.saved.hooks():
+                loss = model.micro_loss(leaf, labels, self.microbatches)
+            run.segs.append((leaf, loss, None))
+            run.loss = loss.detach()
+            self._tell("loss", mb, run.loss)
+            yield
+        else:
+            run.output = x.detach()
+            self._tell("out", mb, run.output)
+
+    def backward_steps(self, run: ChunkRun, grad: torch.Tensor | None, env):
+        self._tell("grad_out", run.mb, grad)
+        g = grad
+        while run.segs:
+            leaf, out, _ = run.segs.pop()
+            torch.autograd.backward(out, g)
+            g = None if leaf is None else leaf.grad
+            del leaf, out
+            yield
+        run.input_grad = g
+        if not self.spec.has_embed:
+            self._tell("grad_in", run.mb, g)

@@ -1,0 +1,257 @@
+"""Your own model through the pipeline: what a user hands mhc-pipe, and the contract every piece must keep.
+
+Shape letters: T tokens of a micro-batch (batch x sequence, flattened), n residual streams, C hidden, V vocabulary.
+
+A `UserModel` is an embedding (token ids [T] -> [T, C]), an optional stream entry (`expand`, [T, C] -> [T, n, C];
+default: n copies), blocks (each [T, n, C] -> [T, n, C]), a head ([T, n, C] -> logits [T, V]: the head reduces the
+streams) and a loss (logits [T, V], labels [T] -> this micro-batch's mean token loss), plus n. The runtime expands
+the streams on a pipeline's first stage only, sends [T, n, C] across every boundary, runs the head (and its stream
+reduction) on the last stage only, and hands a block that sets `needs_token_ids = True` the micro-batch's real
+token ids as `block(x, token_ids=ids)` on whichever stage holds it (hash routing needs the ids, never something
+derived from hidden states).
+
+`UserModel.from_sublayers` builds one from sub-layer functions ([T, C] -> [T, C], e.g. attention and MLP with their
+pre-norm) that mhc-pipe wraps in its own residual (`kernels.MHCSublayer`: residual, hc, mhc, mhc-lite), with the
+mean over streams before a head that takes [T, C]; `--residual mhc:4` picks the wrapping of such a model.
+
+A builder (`def build() -> UserModel`) runs on every rank under the same seed, so every rank holds the same
+parameters and keeps only its stages' modules; the parameter names are `embed.*`, `expand.*`, `blocks.<b>.*`,
+`head.*` on every layout (checkpoints and gradient comparisons go by them).
+
+Bad pieces are refused in one line naming the piece and the fix (`ContractError`, a ValueError): a block whose
+output breaks [T, n, C], a head that returns per-stream logits (no stream reduction), an embedding that does not
+return [T, C], a loss that is not a scalar.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels import MHCConfig, MHCSublayer, StreamExpand, contract
+
+
+class ContractError(ValueError):
+    """A piece of a user model broke its shape contract (one line: the piece, what it returned, the fix)."""
+
+
+class CopyExpand(nn.Module):
+    """Default stream entry: h [T, C] -> n copies [T, n, C] (hyper-connections' expand_stream does the same)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.unsqueeze(1).expand(-1, self.n, -1).contiguous()
+
+
+class MeanStreamsHead(nn.Module):
+    """Head of a sub-layer model: the mean over the streams (kernels.contract), then the user's [T, C] head."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.inner = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(contract(x))
+
+
+def parse_residual(value: str | MHCConfig) -> MHCConfig:
+    """'mhc:4' (VARIANT:N) -> the MHCConfig mhc-pipe wraps sub-layers in; only MHCSublayer's variants."""
+    if isinstance(value, MHCConfig):
+        cfg = value
+    else:
+        variant, _, n = str(value).partition(":")
+        if not n.isdigit():
+            raise ContractError(f"residual {value!r}: use VARIANT:N, e.g. mhc:4, hc:4, mhc-lite:4 or residual:1")
+        try:
+            cfg = MHCConfig(variant=variant, n=int(n))
+        except Exception as err:  # noqa: BLE001 - pydantic's message, first line
+            raise ContractError(f"residual {value!r}: {str(err).splitlines()[-1].strip()}") from None
+    if cfg.variant not in ("residual", "hc", "mhc", "mhc-lite"):
+        raise ContractError(f"residual {cfg.variant!r}: a user model's sub-layers can be wrapped in residual, hc, mhc "
+                            "or mhc-lite (xhc and mhc-sp carry state between sub-layers the built-in model owns)")
+    return cfg
+
+
+@dataclass
+class UserModel:
+    """A user's model, as mhc-pipe runs it (module docstring). `split_points`: the first block of every stage
+    after the first (None: balanced by each block's parameter count)."""
+
+    embed: nn.Module
+    blocks: list[nn.Module]
+    head: nn.Module
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    n: int
+    hidden: int
+    vocab_size: int
+    expand: nn.Module | None = None
+    split_points: list[int] | None = None
+    name: str = "user"
+    residual: MHCConfig | None = field(default=None)  # set by from_sublayers: the wrapping it used
+
+    def __post_init__(self) -> None:
+        for what, value in (("n", self.n), ("hidden", self.hidden), ("vocab_size", self.vocab_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ContractError(f"UserModel.{what} = {value!r}: a positive integer")
+        for what, m in (("embed", self.embed), ("head", self.head)):
+            if not isinstance(m, nn.Module):
+                raise ContractError(f"UserModel.{what} is a {type(m).__name__}, not a torch.nn.Module")
+        self.blocks = list(self.blocks)
+        if not self.blocks:
+            raise ContractError("UserModel.blocks is empty: a model needs at least one block")
+        for b, m in enumerate(self.blocks):
+            if not isinstance(m, nn.Module):
+                raise ContractError(f"UserModel.blocks[{b}] is a {type(m).__name__}, not a torch.nn.Module")
+        if not callable(self.loss):
+            raise ContractError("UserModel.loss is not callable: give loss(logits [T, V], labels [T]) -> scalar")
+        if self.expand is None:
+            self.expand = CopyExpand(self.n)
+
+    @classmethod
+    def from_sublayers(cls, *, embed: nn.Module, sublayers: list[nn.Module], head: nn.Module, loss, hidden: int,
+                       vocab_size: int, residual: str | MHCConfig = "mhc:4", split_points: list[int] | None = None,
+                       name: str = "user") -> "UserModel":
+        """Sub-layer functions [T, C] -> [T, C], each wrapped in mhc-pipe's residual (`residual`, e.g. 'mhc:4',
+        'residual:1'); consecutive pairs form a block (attention, MLP), so 2k sub-layers give k blocks. `head`
+        takes [T, C]: the streams are averaged before it."""
+        res = parse_residual(residual)
+        if len(sublayers) % 2:
+            raise ContractError(f"from_sublayers: {len(sublayers)} sub-layers; give pairs (attention, MLP) so that "
+                                "every block holds two")
+        wrapped = [MHCSublayer(res, f, hidden, layer_index=i) for i, f in enumerate(sublayers)]
+        blocks = [nn.Sequential(wrapped[i], wrapped[i + 1]) for i in range(0, len(wrapped), 2)]
+        return cls(embed=embed, blocks=blocks, head=MeanStreamsHead(head), loss=loss, n=res.n, hidden=hidden,
+                   vocab_size=vocab_size, expand=StreamExpand(res, hidden), split_points=split_points, name=name,
+                   residual=res)
+
+    # -- the contract ----------------------------------------------------------------------------------------
+    def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [T] -> x_0 [T, n, C]: the embedding, then the stream entry (a pipeline's first stage only)."""
+        h = self.embed(ids)
+        t, c = ids.shape[0], self.hidden
+        if not torch.is_tensor(h) or tuple(h.shape) != (t, c):
+            raise ContractError(f"embed returned {_shape(h)} for {t} token ids; it must return [T, C] = [{t}, {c}]")
+        x = self.expand(h.to(dtype))
+        if not torch.is_tensor(x) or tuple(x.shape) != (t, self.n, c):
+            raise ContractError(f"expand returned {_shape(x)}; it must turn [T, C] into [T, n, C] = "
+                                f"[{t}, {self.n}, {c}]")
+        return x
+
+    def run_block(self, b: int, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """Block b on the stream state x [T, n, C], with the token ids if it asks for them."""
+        m = self.blocks[b]
+        y = m(x, token_ids=ids) if needs_token_ids(m) else m(x)
+        if not torch.is_tensor(y) or y.shape != x.shape:
+            raise ContractError(f"block {b} ({type(m).__name__}) returned {_shape(y)}; a block maps [T, n, C] -> "
+                                f"[T, n, C] = {list(x.shape)} (return all n={self.n} streams)")
+        return y
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        out = self.head(x)
+        if not torch.is_tensor(out) or out.dim() != 2 or out.shape[0] != t or out.shape[1] != self.vocab_size:
+            hint = " (per-stream logits: the head must reduce the n streams)" if torch.is_tensor(out) and \
+                out.dim() == 3 and out.shape[1] == self.n else ""
+            raise ContractError(f"head returned {_shape(out)}; it must return logits [T, V] = "
+                                f"[{t}, {self.vocab_size}]{hint}")
+        return out
+
+    def micro_loss(self, x: torch.Tensor, labels: torch.Tensor, microbatches: int) -> torch.Tensor:
+        """This micro-batch's share of the step's loss: the user's mean token loss / M (micro-batches hold equal
+        token counts, so the sum over micro-batches is the mean over the step's tokens)."""
+        loss = self.loss(self.logits(x), labels)
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ContractError(f"loss returned {_shape(loss)}; it must return a scalar (the mean token loss of the "
+                                "micro-batch)")
+        return loss / microbatches
+
+    def wants_token_ids(self, blocks) -> bool:
+        return any(needs_token_ids(self.blocks[b]) for b in blocks)
+
+    # -- placement -------------------------------------------------------------------------------------------
+    def block_costs(self) -> list[int]:
+        """Counted cost of each block: its parameters (at least 1)."""
+        return [max(1, sum(p.numel() for p in m.parameters())) for m in self.blocks]
+
+    def chunks(self, count: int) -> list[range]:
+        """Blocks of each of `count` model chunks: at the user's split points, else balanced by counted cost."""
+        nb = len(self.blocks)
+        if count > nb:
+            raise ContractError(f"{nb} blocks cannot fill {count} pipeline stages; use fewer ranks (--pp) or a "
+                                "schedule with fewer stages per rank")
+        if self.split_points is not None:
+            cuts = list(self.split_points)
+            if len(cuts) != count - 1 or cuts != sorted(set(cuts)) or (cuts and not 0 < cuts[0] <= cuts[-1] < nb):
+                raise ContractError(f"UserModel.split_points {cuts}: give {count - 1} increasing block indices in "
+                                    f"1..{nb - 1} (the first block of every stage after the first)")
+            edges = [0, *cuts, nb]
+            return [range(edges[i], edges[i + 1]) for i in range(count)]
+        return balanced_chunks(self.block_costs(), count)
+
+    def signature(self) -> dict:
+        """What a checkpoint must match to resume: the model's name and every parameter's name and shape."""
+        shapes = {k: list(p.shape) for k, p in self.named_parts().named_parameters()}
+        digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()
+        return {"user_model": self.name, "n": self.n, "parameters": len(shapes), "shapes_sha256": digest}
+
+    def named_parts(self) -> nn.Module:
+        """The whole model as one module, with the parameter names every stage uses."""
+        return Parts(self, range(len(self.blocks)), embed=True, head=True)
+
+
+class Parts(nn.Module):
+    """The pieces of a user model one stage (or the unsplit reference) holds, under their global names."""
+
+    def __init__(self, model: UserModel, blocks: range, *, embed: bool, head: bool):
+        super().__init__()
+        self.embed = model.embed if embed else None
+        self.expand = model.expand if embed else None
+        self.blocks = nn.ModuleDict({str(b): model.blocks[b] for b in blocks})
+        self.head = model.head if head else None
+
+
+def needs_token_ids(m: nn.Module) -> bool:
+    return bool(getattr(m, "needs_token_ids", False))
+
+
+def balanced_chunks(costs: list[int], count: int) -> list[range]:
+    """Contiguous chunks of blocks minimising the largest chunk's cost (exact: binary search on the bound)."""
+    def fits(bound: int) -> bool:
+        used, total = 1, 0
+        for c in costs:
+            if c > bound:
+                return False
+            if total + c > bound:
+                used, total = used + 1, 0
+            total += c
+        return used <= count
+
+    lo, hi = max(costs), sum(costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    # greedy under the bound, leaving at least one block for every chunk still to fill
+    out, start, total = [], 0, 0
+    for i, c in enumerate(costs):
+        left_chunks = count - len(out) - 1
+        if i > start and (total + c > lo or len(costs) - i == left_chunks):
+            out.append(range(start, i))
+            start, total = i, 0
+        total += c
+    out.append(range(start, len(costs)))
+    return out
+
+
+def _shape(value) -> str:
+    if torch.is_tensor(value):
+        return f"shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"

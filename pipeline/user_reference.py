@@ -1,0 +1,62 @@
+"""The unsplit run of a user's model (pipeline.user_model): what check-split compares every schedule against.
+
+Shape letters: M micro-batches, T tokens of a micro-batch, n streams, C hidden.
+
+One process, no stages, no P2P: for every micro-batch g of the step's batch, in order, the embedding and stream
+entry, every block, the head and the loss, with the token ids handed straight to the blocks that ask. It keeps
+the stream state after every block (`states[g, b]`, b = -1 after the stream entry) and, after one backward over the
+micro-batch's loss, that state's gradient (`state_grads[g, b]`), so a pipeline stage's boundary tensors can be
+compared with the unsplit model's at the same block; parameters' gradients accumulate over the micro-batches as
+the pipeline's do. Micro-batches run one at a time with the pipeline's shapes, so no difference comes from
+batching a different number of tokens through a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.data import make_batch
+from pipeline.model import activation_dtype, param_dtype
+from pipeline.user_model import UserModel
+
+
+@dataclass
+class UnsplitRun:
+    states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (g, b) -> state after block b
+    state_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # g -> this micro-batch's share of the loss
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> step gradient
+    order: list[str] = field(default_factory=list)  # parameter names in model order
+
+    @property
+    def loss(self) -> float:
+        return float(sum(self.losses.values()))
+
+
+def unsplit_run(model: UserModel, cfg, step: int = 0) -> UnsplitRun:
+    """One step's forward and backward of the unsplit model on `cfg`'s batch (no optimizer step). The model is
+    moved to the run's dtype; contract violations raise pipeline.user_model.ContractError."""
+    dtype = activation_dtype(cfg.train.dtype)
+    parts = model.named_parts().to(dtype=param_dtype(cfg.train.dtype))
+    batch = make_batch(cfg, step)
+    m = cfg.parallel.microbatches
+    out = UnsplitRun(order=[name for name, _ in parts.named_parameters()])
+    for g in range(m):
+        ids, labels = batch.microbatch(g)
+        x = model.embed_tokens(ids, dtype)
+        kept = [x]
+        x.retain_grad()
+        for b in range(len(model.blocks)):
+            x = model.run_block(b, x, ids)
+            x.retain_grad()
+            kept.append(x)
+        loss = model.micro_loss(x, labels, m)
+        loss.backward()
+        out.losses[g] = loss.detach()
+        for b, t in enumerate(kept, start=-1):
+            out.states[g, b] = t.detach()
+            out.state_grads[g, b] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+    out.grads = {name: p.grad.detach().clone() for name, p in parts.named_parameters() if p.grad is not None}
+    parts.zero_grad(set_to_none=True)
+    return out
