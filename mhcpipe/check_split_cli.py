@@ -1,7 +1,7 @@
 """`mhcpipe check-split`: does your model, split into pipeline stages, compute what the unsplit model computes?
 
     mhcpipe check-split MODEL [--schedule all|KIND[,KIND..]] [--layouts pp4,pp2xdp2] [--config tiny]
-                        [--microbatches M] [--residual VARIANT:N] [--rtol 1e-6] [--rules nccl|backend] [--json OUT]
+                        [--microbatches M] [--residual VARIANT:N] [--rtol 1e-9] [--rules nccl|backend] [--json OUT]
 
 example: mhcpipe check-split examples/hc_model.py:build
 
@@ -34,11 +34,13 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="tiny", help="preset or YAML giving the batch and seed (default tiny)")
     p.add_argument("--microbatches", type=int, help="parallel.microbatches (default: the config's)")
     p.add_argument("--residual", help="for builders that take it: the residual their sub-layers are wrapped in")
-    p.add_argument("--rtol", type=float, help="relative tolerance (default 1e-6)")
+    p.add_argument("--rtol", type=float, help="relative tolerance (default 1e-9; pipeline/launch/check_split.py says why)")
     p.add_argument("--rules", choices=("nccl", "backend"), default="nccl",
                    help="P2P under NCCL's rules (default: an order NCCL would hang on or mismatch fails with every "
                         "rank's queue heads) or plain gloo's (a mismatched order then shows as wrong numbers)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for all cases of one world size")
+    p.add_argument("--p2p-timeout", type=float, help="seconds any wait inside a step may take (train.timeout_s; "
+                                                     "default the config's)")
     p.add_argument("--json", dest="json_out", type=Path, help="write every case's result here")
     p.set_defaults(func=run_check_split)
 
@@ -73,6 +75,9 @@ def run_check_split(args) -> int:
     rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
     if rtol <= 0:
         raise ValueError(f"--rtol {rtol:g}: must be > 0")
+    for flag, value in (("--timeout", args.timeout), ("--p2p-timeout", args.p2p_timeout)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} {value:g}: must be > 0 seconds")
     if args.microbatches is not None and args.microbatches < 1:
         raise ValueError(f"--microbatches {args.microbatches}: must be >= 1")
     base = load_config(args.config, {"parallel": {"microbatches": args.microbatches}} if args.microbatches else None)
@@ -81,7 +86,7 @@ def run_check_split(args) -> int:
           flush=True)
     started = time.perf_counter()
     results = run_cases(args.model, base, cases, residual=args.residual, rtol=rtol, rules=args.rules,
-                        timeout_s=args.timeout,
+                        timeout_s=args.timeout, p2p_timeout_s=args.p2p_timeout,
                         log=lambda line: print(line, flush=True))
     for r in results:
         if not r.ok and r.message.startswith("rank "):

@@ -172,6 +172,18 @@ class UserModel:
                                 "micro-batch)")
         return loss / microbatches
 
+    def dry_run(self, seq_len: int) -> None:
+        """One sequence through every piece without gradients: a broken contract is one line on every rank before
+        any rank computes (in a step it would stop one rank while its peers wait for it until the timeout)."""
+        param = next(self.named_parts().parameters(), None)
+        dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        ids = torch.zeros(seq_len, dtype=torch.long)
+        with torch.no_grad():
+            x = self.embed_tokens(ids, dtype)
+            for b in range(len(self.blocks)):
+                x = self.run_block(b, x, ids)
+            self.micro_loss(x, ids, 1)
+
     def wants_token_ids(self, blocks) -> bool:
         return any(needs_token_ids(self.blocks[b]) for b in blocks)
 

@@ -23,6 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 RANKS_MODULES = frozenset({
     "tests/bench/test_bench_torch_dualpipev.py",
+    "tests/pipeline/test_check_split.py",
     "tests/pipeline/test_pipeline_checkpoint.py",
     "tests/pipeline/test_pipeline_cli.py",
     "tests/pipeline/test_pipeline_collective.py",

@@ -64,10 +64,11 @@ _FLAG_FIELDS = {
 _TRANSPORT_RULES = {"strict": "nccl", "strict-pair": "nccl-pair"}  # --transport -> train.comm_rules
 
 
-def config_from_args(args: RunFlags, world: int | None):
+def config_from_args(args: RunFlags, world: int | None, model: dict | None = None):
     """The run's config from the file and the flags; `world` (processes started), when known, sets the pipeline
-    ranks if --pp is not given (world / data_parallel) and must equal pp x dp."""
-    from configs import load_config, load_config_data
+    ranks if --pp is not given (world / data_parallel) and must equal pp x dp. `model`: a model section that
+    replaces the file's before validation (a user's model: pipeline.launch.user_config)."""
+    from configs import load_config_data, parse_config
     from pipeline.distributed.layout import Layout
 
     for flag in ("pp", "dp", "ep", "microbatches", "steps", "diagnostics_every"):
@@ -97,7 +98,10 @@ def config_from_args(args: RunFlags, world: int | None):
             over["recompute"] = {"mode": "block", "block_size": int(args.recompute)}
         else:
             raise ValueError(f"--recompute {args.recompute!r}: use 'off', 'auto' or a block size")
-    cfg = load_config(args.config, {k: v for k, v in over.items() if v})
+    data, path = load_config_data(args.config, {k: v for k, v in over.items() if v})
+    if model is not None:
+        data["model"] = model
+    cfg = parse_config(data, str(path))
     if args.residual:
         cfg = with_residual_flag(cfg, "--residual", args.residual)
     if getattr(args, "expand", None):

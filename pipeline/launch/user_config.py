@@ -4,7 +4,8 @@ refuses for it (pipeline.user_model is the model's contract; this is the run aro
 `load_builder("examples/my_model.py:build")` (or "package.module:build") finds a builder without running the file as a
 script; `build_model(builder, seed, residual)` calls it under a seed derived from the run's (every rank builds the
 same parameters) and turns any failure into one line; `user_run(builder, args, world)` is what a user's torchrun
-script does before training: the run flags' config, with `model` describing the user's model.
+script does before training: the run flags' config, its `model` section describing the user's model
+(`model_section`).
 
 `cfg.model` of a user run: name, vocab_size, num_blocks, hidden and residual (variant and n) are the user model's;
 num_heads, head_dim and mlp_hidden are the built-in block's fields and say nothing about the user's blocks
@@ -18,9 +19,10 @@ import inspect
 import sys
 from pathlib import Path
 
-from kernels import MHCConfig
+from schedules import build as build_schedule
 
 from pipeline.model import seeded
+from pipeline.partition import chunk_count
 from pipeline.user_model import UserModel
 
 
@@ -79,18 +81,24 @@ def build_model(builder, seed: int, residual: str | None = None, seq_len: int | 
     return model
 
 
+def model_section(model: UserModel) -> dict:
+    """The `model` section of a config describing `model` (module docstring: which fields mean something)."""
+    if model.residual is not None:
+        residual = model.residual.model_dump()
+    else:
+        residual = {"variant": "mhc" if model.n > 1 else "residual", "n": model.n}
+    return {"name": f"{model.name} (user model)", "vocab_size": model.vocab_size, "num_blocks": len(model.blocks),
+            "hidden": model.hidden, "num_heads": 1, "head_dim": model.hidden, "mlp_hidden": model.hidden,
+            "residual": residual}
+
+
 def user_config(cfg, model: UserModel):
     """`cfg` (the run's parallel/train/recompute settings) with `model` describing the user's model."""
-    from configs import ModelConfig
+    from configs import parse_config
 
-    if model.residual is not None:
-        residual = model.residual
-    else:
-        residual = MHCConfig(variant="mhc" if model.n > 1 else "residual", n=model.n)
-    mc = ModelConfig(name=f"{model.name} (user model)", vocab_size=model.vocab_size, num_blocks=len(model.blocks),
-                     hidden=model.hidden, num_heads=1, head_dim=model.hidden, mlp_hidden=model.hidden,
-                     residual=residual)
-    return cfg.model_copy(update={"model": mc})
+    data = cfg.model_dump()
+    data["model"] = model_section(model)
+    return parse_config(data)
 
 
 def refuse_for_user_model(cfg, args) -> None:
@@ -108,14 +116,30 @@ def refuse_for_user_model(cfg, args) -> None:
 
 
 def user_run(builder, args, world: int | None):
-    """(cfg, model) of a user's torchrun script: the run flags' config (--config for parallel/train settings),
-    the model built under its seed, refused settings named in one line."""
+    """(cfg, model) of a user's torchrun script: the model built under the seed of --config (which gives the
+    parallel/train settings; its own model section is replaced by the user's), refused settings named in one line,
+    the split checked and one sequence run through every piece before any rank computes."""
+    from configs import load_config_data
+
     from pipeline.launch.run_args import config_from_args
 
+    raw, _ = load_config_data(args.config)
+    seed = (raw.get("train") or {}).get("seed", 0)
+    seq_len = (raw.get("parallel") or {}).get("seq_len")
     residual, args.residual = args.residual, None
-    base = config_from_args(args, world)
-    args.residual = residual
-    refuse_for_user_model(base, args)
-    model = build_model(builder, base.train.seed, residual, base.parallel.seq_len)
-    cfg = user_config(base, model)
+    try:
+        model = build_model(builder, seed if isinstance(seed, int) else 0, residual,
+                            seq_len if isinstance(seq_len, int) and seq_len > 0 else None)
+        cfg = config_from_args(args, world, model=model_section(model))
+    finally:
+        args.residual = residual
+    refuse_for_user_model(cfg, args)
+    par = cfg.parallel
+    model.chunks(chunk_count(par.schedule, build_schedule(par.schedule, par.ranks, par.microbatches_per_replica)))
+    try:
+        model.dry_run(par.seq_len)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's code: one line
+        raise ValueError(f"the model's first forward failed: {type(err).__name__}: {err}") from None
     return cfg, model

@@ -1,0 +1,190 @@
+"""check-split on the tests' rank processes: the hyper-connections example agrees with its unsplit self under every
+schedule and layout, and each stage-boundary bug that other pipelines shipped, injected here into a rank, is
+caught and named by stage and micro-batch (pipeline.launch.check_split).
+
+A bug is injected by a worker that patches the runtime inside the rank processes and then runs check-split's own
+worker; the unsplit reference in this process is untouched."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rank_pool import launch
+
+from configs import load_config
+from pipeline.launch.check_split import SCHEDULES, run_cases, split_worker
+from pipeline.user_model import ContractError
+
+ROOT = Path(__file__).resolve().parents[2]
+HC = f"{ROOT}/examples/hc_model.py:build"
+
+
+def cases(schedules, layouts):
+    return [(s, pp, dp) for pp, dp in layouts for s in schedules]
+
+
+def check(spec=HC, case_list=(("1f1b", 4, 1),), **kw):
+    return run_cases(spec, load_config("tiny"), list(case_list), launcher=launch, timeout_s=240, **kw)
+
+
+def test_the_hyper_connections_example_agrees_with_one_process_under_every_schedule_and_layout():
+    results = check(case_list=cases(SCHEDULES, [(4, 1), (2, 2)]))
+    assert [r.line() for r in results if not r.ok] == []
+    assert len(results) == 10
+    assert max(r.worst for r in results) < 1e-12  # same kernels on the same micro-batches: only summation order
+    assert len({round(r.loss, 12) for r in results}) == 1
+
+
+def test_a_plain_transformer_wrapped_in_our_mhc_agrees_too():
+    results = check(f"{ROOT}/examples/plain_transformer.py:build", cases(["dualpipev", "zb1p"], [(4, 1)]),
+                    residual="mhc:4")
+    assert all(r.ok for r in results), [r.line() for r in results]
+
+
+# -- injected boundary bugs -------------------------------------------------------------------------------------
+def _patched(attr_owner, name, replacement, rank, world, *args):
+    original = getattr(attr_owner, name)
+    setattr(attr_owner, name, replacement(original))
+    try:
+        return split_worker(rank, world, *args)
+    finally:
+        setattr(attr_owner, name, original)
+
+
+def expand_every_stage(rank, world, *args):
+    """A split that runs the stream entry again on every stage's input (as if it were the hidden state)."""
+    from pipeline.runtime.user_stage import UserStage
+
+    def wrap(orig):
+        def forward_steps(self, run, inp, labels, env):
+            if not self.spec.has_embed:
+                inp = self.model.expand(inp[:, 0])
+            return orig(self, run, inp, labels, env)
+        return forward_steps
+    return _patched(UserStage, "forward_steps", wrap, rank, world, *args)
+
+
+def drop_head_reduction(rank, world, *args):
+    """The last stage keeps the head's projection but its stream reduction sees stream 0 only."""
+    from pipeline.user_model import UserModel
+
+    def wrap(orig):
+        def micro_loss(self, x, labels, microbatches):
+            return orig(self, x[:, :1].expand_as(x), labels, microbatches)
+        return micro_loss
+    return _patched(UserModel, "micro_loss", wrap, rank, world, *args)
+
+
+def ids_from_hidden_states(rank, world, *args):
+    """Later stages 'recover' the token ids from the hidden state instead of receiving the real ones."""
+    from pipeline.runtime.user_stage import UserStage
+
+    def wrap(orig):
+        def forward_steps(self, run, inp, labels, env):
+            if not self.spec.has_embed:
+                run.ids = inp[:, 0].argmax(-1)
+            return orig(self, run, inp, labels, env)
+        return forward_steps
+    return _patched(UserStage, "forward_steps", wrap, rank, world, *args)
+
+
+def swap_two_messages(rank, world, *args):
+    """Our runtime, mutated: the sender posts the first two forward activations of a channel in swapped order."""
+    from pipeline.runtime.executor import Executor
+
+    def wrap(orig):
+        def __init__(self, *a, **kw):
+            orig(self, *a, **kw)
+            for order in self.send_order.values():
+                fwd = [i for i, key in enumerate(order) if key[0].value == "SEND_F"]
+                if len(fwd) >= 2:
+                    order[fwd[0]], order[fwd[1]] = order[fwd[1]], order[fwd[0]]
+        return __init__
+    return _patched(Executor, "__init__", wrap, rank, world, *args)
+
+
+def test_streams_expanded_on_every_stage_are_caught_at_the_second_stage():
+    """Nearly invisible at initialisation (the copies of one token are still almost equal: the input moves by
+    ~4e-8, the loss by ~1e-9), but some gradients move by O(1); the first difference in data-flow order is the
+    second stage's input. Stages by parameter count: the hash-routed block 7 (4 experts) is a stage alone."""
+    (r,) = check(worker=expand_every_stage)
+    assert not r.ok
+    assert r.message.startswith("stage 1 (rank 1, blocks 3-5) micro-batch 0: the state it received differs from the "
+                                "unsplit model's state after block 2 (relative error"), r.message
+
+
+def test_a_dropped_head_reduction_is_caught_at_the_last_stage():
+    (r,) = check(worker=drop_head_reduction)
+    assert not r.ok
+    # the streams are nearly equal at initialisation, so the loss moves below the tolerance; the gradient the head's
+    # stage sends back does not (each stream's share of it now goes to stream 0)
+    assert r.message.startswith("stage 3 (rank 3, block 7) micro-batch 0: the gradient it sends back differs from "
+                                "the unsplit model's gradient of the state after block 6"), r.message
+
+
+def test_token_ids_taken_from_hidden_states_are_caught_where_the_hash_routed_block_runs():
+    (r,) = check(worker=ids_from_hidden_states)
+    assert not r.ok
+    # block 7 routes by token id: stage 3 is the first whose numbers move; stages 1 and 2 (no such block) agree
+    assert r.message.startswith("stage 3 (rank 3, block 7) micro-batch 0: its loss differs"), r.message
+
+
+def test_two_swapped_messages_at_pp2_are_wrong_numbers_on_gloo_and_a_named_mismatch_under_nccl_rules():
+    (r,) = check(case_list=[("1f1b", 2, 1)], worker=swap_two_messages, rules="backend")
+    assert not r.ok
+    assert r.message.startswith("stage 1 (rank 1, blocks 5-7) micro-batch 0: the state it received differs"), \
+        r.message
+    # under NCCL's rules (the strict transport) the sender sees the mismatch at once, the receiver at its deadline
+    (r,) = check(case_list=[("1f1b", 2, 1)], worker=swap_two_messages, p2p_timeout_s=5)
+    assert not r.ok
+    assert "NCCL order mismatch on p2p:0>1: its next send to rank 1 is F/s0/mb1" in r.message, r.message
+    assert "but rank 1's next receive from it is F/s0/mb0" in r.message, r.message
+
+
+def test_a_block_returning_one_stream_stops_before_any_rank_starts(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT / 'examples')!r})
+from torch import nn
+from hc_model import build as build_hc
+
+
+class OneStream(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x).sum(1)  # [T, C]: the streams summed away inside a block
+
+
+def build(seq_len: int = 32):
+    model = build_hc(seq_len)
+    model.blocks[3] = OneStream(model.blocks[3])
+    return model
+""")
+    with pytest.raises(ContractError) as err:
+        check(f"{broken}:build")
+    assert str(err.value) == ("block 3 (OneStream) returned shape [64, 64]; a block maps [T, n, C] -> [T, n, C] = "
+                              "[64, 4, 64] (return all n=4 streams)")
+
+
+def test_the_probe_sees_every_boundary_of_every_micro_batch():
+    """What the comparison reads: for 1F1B on 4 ranks, M=8, every stage but the first received 8 states and sent 8
+    gradients, every stage but the last sent 8 states, the last computed 8 losses."""
+    from pipeline.launch.check_split import case_config
+    cfg = case_config(load_config("tiny"), "1f1b", 4, 1)
+    got = launch(split_worker, 4, (HC, None, [cfg.model_dump()]), timeout_s=240)
+    assert all(r.exitcode == 0 for r in got), [r.error for r in got]
+    seen = {}
+    for r in got:
+        for what, stage, g, t in r.value[0]["records"]:
+            seen.setdefault((what, stage), set()).add(g)
+            assert torch.isfinite(t).all()
+    want = {("in", s) for s in (1, 2, 3)} | {("grad_in", s) for s in (1, 2, 3)} | \
+        {("out", s) for s in (0, 1, 2)} | {("grad_out", s) for s in (0, 1, 2)} | {("loss", 3)}
+    assert set(seen) == want
+    assert all(gs == set(range(8)) for gs in seen.values())
