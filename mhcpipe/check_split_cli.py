@@ -34,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="tiny", help="preset or YAML giving the batch and seed (default tiny)")
     p.add_argument("--microbatches", type=int, help="parallel.microbatches (default: the config's)")
     p.add_argument("--residual", help="for builders that take it: the residual their sub-layers are wrapped in")
-    p.add_argument("--rtol", type=float, help="relative tolerance (default 1e-9; pipeline/launch/check_split.py says why)")
+    p.add_argument("--rtol", type=float,
+                   help="relative tolerance (default 1e-9; pipeline/launch/check_split.py says why)")
     p.add_argument("--rules", choices=("nccl", "backend"), default="nccl",
                    help="P2P under NCCL's rules (default: an order NCCL would hang on or mismatch fails with every "
                         "rank's queue heads) or plain gloo's (a mismatched order then shows as wrong numbers)")
