@@ -60,10 +60,7 @@ def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl", p2p_
     if p2p_timeout_s is not None:
         data["train"]["timeout_s"] = p2p_timeout_s
     data["recompute"] = {"mode": "off"}
-    try:
-        return parse_config(data)
-    except ValueError as err:
-        raise ValueError(f"{schedule} pp{pp} x dp{dp}: {err}") from None
+    return parse_config(data, f"{schedule} pp{pp} x dp{dp}")
 
 
 def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dicts: list[dict]) -> list[dict]:

@@ -347,10 +347,10 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     groups = make_groups(cfg, rank, world, device, staged)
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
                      record=trace_dir is not None, model=model, probe=probe)
-    pairs = any(a.kind.value == "FB" for a in rt.executor.actions)
-    if model is not None and rt.pair is not None and rank == 0 and pairs:
-        log("note: F&B pairs of a user model run their halves one after the other (a user block exposes no phases "
-            "to interleave; parallel.overlap has nothing to overlap)")
+    if model is not None and rank == 0:
+        note = user_model_note(rt)
+        if note:
+            log(note)
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
@@ -379,6 +379,19 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
             log(f"diagnostics: {diagnostics_dir}/diagnostics_rank*.json (mhcpipe diagnose {diagnostics_dir})")
     rt.close()
     return history
+
+
+def user_model_note(rt: RankRuntime) -> str | None:
+    """What runs differently for a user model, said once: its F&B pairs' halves run one after the other (a user
+    block exposes no phases to interleave), and its I computes the weight-gradients too (no DeferLinear inside a user
+    block), so W has nothing left to do."""
+    kinds = {a.kind.value for a in rt.executor.actions}
+    said = []
+    if "FB" in kinds and rt.pair is not None:
+        said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
+    if "W" in kinds:
+        said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear)")
+    return f"note: a user model: {'; '.join(said)}" if said else None
 
 
 def diagnostics_log(cfg, rank: int) -> DiagnosticsLog | None:
