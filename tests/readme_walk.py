@@ -2,7 +2,7 @@
 tests and the lint). tests/test_readme_commands.py checks in the suite that each command parses; this runs them.
 
 The commands run in a scratch directory (the README's `runs/...` outputs land there, not in the checkout) that links
-the project's `configs/`, with `.venv/bin` first on PATH, so `mhcpipe` and `torchrun` are the project's. `make demo`
+the project's `configs/` and `examples/`, with `.venv/bin` first on PATH, so `mhcpipe` and `torchrun` are the project's. `make demo`
 runs its recipe (`mhcpipe demo`) there. What cannot run here is listed with the reason and not run: `make test` and
 `make lint` (what CI runs before this walk), `make readme` (this walk) and a launch across several nodes. Each
 command has its own deadline; the walk prints one line per command (seconds, exit code) and, for a failure, the
@@ -49,6 +49,7 @@ def as_run(command: str) -> str:
 
 def walk(workdir: Path, only: str | None) -> int:
     (workdir / "configs").symlink_to(ROOT / "configs")
+    (workdir / "examples").symlink_to(ROOT / "examples")  # the user-model commands name examples/*.py
     # the `local` hardware profile too lives in the scratch directory, not in the checkout's runs/hardware
     env = dict(os.environ, PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                MHCPIPE_LOCAL_PROFILE=str(workdir / "runs" / "hardware" / "local.json"))

@@ -1,6 +1,6 @@
 """Every command the README shows is one the project accepts: each `mhcpipe ...` line of its code blocks parses with
 mhcpipe's own parser (the subcommand exists, every flag and choice is current), each `torchrun ... -m pipeline ...`
-line with the torchrun entry's flags, each `make X` names a Makefile target, and every config file or preset a
+line (and `torchrun ... examples/SCRIPT.py ...`, a user's script) with the torchrun entry's flags, each `make X` names a Makefile target, and every config file or preset a
 command names is in configs/. `make readme` (tests/readme_walk.py, run by CI after the lint) runs them all in
 order; what each one does is its own test's (tests/<package>/).
 
@@ -79,13 +79,18 @@ def test_readme_command_is_accepted(command):
         from mhcpipe.cli import build_parser
 
         parser, args = build_parser(), argv[1:]
-    else:  # torchrun [its flags] -m pipeline [ours]
+    else:  # torchrun [its flags] -m pipeline [ours], or torchrun [its flags] a user's SCRIPT.py [ours]
         from pipeline.__main__ import add_run_arguments
 
-        assert "-m" in argv and argv[argv.index("-m") + 1] == "pipeline", command
         parser = argparse.ArgumentParser(prog="python -m pipeline")
         add_run_arguments(parser)
-        args = argv[argv.index("-m") + 2:]
+        scripts = [a for a in argv if a.endswith(".py")]
+        if scripts:
+            assert (ROOT / scripts[0]).is_file(), f"`{command}`: no script {scripts[0]} in the project"
+            args = argv[argv.index(scripts[0]) + 1:]
+        else:
+            assert "-m" in argv and argv[argv.index("-m") + 1] == "pipeline", command
+            args = argv[argv.index("-m") + 2:]
     problem = _parses(parser, args)
     assert not problem, f"`{command}`: {problem}"
     _check_configs(args)
