@@ -2,8 +2,8 @@
 tests and the lint). tests/test_readme_commands.py checks in the suite that each command parses; this runs them.
 
 The commands run in a scratch directory (the README's `runs/...` outputs land there, not in the checkout) that links
-the project's `configs/` and `examples/`, with `.venv/bin` first on PATH, so `mhcpipe` and `torchrun` are the project's. `make demo`
-runs its recipe (`mhcpipe demo`) there. What cannot run here is listed with the reason and not run: `make test` and
+the project's `configs/` and `examples/`, with `.venv/bin` first on PATH, so `mhcpipe` and `torchrun` are the
+project's. `make demo` runs its recipe (`mhcpipe demo`) there. What cannot run here is listed with the reason and not run: `make test` and
 `make lint` (what CI runs before this walk), `make readme` (this walk) and a launch across several nodes. Each
 command has its own deadline; the walk prints one line per command (seconds, exit code) and, for a failure, the
 command's last lines of output.
