@@ -1,14 +1,15 @@
-"""Run every command the README shows, in its order, and fail when one fails: `make readme` (CI runs it after the
-tests and the lint). tests/test_readme_commands.py checks in the suite that each command parses; this runs them.
+"""Run every command the README shows, in its order, and fail when one fails: `make readme` (CI runs it after the tests
+and the lint). tests/test_readme_commands.py checks in the suite that each command parses; this runs them.
 
 The commands run in a scratch directory (the README's `runs/...` outputs land there, not in the checkout) that links
 the project's `configs/` and `examples/`, with `.venv/bin` first on PATH, so `mhcpipe` and `torchrun` are the
-project's. `make demo` runs its recipe (`mhcpipe demo`) there. What cannot run here is listed with the reason and not run: `make test` and
-`make lint` (what CI runs before this walk), `make readme` (this walk) and a launch across several nodes. Each
-command has its own deadline; the walk prints one line per command (seconds, exit code) and, for a failure, the
-command's last lines of output.
+project's. `make demo` runs its recipe (`mhcpipe demo`) there. What cannot run here is listed with the reason and not
+run: `make test` and `make lint` (what CI runs before this walk), `make readme` (this walk) and a launch across
+several nodes. Each command has its own deadline; the walk prints one line per command (seconds, exit code) and, for
+a failure, the command's last lines of output.
 
     .venv/bin/python tests/readme_walk.py [--keep DIR] [--only SUBSTRING]
+
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Every command the README shows is one the project accepts: each `mhcpipe ...` line of its code blocks parses with
 mhcpipe's own parser (the subcommand exists, every flag and choice is current), each `torchrun ... -m pipeline ...`
 line (and `torchrun ... examples/SCRIPT.py ...`, a user's script) with the torchrun entry's flags, each `make X`
-names a Makefile target, and every config file or preset a command names is in configs/. `make readme` (tests/readme_walk.py, run by CI after the lint) runs them all in
-order; what each one does is its own test's (tests/<package>/).
+names a Makefile target, and every config file or preset a command names is in configs/. `make readme`
+(tests/readme_walk.py, run by CI after the lint) runs them all in order; what each one does is its own test's
+(tests/<package>/).
 
 A README edit that renames a flag, drops a subcommand or cites a config that is gone fails here."""
 from __future__ import annotations
