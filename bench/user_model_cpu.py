@@ -5,6 +5,8 @@ shared machine's speed:
 * builtin: `configs/tiny.yaml` (8 blocks, C=64, 4 heads x 16, SwiGLU 128, mHC n=4, our kernels);
 * hc: `examples/hc_model.py:build`, the same sizes written with the hyper-connections library (its mHC, einops
   layout changes, a hash-routed MLP with 4 experts in the last block);
+* hc-serial: the same with its F&B pairs' halves one after the other (`--no-overlap`; hc interleaves them at its
+  blocks' attention / MLP phases);
 * plain-mhc: `examples/plain_transformer.py:build` with `--residual mhc:4` (the same sizes, our MHCSublayer around
   a user's sub-layers).
 
@@ -30,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 from configs import load_config  # noqa: E402
 from pipeline.launch.local import launch  # noqa: E402
 
-VARIANTS = {"builtin": None, "hc": (f"{ROOT}/examples/hc_model.py:build", None),
-            "plain-mhc": (f"{ROOT}/examples/plain_transformer.py:build", "mhc:4")}
+# name -> (builder, residual, F&B overlap) of a user model; None: the built-in model
+VARIANTS = {"builtin": None, "hc": (f"{ROOT}/examples/hc_model.py:build", None, True),
+            "hc-serial": (f"{ROOT}/examples/hc_model.py:build", None, False),
+            "plain-mhc": (f"{ROOT}/examples/plain_transformer.py:build", "mhc:4", True)}
 
 
 def worker(rank: int, world: int, cfg_dict: dict) -> dict:
@@ -48,6 +52,7 @@ def worker(rank: int, world: int, cfg_dict: dict) -> dict:
         if user is not None:
             model = build_model(load_builder(user[0]), base.train.seed, user[1], base.parallel.seq_len)
             cfg = user_config(base, model)
+            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"overlap": user[2]})})
         groups = make_groups(cfg, rank, world, torch.device("cpu"))
         rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, record=False, model=model)
         runtimes.append(rt)

@@ -6,6 +6,7 @@ mhc-pipe as it is:
     torchrun --nproc-per-node 4 examples/hc_model.py --schedule dualpipev --steps 3 --trace-dir runs/hc
     mhcpipe check-split examples/hc_model.py:build
 
+Each block exposes its phases (attention, MLP), so the halves of an F&B pair interleave at them.
 `build_ours` is the same model with mhc-pipe's own mHC kernels around the same branches (kernels.MHCSublayer,
 pipeline.user_model.from_sublayers) instead of the library's.
 
@@ -48,15 +49,26 @@ class HCBlock(nn.Module):
         self.attn = init_hc(dim=HIDDEN, branch=Branch(CausalAttention(HIDDEN, HEADS)), layer_index=2 * index)
         self.mlp = init_hc(dim=HIDDEN, branch=Branch(mlp), layer_index=2 * index + 1)
 
+    def phases(self):
+        """mhc-pipe's F&B pair hands the turn to the other half between these (pipeline.user_model)."""
+        return [("attention", self.attention), ("mlp", self.mlp_phase)]
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlp_phase(self.attention(x), token_ids)
+
+    def attention(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._library_layout(x, self.attn)
+
+    def mlp_phase(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if token_ids is None:
+            return self._library_layout(x, self.mlp)
+        # the library's width connection hands the branch one [B, S, C] input (the streams mixed)
+        return self._library_layout(x, lambda r: self.mlp(r, token_ids.view(-1, self.seq_len)))
+
+    def _library_layout(self, x: torch.Tensor, hc) -> torch.Tensor:
         t, n, c = x.shape
         b, s = t // self.seq_len, self.seq_len
-        r = x.view(b, s, n, c).transpose(1, 2).reshape(b * n, s, c)  # the library's (b s) layout
-        r = self.attn(r)
-        if token_ids is None:
-            r = self.mlp(r)
-        else:  # the library's width connection hands the branch one [B, S, C] input (the streams mixed)
-            r = self.mlp(r, token_ids.view(b, s))
+        r = hc(x.view(b, s, n, c).transpose(1, 2).reshape(b * n, s, c))  # the library's (b s) layout
         return r.view(b, n, s, c).transpose(1, 2).reshape(t, n, c)
 
 

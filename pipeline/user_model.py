@@ -14,6 +14,19 @@ derived from hidden states).
 pre-norm) that mhc-pipe wraps in its own residual (`kernels.MHCSublayer`: residual, hc, mhc, mhc-lite), with the
 mean over streams before a head that takes [T, C]; `--residual mhc:4` picks the wrapping of such a model.
 
+The F&B pair (DualPipe's overlap of one micro-batch's forward with another's backward): a block that defines
+`phases()` -> [(name, fn), ...] (e.g. attention, dispatch, experts, combine) is run phase by phase, each phase a
+segment of its stage, and the two halves of a pair hand the compute turn over at every phase boundary
+(pipeline.runtime.overlap), as for the built-in model's sub-layers and all-to-alls: a phase that starts
+asynchronous communication (keeping its handle in the state it returns) and a later phase that waits for it overlap
+it with the other half's phase. fn maps the state to the next: the first phase gets x [T, n, C], the last returns
+[T, n, C], a phase in between may return a tuple (tensors, and other values passed on as they are); fn is called
+as fn(state, token_ids=ids) when the block sets `needs_token_ids`. The phases chained must compute the block's own
+forward (check-split compares the two: the unsplit model runs `forward`). A collective inside a phase must run on a
+process group of its own half (forward and backward apart), as our expert exchanges do: which half's phase runs next
+depends on when messages arrive. A block without phases is one segment, and the halves of a pair whose stages
+hold no phased block run one after the other (the run says so once).
+
 A builder (`def build() -> UserModel`) runs on every rank under the same seed, so every rank holds the same
 parameters and keeps only its stages' modules; the parameter names are `embed.*`, `expand.*`, `blocks.<b>.*`,
 `head.*` on every layout (checkpoints and gradient comparisons go by them).
@@ -181,8 +194,41 @@ class UserModel:
         with torch.no_grad():
             x = self.embed_tokens(ids, dtype)
             for b in range(len(self.blocks)):
-                x = self.run_block(b, x, ids)
+                y = self.run_block(b, x, ids)
+                phases = self.phases(b)
+                if phases is not None:
+                    z = x
+                    for k, (name, fn) in enumerate(phases):
+                        z = self.run_phase(b, name, fn, z, ids, k == len(phases) - 1, seq_len)
+                    diff = float((z - y).norm() / y.norm().clamp_min(1e-30))
+                    if diff > 1e-6:
+                        raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}): its phases chained do not "
+                                            f"compute its forward (relative difference {diff:.1e}); the pipeline "
+                                            "runs the phases, the unsplit model the forward")
+                x = y
             self.micro_loss(x, ids, 1)
+
+    def phases(self, b: int) -> list[tuple[str, Callable]] | None:
+        """Block b's phases (module docstring), checked; None when it has none."""
+        m = self.blocks[b]
+        fn = getattr(m, "phases", None)
+        if fn is None:
+            return None
+        got = fn() if callable(fn) else fn
+        if not isinstance(got, (list, tuple)) or not got or not all(
+                isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[0].isidentifier()
+                and callable(p[1]) for p in got):
+            raise ContractError(f"block {b} ({type(m).__name__}).phases() must return a non-empty list of (name, "
+                                "function) pairs, names such as 'attention' or 'dispatch'")
+        return list(got)
+
+    def run_phase(self, b: int, name: str, fn, state, ids: torch.Tensor | None, last: bool, t: int):
+        """One phase of block b; the last must give back [T, n, C]."""
+        y = fn(state, token_ids=ids) if needs_token_ids(self.blocks[b]) else fn(state)
+        if last and (not torch.is_tensor(y) or tuple(y.shape) != (t, self.n, self.hidden)):
+            raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}) phase {name!r}, its last, returned "
+                                f"{_shape(y)}; the last phase gives back [T, n, C] = [{t}, {self.n}, {self.hidden}]")
+        return y
 
     def wants_token_ids(self, blocks) -> bool:
         return any(needs_token_ids(self.blocks[b]) for b in blocks)

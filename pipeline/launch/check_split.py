@@ -194,6 +194,7 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (pipeline.launch.local): the same kernels, the same sums
     try:
+        model.dry_run(ref_cfg.parallel.seq_len)  # the contract, phases included, in one line
         ref = unsplit_run(model, ref_cfg)
     except ContractError:
         raise

@@ -109,7 +109,9 @@ class RankRuntime:
         # spans end where a wait saw them done (meta p2p_completion), which traces.analysis.comm_overlap respects.
         # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
         nccl = device.type == "cuda" and not staged and groups.world_group is not None
-        self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None,
+        # (a user model whose blocks expose phases hands the turn over the same way)
+        phased = model is not None and any(model.phases(b) is not None for b in range(len(model.blocks)))
+        self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None or phased,
                            stream_ordered=nccl, device=device)
         self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
         self.expert = None
@@ -382,13 +384,16 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
 
 
 def user_model_note(rt: RankRuntime) -> str | None:
-    """What runs differently for a user model, said once: its F&B pairs' halves run one after the other (a user
-    block exposes no phases to interleave), and its I computes the weight-gradients too (no DeferLinear inside a user
-    block), so W has nothing left to do."""
+    """What runs differently for a user model, said once: how its F&B pairs' halves share the rank (interleaved at
+    the phases of blocks that expose them, else one after the other), and that its I computes the weight-gradients
+    too (no DeferLinear inside a user block), so W has nothing left to do."""
     kinds = {a.kind.value for a in rt.executor.actions}
     said = []
     if "FB" in kinds and rt.pair is not None:
-        said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
+        if any(st.exchanges for st in rt.stages.values()):
+            said.append("F&B pairs hand the turn between their halves at every phase boundary of its phased blocks")
+        else:
+            said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
     if "W" in kinds:
         said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear)")
     return f"note: a user model: {'; '.join(said)}" if said else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from pipeline.partition import StageSpec
 from pipeline.runtime.stage import ChunkRun
@@ -33,10 +34,14 @@ class UserStage(nn.Module):
         self.microbatches = microbatches
         self.probe = probe
         self.wants_ids = model.wants_token_ids(spec.blocks)
+        self.phases = {b: model.phases(b) for b in spec.blocks}
         first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
-        self.labels = ([f"L{first}.embed"] if spec.has_embed else []) + \
-            [f"L{2 * b}.block" for b in spec.blocks] + ([f"L{end}.head"] if spec.has_head else [])
-        self.exchanges = False  # no expert-parallel all-to-alls of ours inside a user block: pairs run serially
+        pieces = [f"L{2 * b}.{name}" for b in spec.blocks for name, _ in (self.phases[b] or [("block", None)])]
+        self.labels = ([f"L{first}.embed"] if spec.has_embed else []) + pieces + \
+            ([f"L{end}.head"] if spec.has_head else [])
+        # an F&B pair interleaves its halves at segment boundaries only where a block exposes phases (the executor
+        # runs the halves of other pairs one after the other: there is nothing to interleave)
+        self.exchanges = any(p is not None for p in self.phases.values())
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """By the model's global names (`embed.*`, `blocks.<b>.*`, `head.*`), not under `parts.`."""
@@ -57,13 +62,22 @@ class UserStage(nn.Module):
         else:
             x = inp
             self._tell("in", mb, x)
+        t = x.shape[0]
         for b in self.spec.blocks:
-            leaf = x.detach().requires_grad_(True)
-            with env.saved.hooks():
-                y = model.run_block(b, leaf, ids)
-            run.segs.append((leaf, y, None))
-            x = y
-            yield
+            phases = self.phases[b]
+            if phases is None:
+                leaf = x.detach().requires_grad_(True)
+                with env.saved.hooks():
+                    x = model.run_block(b, leaf, ids)
+                run.segs.append((leaf, x, None))
+                yield
+                continue
+            for k, (name, fn) in enumerate(phases):
+                leaf = _leaves(x)
+                with env.saved.hooks():
+                    x = model.run_phase(b, name, fn, leaf, ids, k == len(phases) - 1, t)
+                run.segs.append((leaf, x, None))
+                yield
         if self.spec.has_head:
             leaf = x.detach().requires_grad_(True)
             with env.saved.hooks():
@@ -81,10 +95,44 @@ class UserStage(nn.Module):
         g = grad
         while run.segs:
             leaf, out, _ = run.segs.pop()
-            torch.autograd.backward(out, g)
-            g = None if leaf is None else leaf.grad
+            if g is None:  # the head's loss
+                torch.autograd.backward(out)
+            else:
+                outs, grads = [], []
+                for o, go in zip(_items(out), _items(g)):
+                    # the stage's sent output is held as its gradient edge (ChunkRun.release_output)
+                    if go is not None and (isinstance(o, GradientEdge) or torch.is_tensor(o) and o.requires_grad):
+                        outs.append(o)
+                        grads.append(go)
+                if outs:
+                    torch.autograd.backward(outs, grads)
+            g = None if leaf is None else _leaf_grads(leaf)
             del leaf, out
             yield
         run.input_grad = g
         if not self.spec.has_embed:
             self._tell("grad_in", run.mb, g)
+
+
+def _items(v) -> tuple:
+    """A state's parts: a phase's tuple, or the one tensor (a GradientEdge is a named tuple: one part)."""
+    return v if type(v) is tuple else (v,)
+
+
+def _leaves(state):
+    """A segment's inputs: floating tensors as fresh leaves (their gradients are what the segment hands back),
+    anything else (integer routing indices, a communication handle) passed on as it is."""
+    def one(v):
+        if torch.is_tensor(v) and v.is_floating_point():
+            return v.detach().requires_grad_(True)
+        return v
+    return tuple(one(v) for v in state) if type(state) is tuple else one(state)
+
+
+def _leaf_grads(leaf):
+    """The gradients of a segment's input leaves, in its state's form (zeros where a leaf was not used)."""
+    def one(v):
+        if torch.is_tensor(v) and v.requires_grad:
+            return v.grad if v.grad is not None else torch.zeros_like(v)
+        return None
+    return tuple(one(v) for v in leaf) if type(leaf) is tuple else one(leaf)

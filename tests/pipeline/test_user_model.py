@@ -181,3 +181,40 @@ def test_user_run_refuses_what_only_the_built_in_model_has(monkeypatch):
     cfg, model = user_run(builder, parser.parse_args(["--config", "tiny", "--pp", "2"]), None)
     assert cfg.model.num_blocks == 8 and cfg.model.residual.n == 4 and cfg.model.name.endswith("(user model)")
     assert sys.modules.get("hyper_connections") is not None
+
+
+class Phased(nn.Module):
+    """A block in two phases; the first hands on a tuple (the state, an integer index and a plain value)."""
+
+    def __init__(self, c: int, broken: str = ""):
+        super().__init__()
+        self.a, self.b = nn.Linear(c, c), nn.Linear(c, c)
+        self.broken = broken
+
+    def phases(self):
+        if self.broken == "names":
+            return [("first phase", self.one)]
+        return [("route", self.one), ("apply", self.two)]
+
+    def one(self, x):
+        return x + self.a(x), x[..., 0].argmax(-1), "kept as it is"
+
+    def two(self, state):
+        x, idx, note = state
+        y = x + self.b(x) * (idx % 2)[:, None, None]
+        return y[:, 0] if self.broken == "shape" else (y * 2 if self.broken == "math" else y)
+
+    def forward(self, x):
+        return self.two(self.one(x)) if self.broken != "math" else self.two(self.one(x)) / 2
+
+
+def test_phases_are_checked_against_the_blocks_forward_and_their_contract():
+    small(blocks=[Lin(8), Phased(8)]).dry_run(4)  # a tuple between phases, an integer index, a plain value: fine
+    with pytest.raises(ContractError, match=r"block 1 \(Phased\).phases\(\) must return a non-empty list of "
+                                            r"\(name, function\) pairs"):
+        small(blocks=[Lin(8), Phased(8, "names")]).dry_run(4)
+    with pytest.raises(ContractError, match=r"block 1 \(Phased\): its phases chained do not compute its forward "
+                                            r"\(relative difference 1.0e\+00\)"):
+        small(blocks=[Lin(8), Phased(8, "math")]).dry_run(4)
+    with pytest.raises(ContractError, match=r"returned shape \[4, 8\]"):
+        small(blocks=[Lin(8), Phased(8, "shape")]).dry_run(4)

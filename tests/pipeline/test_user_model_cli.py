@@ -42,13 +42,26 @@ def span_kinds(trace: dict) -> set[str]:
     return out
 
 
+def interleaved_pairs(trace: dict) -> int:
+    """F&B pairs in whose window the stretches of the two halves alternate (F, B, F or B, F, B by start time)."""
+    count = 0
+    for frame in (s for s in trace["spans"] if s["name"].startswith("FB/")):
+        end = frame["start"] + frame["duration"]
+        pieces = sorted((s for s in trace["spans"] if s["rank"] == frame["rank"] and s["name"].count("/") == 3
+                         and s["name"][0] in "FB" and "~" not in s["name"] and not s["name"].startswith("FB")
+                         and frame["start"] <= s["start"] < end), key=lambda s: s["start"])
+        letters = "".join(s["name"][0] for s in pieces)
+        count += "FBF" in letters or "BFB" in letters
+    return count
+
+
 @pytest.mark.timeout(300)
 def test_the_hyper_connections_model_trains_traces_and_draws_like_the_built_in_one(tmp_path):
     user = torchrun("examples/hc_model.py", 4, "--schedule", "dualpipev", "--steps", "2", "--trace-dir",
                     str(tmp_path / "user"))
     assert user.returncode == 0, user.stderr[-3000:]
     assert len(losses(user.stdout)) == 2
-    assert "note: a user model: F&B pairs run their halves one after the other" in user.stdout, user.stdout
+    assert "note: a user model: F&B pairs" in user.stdout, user.stdout
     ours = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
                         str(free_port()), "-m", "pipeline", "--config", "tiny", "--schedule", "dualpipev", "--steps",
                         "2", "--trace-dir", str(tmp_path / "ours")], cwd=ROOT, capture_output=True, text=True,
@@ -59,10 +72,21 @@ def test_the_hyper_connections_model_trains_traces_and_draws_like_the_built_in_o
     assert tu["meta"].keys() == to["meta"].keys()
     assert tu["meta"]["model"] == "hyper-connections-mhc (user model)"
     assert tu["meta"]["schedule"] == to["meta"]["schedule"] and tu["meta"]["pipelines"] == to["meta"]["pipelines"]
-    # the same actions, transfers and pieces; only the built-in model's MLP post+res spans on its hp stream are its
-    # own
-    assert span_kinds(tu) == span_kinds(to) - {"F/post_res/hp"}, span_kinds(tu) ^ span_kinds(to)
+    # the same actions and transfers; the built-in model's MLP post+res spans on its hp stream are its own, and the
+    # user model's phased blocks add the stretches of its interleaved F&B halves (the built-in dense model, without
+    # expert all-to-alls, runs its pairs' halves one after the other)
+    ku, ko = span_kinds(tu), span_kinds(to)
+    stretches = {k for k in ku if k.count("/") == 1 and k.split("/")[0] in ("F", "B")}
+    assert {"F/attention", "F/mlp", "B/attention", "B/mlp"} <= stretches, sorted(ku)
+    assert ku - stretches == ko - {"F/post_res/hp"}, ku ^ ko
+    assert interleaved_pairs(tu) > 0
+    assert "F&B pairs hand the turn between their halves at every phase boundary" in user.stdout
     assert {s["name"] for s in tu["spans"]} >= {"F/s0/mb0", "SEND_F/s0/mb0~comm", "RECV_F/s0/mb0~comm"}
+    plain = torchrun("examples/plain_transformer.py", 4, "--schedule", "dualpipev", "--residual", "mhc:4", "--steps",
+                     "2", "--trace-dir", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "F&B pairs run their halves one after the other (its blocks expose no phases" in plain.stdout
+    assert interleaved_pairs(json.loads((tmp_path / "plain" / "trace.json").read_text())) == 0
     for out in ("schedule.png", "schedule.html"):
         view = mhcpipe("view", str(tmp_path / "user" / "trace.json"), "-o", str(tmp_path / out))
         assert view.returncode == 0, view.stderr
