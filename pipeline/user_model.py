@@ -95,7 +95,9 @@ def parse_residual(value: str | MHCConfig) -> MHCConfig:
 @dataclass
 class UserModel:
     """A user's model, as mhc-pipe runs it (module docstring). `split_points`: the first block of every stage
-    after the first (None: balanced by each block's parameter count)."""
+    after the first; without them the stages are balanced by each block's cost, `balance` 'params' (its parameter
+    count) or 'measured' (its forward and backward timed on the run's device; rank 0 measures, every rank uses its
+    numbers)."""
 
     embed: nn.Module
     blocks: list[nn.Module]
@@ -107,6 +109,7 @@ class UserModel:
     expand: nn.Module | None = None
     split_points: list[int] | None = None
     name: str = "user"
+    balance: str = "params"
     residual: MHCConfig | None = field(default=None)  # set by from_sublayers: the wrapping it used
 
     def __post_init__(self) -> None:
@@ -122,6 +125,9 @@ class UserModel:
         for b, m in enumerate(self.blocks):
             if not isinstance(m, nn.Module):
                 raise ContractError(f"UserModel.blocks[{b}] is a {type(m).__name__}, not a torch.nn.Module")
+        if self.balance not in ("params", "measured"):
+            raise ContractError(f"UserModel.balance {self.balance!r}: 'params' (parameter counts) or 'measured' "
+                                "(timed blocks)")
         if not callable(self.loss):
             raise ContractError("UserModel.loss is not callable: give loss(logits [T, V], labels [T]) -> scalar")
         if self.expand is None:
@@ -238,8 +244,37 @@ class UserModel:
         """Counted cost of each block: its parameters (at least 1)."""
         return [max(1, sum(p.numel() for p in m.parameters())) for m in self.blocks]
 
-    def chunks(self, count: int) -> list[range]:
-        """Blocks of each of `count` model chunks: at the user's split points, else balanced by counted cost."""
+    def measure_block_costs(self, tokens: int, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> list[int]:
+        """Each block's forward and backward on `tokens` tokens, in microseconds (median of `repeats` after one
+        warm-up run), on `device` in `dtype`; the block is moved there for the measurement and back after it, and
+        keeps no gradient."""
+        import time
+
+        out = []
+        for b, m in enumerate(self.blocks):
+            first = next(m.parameters(), None)
+            home = (first.device, first.dtype) if first is not None else (torch.device("cpu"), torch.float32)
+            m.to(device=device, dtype=dtype)
+            x = torch.randn(tokens, self.n, self.hidden, device=device, dtype=dtype, requires_grad=True)
+            ids = torch.zeros(tokens, dtype=torch.long, device=device)
+            times = []
+            for k in range(repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                self.run_block(b, x, ids).sum().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if k:
+                    times.append(time.perf_counter() - t0)
+            m.zero_grad(set_to_none=True)
+            m.to(device=home[0], dtype=home[1])
+            out.append(max(1, round(sorted(times)[len(times) // 2] * 1e6)))
+        return out
+
+    def chunks(self, count: int, costs: list[int] | None = None) -> list[range]:
+        """Blocks of each of `count` model chunks: at the user's split points, else balanced by `costs` (default:
+        the parameter counts)."""
         nb = len(self.blocks)
         if count > nb:
             raise ContractError(f"{nb} blocks cannot fill {count} pipeline stages; use fewer ranks (--pp) or a "
@@ -251,7 +286,7 @@ class UserModel:
                                     f"1..{nb - 1} (the first block of every stage after the first)")
             edges = [0, *cuts, nb]
             return [range(edges[i], edges[i + 1]) for i in range(count)]
-        return balanced_chunks(self.block_costs(), count)
+        return balanced_chunks(costs if costs is not None else self.block_costs(), count)
 
     def signature(self) -> dict:
         """What a checkpoint must match to resume: the model's name and every parameter's name and shape."""

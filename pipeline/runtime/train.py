@@ -45,7 +45,7 @@ from pipeline.distributed.p2p import Transport
 from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
-from pipeline.runtime.user_stage import UserStage
+from pipeline.runtime.user_stage import UserStage, agreed_block_costs
 from pipeline.user_model import UserModel
 from pipeline.weight_grad import WeightGradStore
 
@@ -96,7 +96,8 @@ class RankRuntime:
         self.cfg, self.rank, self.device, self.groups = cfg, groups.rank, device, groups
         self.user_model = model
         schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
-        chunks = None if model is None else model.chunks(chunk_count(par.schedule, schedule))
+        chunks = None if model is None else model.chunks(chunk_count(par.schedule, schedule),
+                                                         agreed_block_costs(model, cfg, device, groups))
         self.plan = plan_rank(cfg, groups.pp_rank, schedule, dp_rank=groups.dp_rank, chunks=chunks)
         self.dtype = activation_dtype(cfg.train.dtype)
         self.store = WeightGradStore()

@@ -136,3 +136,25 @@ def _leaf_grads(leaf):
             return v.grad if v.grad is not None else torch.zeros_like(v)
         return None
     return tuple(one(v) for v in leaf) if type(leaf) is tuple else one(leaf)
+
+
+def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups) -> list[int] | None:
+    """The costs every rank balances its stages by: None for parameter counts; `balance` 'measured': rank 0 times
+    every block on one micro-batch (pipeline.user_model.UserModel.measure_block_costs) and broadcasts the numbers,
+    so every rank cuts the model at the same blocks (timings differ from rank to rank)."""
+    if model.balance != "measured":
+        return None
+    import torch.distributed as dist
+
+    from pipeline.distributed.collective import collective, group_device
+    from pipeline.model import activation_dtype
+
+    world = groups.world_group if groups is not None else None
+    tokens = cfg.parallel.tokens_per_microbatch
+    mine = torch.tensor(model.measure_block_costs(tokens, device, activation_dtype(cfg.train.dtype))
+                        if world is None or groups.rank == 0 else [0] * len(model.blocks), dtype=torch.int64)
+    if world is not None:
+        mine = mine.to(group_device(world, device))
+        collective(dist.broadcast, mine, 0, what="the measured block costs broadcast", rank=groups.rank,
+                   timeout_s=cfg.train.timeout_s, group=world)
+    return [int(c) for c in mine.tolist()]

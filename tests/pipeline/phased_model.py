@@ -13,8 +13,9 @@ VOCAB, C, N, BLOCKS, EXPERTS = 64, 16, 4, 8, 3
 
 
 class RoutedBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, work: int = 1):
         super().__init__()
+        self.work = work  # rounds of the experts: time without parameters (measured balance must see it)
         self.mix = nn.Parameter(torch.eye(N) + 0.1 * torch.randn(N, N))
         self.route = nn.Linear(C, EXPERTS)
         self.experts = nn.ModuleList(nn.Linear(C, C) for _ in range(EXPERTS))
@@ -31,10 +32,11 @@ class RoutedBlock(nn.Module):
         x, idx, experts = state
         h = x.mean(1)
         out = torch.zeros_like(h)
-        for e in range(experts):
-            rows = (idx == e).nonzero().squeeze(1)
-            out = out.index_add(0, rows, torch.tanh(self.experts[e](h.index_select(0, rows))))
-        return x + out[:, None, :]
+        for _ in range(self.work):
+            for e in range(experts):
+                rows = (idx == e).nonzero().squeeze(1)
+                out = out.index_add(0, rows, torch.tanh(self.experts[e](h.index_select(0, rows))))
+        return x + out[:, None, :] / self.work
 
     def forward(self, x):
         return self.run_experts(self.dispatch(x))
@@ -52,3 +54,12 @@ class Head(nn.Module):
 def build() -> UserModel:
     return UserModel(embed=nn.Embedding(VOCAB, C), blocks=[RoutedBlock() for _ in range(BLOCKS)], head=Head(),
                      loss=nn.functional.cross_entropy, n=N, hidden=C, vocab_size=VOCAB, name="phased-test")
+
+
+def build_measured() -> UserModel:
+    """Blocks 0 and 1 do 12 rounds of their experts (as many parameters as the others, 12x the time); stages
+    balanced by measured block times (rank 0 times them, every rank cuts there)."""
+    model = build()
+    model.blocks = [RoutedBlock(12) if b < 2 else RoutedBlock() for b in range(BLOCKS)]
+    model.balance = "measured"
+    return model

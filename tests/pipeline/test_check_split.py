@@ -205,3 +205,19 @@ def test_phased_pairs_also_agree_on_plain_gloo():
     results = check(f"{ROOT}/tests/pipeline/phased_model.py:build", cases(["dualpipev", "dualpipe"], [(4, 1)]),
                     rules="backend", p2p_timeout_s=20)
     assert [r.line() for r in results if not r.ok] == []
+
+
+def test_stages_balanced_by_measured_block_times_agree_and_every_rank_cuts_at_the_same_blocks():
+    from pipeline.launch.check_split import case_config
+
+    results = check(f"{ROOT}/tests/pipeline/phased_model.py:build_measured", cases(["dualpipev", "1f1b"], [(4, 1)]))
+    assert [r.line() for r in results if not r.ok] == []
+    cfg = case_config(load_config("tiny"), "1f1b", 4, 1)
+    got = launch(split_worker, 4, (f"{ROOT}/tests/pipeline/phased_model.py:build_measured", None, [cfg.model_dump()]),
+                 timeout_s=240)
+    assert all(r.exitcode == 0 for r in got), [r.error for r in got]
+    plans = [r.value[0]["stages"] for r in got]
+    assert all(p == plans[0] for p in plans)  # one partition, whatever each rank would have measured
+    blocks = sorted((first, last) for first, last, _ in plans[0].values())
+    # the two slow blocks get a stage each (by parameter count every stage would hold two blocks)
+    assert blocks[:2] == [(0, 0), (1, 1)] and blocks[-1][1] == 7 and len(blocks) == 4, blocks
