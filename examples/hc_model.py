@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from hyper_connections import mc_get_init_and_expand_reduce_stream_functions
 from torch import nn
-from transformer_parts import CausalAttention, HashRoutedMLP, LMHead, PreNorm, SwiGLU, token_loss
+from plain_transformer import build as build_plain
+from transformer_parts import CausalAttention, HashRoutedMLP, LMHead, SwiGLU, token_loss
 
 from mhcpipe.user import UserModel, run
 
@@ -104,14 +105,11 @@ def build(seq_len: int = 32) -> UserModel:
 
 
 def build_ours(seq_len: int = 32, residual: str = f"mhc:{STREAMS}") -> UserModel:
-    """The same branches in mhc-pipe's mHC (dense MLPs: a wrapped sub-layer gets no token ids)."""
-    sublayers = []
-    for _ in range(BLOCKS):
-        sublayers += [PreNorm(HIDDEN, CausalAttention(HIDDEN, HEADS), seq_len), PreNorm(HIDDEN, SwiGLU(HIDDEN, FFN),
-                                                                                       seq_len)]
-    return UserModel.from_sublayers(embed=nn.Embedding(VOCAB, HIDDEN), sublayers=sublayers,
-                                    head=LMHead(HIDDEN, VOCAB), loss=token_loss, hidden=HIDDEN, vocab_size=VOCAB,
-                                    residual=residual, name="hc-model-ours")
+    """The same branches (pre-norm attention and SwiGLU, dense: a wrapped sub-layer gets no token ids) in mhc-pipe's
+    mHC: the plain Transformer of plain_transformer.py with `residual`."""
+    model = build_plain(residual, seq_len)
+    model.name = "hc-model-ours"
+    return model
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def test_the_hyper_connections_example_agrees_with_one_process_under_every_sched
 def test_a_plain_transformer_wrapped_in_our_mhc_agrees_too():
     results = check(f"{ROOT}/examples/plain_transformer.py:build", cases(["dualpipev", "zb1p"], [(4, 1)]),
                     residual="mhc:4")
+    results += check(f"{ROOT}/examples/hc_model.py:build_ours", [("dualpipe", 2, 2)])  # the example's branches
     assert all(r.ok for r in results), [r.line() for r in results]
 
 
