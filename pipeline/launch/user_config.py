@@ -13,6 +13,7 @@ num_heads, head_dim and mlp_hidden are the built-in block's fields and say nothi
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -36,7 +37,7 @@ def load_builder(spec: str):
             path = Path(where)
             if not path.is_file():
                 raise ValueError(f"model {spec!r}: {path} does not exist")
-            modname = f"mhcpipe_user_{abs(hash(str(path.resolve())))}"
+            modname = "mhcpipe_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
             loader = importlib.util.spec_from_file_location(modname, path)
             module = importlib.util.module_from_spec(loader)
             sys.modules[modname] = module  # pickling the builder's classes (rank processes) needs the module
