@@ -45,7 +45,7 @@ from pipeline.distributed.p2p import Transport
 from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
-from pipeline.runtime.user_stage import UserStage, agreed_block_costs
+from pipeline.runtime.user_stage import UserStage, agreed_block_costs, run_note
 from pipeline.user_model import UserModel
 from pipeline.weight_grad import WeightGradStore
 
@@ -351,7 +351,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
                      record=trace_dir is not None, model=model, probe=probe)
     if model is not None and rank == 0:
-        note = user_model_note(rt)
+        note = run_note({a.kind.value for a in rt.executor.actions}, rt.pair is not None, rt.stages.values())
         if note:
             log(note)
     if resume:
@@ -382,22 +382,6 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
             log(f"diagnostics: {diagnostics_dir}/diagnostics_rank*.json (mhcpipe diagnose {diagnostics_dir})")
     rt.close()
     return history
-
-
-def user_model_note(rt: RankRuntime) -> str | None:
-    """What runs differently for a user model, said once: how its F&B pairs' halves share the rank (interleaved at
-    the phases of blocks that expose them, else one after the other), and that its I computes the weight-gradients
-    too (no DeferLinear inside a user block), so W has nothing left to do."""
-    kinds = {a.kind.value for a in rt.executor.actions}
-    said = []
-    if "FB" in kinds and rt.pair is not None:
-        if any(st.exchanges for st in rt.stages.values()):
-            said.append("F&B pairs hand the turn between their halves at every phase boundary of its phased blocks")
-        else:
-            said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
-    if "W" in kinds:
-        said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear)")
-    return f"note: a user model: {'; '.join(said)}" if said else None
 
 
 def diagnostics_log(cfg, rank: int) -> DiagnosticsLog | None:

@@ -9,6 +9,13 @@ the loss. Every segment starts from a detached leaf, so backward runs block by b
 the first segment's leaf grad. A stage that receives its input gets [T, n, C] from the previous stage and hands
 its blocks the micro-batch's token ids when one asks (`needs_token_ids`).
 
+Segments of a block that exposes phases (pipeline.user_model) are its phases: a phase's state may be a tuple, whose
+floating tensors become the next segment's leaves and whose other values pass on as they are; a stage holding such a
+block `exchanges`, so the executor's F&B pair hands the turn between its halves at every segment boundary.
+
+Also here: `agreed_block_costs` (the costs every rank cuts the model by, measured on rank 0 and broadcast) and
+`run_note` (what the run says once about a user model).
+
 `probe` (check-split): called with (what, stage, mb, tensor) for what crosses this stage's boundaries - "in" (the
 state it received), "out" (the state it sends), "loss", "grad_out" (the gradient it received), "grad_in" (the
 gradient it sends) - so a difference from the unsplit model is named by stage and micro-batch.
@@ -158,3 +165,18 @@ def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups) -> l
         collective(dist.broadcast, mine, 0, what="the measured block costs broadcast", rank=groups.rank,
                    timeout_s=cfg.train.timeout_s, group=world)
     return [int(c) for c in mine.tolist()]
+
+
+def run_note(kinds: set[str], overlap: bool, stages) -> str | None:
+    """What runs differently for a user model, said once (rank 0, from its action kinds and stages): how its F&B
+    pairs' halves share the rank (interleaved at the phases of blocks that expose them, else one after the other),
+    and that its I computes the weight-gradients too (no DeferLinear inside a user block), so W has nothing to do."""
+    said = []
+    if "FB" in kinds and overlap:
+        if any(st.exchanges for st in stages):
+            said.append("F&B pairs hand the turn between their halves at every phase boundary of its phased blocks")
+        else:
+            said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
+    if "W" in kinds:
+        said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear)")
+    return f"note: a user model: {'; '.join(said)}" if said else None
