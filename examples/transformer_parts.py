@@ -10,14 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class CausalAttention(nn.Module):
-    """[B, S, C] -> [B, S, C] (no norm: the residual wrapper or the caller norms)."""
+def plain_linear(fan_in: int, fan_out: int) -> nn.Module:
+    return nn.Linear(fan_in, fan_out, bias=False)
 
-    def __init__(self, hidden: int, heads: int):
+
+class CausalAttention(nn.Module):
+    """[B, S, C] -> [B, S, C] (no norm: the residual wrapper or the caller norms). `linear`: how its projections
+    are made (bias-free, (fan_in, fan_out) -> module), nn.Linear by default."""
+
+    def __init__(self, hidden: int, heads: int, linear=plain_linear):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.qkv = linear(hidden, 3 * hidden)
+        self.out = linear(hidden, hidden)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, s, c = h.shape
@@ -27,10 +32,10 @@ class CausalAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, linear=plain_linear):
         super().__init__()
-        self.w13 = nn.Linear(hidden, 2 * ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w13 = linear(hidden, 2 * ffn)
+        self.w2 = linear(ffn, hidden)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         a, g = self.w13(h).chunk(2, dim=-1)

@@ -8,8 +8,9 @@
     if __name__ == "__main__":
         run(build)      # torchrun --nproc-per-node 4 my_model.py --schedule dualpipev --trace-dir runs/mine
 
-The contract of each piece: pipeline.user_model; the run flags are `mhcpipe run`'s (`--help`); the check that the
-split computes what the unsplit model does: `mhcpipe check-split my_model.py:build`.
+The contract of each piece: pipeline.user_model; a block whose linear layers are `DeferLinear` (bias-free, like
+nn.Linear(bias=False)) gets the B/W split of ZB1P and DualPipe; the run flags are `mhcpipe run`'s (`--help`); the
+check that the split computes what the unsplit model does: `mhcpipe check-split my_model.py:build`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import sys
 
 from pipeline.launch.entry import main
 from pipeline.user_model import ContractError, UserModel
+from pipeline.weight_grad import DeferLinear
 
-__all__ = ["UserModel", "ContractError", "run", "main"]
+__all__ = ["UserModel", "ContractError", "DeferLinear", "run", "main"]
 
 
 def run(build, argv: list[str] | None = None) -> None:

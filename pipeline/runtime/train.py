@@ -127,7 +127,8 @@ class RankRuntime:
         if model is not None:
             self.rc_block = None
             self.stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches,
-                                               probe=probe).to(device=device, dtype=param_dtype(cfg.train.dtype))
+                                               probe=probe, store=self.store
+                                               ).to(device=device, dtype=param_dtype(cfg.train.dtype))
                            for sp in self.plan.local()}
         else:
             self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype,

@@ -29,14 +29,20 @@ from torch.autograd.graph import GradientEdge
 from pipeline.partition import StageSpec
 from pipeline.runtime.stage import ChunkRun
 from pipeline.user_model import Parts, UserModel
+from pipeline.weight_grad import DeferLinear, WeightGradStore, attach_store
 
 
 class UserStage(nn.Module):
-    def __init__(self, spec: StageSpec, model: UserModel, *, dtype: torch.dtype, microbatches: int, probe=None):
+    def __init__(self, spec: StageSpec, model: UserModel, *, dtype: torch.dtype, microbatches: int, probe=None,
+                 store: WeightGradStore | None = None):
+        """`store`: the rank's deferred weight-gradient store, attached to every DeferLinear of the stage (a user
+        block built with pipeline.weight_grad.DeferLinear gets the B/W split of ZB1P and DualPipe)."""
         super().__init__()
         self.spec = spec
         self.model = model
         self.parts = Parts(model, spec.blocks, embed=spec.has_embed, head=spec.has_head)
+        attach_store(self.parts, store)
+        self.defers = any(isinstance(m, DeferLinear) for m in self.parts.modules())
         self.dtype = dtype
         self.microbatches = microbatches
         self.probe = probe
@@ -170,13 +176,14 @@ def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups) -> l
 def run_note(kinds: set[str], overlap: bool, stages) -> str | None:
     """What runs differently for a user model, said once (rank 0, from its action kinds and stages): how its F&B
     pairs' halves share the rank (interleaved at the phases of blocks that expose them, else one after the other),
-    and that its I computes the weight-gradients too (no DeferLinear inside a user block), so W has nothing to do."""
+    and, where its blocks hold no DeferLinear, that its I computes the weight-gradients too, so W has nothing to do."""
     said = []
     if "FB" in kinds and overlap:
         if any(st.exchanges for st in stages):
             said.append("F&B pairs hand the turn between their halves at every phase boundary of its phased blocks")
         else:
             said.append("F&B pairs run their halves one after the other (its blocks expose no phases to interleave)")
-    if "W" in kinds:
-        said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear)")
+    if "W" in kinds and not any(st.defers for st in stages):
+        said.append("I computes the weight-gradients too and W is empty (its blocks hold no DeferLinear, "
+                    "pipeline.weight_grad)")
     return f"note: a user model: {'; '.join(said)}" if said else None

@@ -42,6 +42,15 @@ def span_kinds(trace: dict) -> set[str]:
     return out
 
 
+def median_span(trace: dict, kind: str) -> float:
+    """Median duration of the spans of one action kind (`W/s3/mb1`) over every rank and step (a median: a span that
+    a busy host preempts once does not move it)."""
+    import statistics
+
+    return statistics.median(s["duration"] for s in trace["spans"]
+                             if s["name"].split("/")[0] == kind and s["name"].count("/") == 2)
+
+
 def interleaved_pairs(trace: dict) -> int:
     """F&B pairs in whose window the stretches of the two halves alternate (F, B, F or B, F, B by start time)."""
     count = 0
@@ -86,7 +95,12 @@ def test_the_hyper_connections_model_trains_traces_and_draws_like_the_built_in_o
                      "2", "--trace-dir", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert "F&B pairs run their halves one after the other (its blocks expose no phases" in plain.stdout
-    assert interleaved_pairs(json.loads((tmp_path / "plain" / "trace.json").read_text())) == 0
+    tp = json.loads((tmp_path / "plain" / "trace.json").read_text())
+    assert interleaved_pairs(tp) == 0
+    # where the weight-gradient GEMMs ran: the plain transformer's DeferLinear moves them from I to W (as the
+    # built-in model's do), the hyper-connections model's nn.Linear leaves W empty and the run says so
+    assert "W is empty" in user.stdout and "W is empty" not in plain.stdout
+    assert median_span(tp, "W") > 10 * median_span(tu, "W"), (median_span(tp, "W"), median_span(tu, "W"))
     for out in ("schedule.png", "schedule.html"):
         view = mhcpipe("view", str(tmp_path / "user" / "trace.json"), "-o", str(tmp_path / out))
         assert view.returncode == 0, view.stderr
