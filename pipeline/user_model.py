@@ -37,8 +37,6 @@ return [T, C], a loss that is not a scalar.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -287,12 +285,6 @@ class UserModel:
             edges = [0, *cuts, nb]
             return [range(edges[i], edges[i + 1]) for i in range(count)]
         return balanced_chunks(costs if costs is not None else self.block_costs(), count)
-
-    def signature(self) -> dict:
-        """What a checkpoint must match to resume: the model's name and every parameter's name and shape."""
-        shapes = {k: list(p.shape) for k, p in self.named_parts().named_parameters()}
-        digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()
-        return {"user_model": self.name, "n": self.n, "parameters": len(shapes), "shapes_sha256": digest}
 
     def named_parts(self) -> nn.Module:
         """The whole model as one module, with the parameter names every stage uses."""
