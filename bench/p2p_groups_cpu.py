@@ -31,7 +31,8 @@ def worker(rank: int, world: int, cfg_dicts: list[dict]) -> list[list[float]]:
     import torch
 
     from configs import parse_config
-    from pipeline.runtime.train import RankRuntime, make_groups, manual_gc
+    from pipeline.runtime.gc_control import manual_gc
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     cfgs = [parse_config(d) for d in cfg_dicts]
     runtimes = [RankRuntime(c, rank, torch.device("cpu"), groups=make_groups(c, rank, world, torch.device("cpu")),

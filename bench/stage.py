@@ -143,7 +143,8 @@ def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
     plus one device copy (read + write) per received boundary tensor."""
     from costmodel.hardware import get_hardware
     from costmodel.predict import residual_spec_of
-    from costmodel.pricing import Options, Pricer, resolve_layout
+    from costmodel.pricing import Pricer, resolve_layout
+    from costmodel.pricing_options import Options
     from schedules import build, lower_comms
     from schedules.ir import COMM_KINDS, Kind
 

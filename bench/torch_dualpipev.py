@@ -53,7 +53,7 @@ from configs import load_config, parse_config, stage_blocks
 from pipeline.data import make_batch
 from pipeline.launch.local import launch
 from pipeline.model import activation_dtype, build_block, build_embedding, build_head, make_optimizer
-from pipeline.runtime.train import manual_gc
+from pipeline.runtime.gc_control import manual_gc
 
 LOSS_TOL = 1e-5
 

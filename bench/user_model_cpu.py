@@ -43,7 +43,8 @@ def worker(rank: int, world: int, cfg_dict: dict) -> dict:
 
     from configs import parse_config
     from pipeline.launch.user_config import build_model, load_builder, user_config
-    from pipeline.runtime.train import RankRuntime, make_groups, manual_gc
+    from pipeline.runtime.gc_control import manual_gc
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     base = parse_config(cfg_dict)
     runtimes, params = [], {}

@@ -42,7 +42,7 @@ from schedules.simulate import SimResult
 
 def ep_ranks_per_node(pp: int, dp: int, ep: int, gpus_per_node: int) -> int:
     """The fewest members of an EP group that share a node, over the runtime's placement (the rank with the
-    most of its all-to-all on the network sets the exchange's time): pricing.Options.ep_per_node."""
+    most of its all-to-all on the network sets the exchange's time): pricing_options.Options.ep_per_node."""
     fewest = ep
     for p in range(pp):
         for block in range(dp // ep):

@@ -44,7 +44,8 @@ from typing import Any
 from costmodel.hardware import HardwareSpec
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import Prediction, predict
-from costmodel.pricing import Options, ProfilePricing
+from costmodel.pricing import ProfilePricing
+from costmodel.pricing_options import Options
 from costmodel.honest import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, Variant, discriminators,
                               ep_placements, honest_variants, honest_verdict)
 from costmodel.step_anatomy import anatomy

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from costmodel.hardware import CALCULON_MATRIX, Curve, HardwareSpec, get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
-from costmodel.pricing import Options, ProfilePricing
+from costmodel.pricing import ProfilePricing
+from costmodel.pricing_options import Options
 from configs import RunConfig
 
 PAPER_PCT = 6.7
@@ -50,7 +51,7 @@ class Variant:
     step_pct: float
     fb_pct: float | None
     mhc_kernels: str = MEMORY_CURVE  # the efficiency of the mHC kernels' HBM traffic: MEMORY_CURVE or CUTILE
-    dispatcher: str = "DeepEP"  # how an EP group over nodes sends tokens (pricing.Options.dispatcher)
+    dispatcher: str = "DeepEP"  # how an EP group over nodes sends tokens (pricing_options.Options.dispatcher)
     gemm: str = SPEC_GEMM  # the GEMM efficiency curve: the spec's (SPEC_GEMM) or Calculon's (CALCULON_GEMM)
 
     @property

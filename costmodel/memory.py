@@ -99,7 +99,7 @@ def is_gpu(hw: HardwareSpec | None) -> bool:
 
 def fixed_reserve_bytes(cfg: RunConfig, hw: HardwareSpec | None, ep_per_node: int | None = None) -> float:
     """The reserve's fixed part per GPU: CUDA context, NCCL buffers, DeepEP buffers (EP > 1; RDMA when the EP
-    group spans nodes, comm.ep_ranks_per_node with pricing.Options.ep_per_node). 0 on a CPU spec."""
+    group spans nodes, comm.ep_ranks_per_node with pricing_options.Options.ep_per_node). 0 on a CPU spec."""
     if not is_gpu(hw):
         return 0.0
     ep = cfg.parallel.expert_parallel
@@ -249,7 +249,7 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
                 ep_per_node: int | None = None) -> RankMemory:
     """Peak memory of one rank whose program is `actions` (its compute actions in issue order). `hw`: a GPU spec
     adds the reserve (none without it, or on a CPU spec); `dp`: the data-parallel replicas that share the
-    optimizer state (default the config's); `ep_per_node`: pricing.Options.ep_per_node (whether DeepEP needs its
+    optimizer state (default the config's); `ep_per_node`: pricing_options.Options.ep_per_node (whether DeepEP needs its
     RDMA buffer)."""
     mine = [stages[s] for s in stages_of_rank]
     from costmodel.ops import DTYPE_BYTES

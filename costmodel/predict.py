@@ -25,7 +25,8 @@ from costmodel.data_parallel import GradSync, grad_sync
 from costmodel.memory import RankMemory, rank_memory, stage_memory
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.ops import forward_flops_per_token
-from costmodel.pricing import Options, Pricer, ProfilePricing, resolve_layout
+from costmodel.pricing import Pricer, ProfilePricing, resolve_layout
+from costmodel.pricing_options import Options
 from costmodel.runtime_profile import runtime_key
 from configs import RunConfig
 from schedules.build import build

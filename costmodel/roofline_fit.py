@@ -18,7 +18,8 @@ import math
 import statistics
 
 from costmodel.hardware import Curve, HardwareSpec
-from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.pricing import Pricer, resolve_layout
+from costmodel.pricing_options import Options
 from costmodel.predict import residual_spec_of
 from costmodel.trace_fit import TraceFit, measured_action_us
 from schedules.build import build

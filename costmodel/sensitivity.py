@@ -40,7 +40,8 @@ import pydantic
 from costmodel.hardware import Curve, HardwareSpec
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict
-from costmodel.pricing import Options, ProfilePricing
+from costmodel.pricing import ProfilePricing
+from costmodel.pricing_options import Options
 from configs import RunConfig
 
 DEFAULT_PCT = 20.0

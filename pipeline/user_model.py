@@ -226,6 +226,10 @@ class UserModel:
                                 "function) pairs, names such as 'attention' or 'dispatch'")
         return list(got)
 
+    def has_phases(self) -> bool:
+        """Does any block expose phases (then F&B pairs hand the turn over inside its stages)?"""
+        return any(self.phases(b) is not None for b in range(len(self.blocks)))
+
     def run_phase(self, b: int, name: str, fn, state, ids: torch.Tensor | None, last: bool, t: int):
         """One phase of block b; the last must give back [T, n, C]."""
         y = fn(state, token_ids=ids) if needs_token_ids(self.blocks[b]) else fn(state)

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from costmodel.hardware import HardwareSpec
 from costmodel.local.host_pricing import HostPricing
 from costmodel.mhc_cost import ResidualSpec
-from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.pricing import Pricer, resolve_layout
+from costmodel.pricing_options import Options
 from costmodel.runtime_profile import RuntimeProfile, runtime_key
 from costmodel.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
 from schedules.build import build

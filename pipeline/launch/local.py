@@ -130,7 +130,8 @@ def variants_worker(rank: int, world: int, cfg_dicts: list[dict], want_grads: bo
     """Train each config for its train.steps steps in this process group; one result dict per variant (saved
     activation bytes counted only with `count_activations`)."""
     from configs import parse_config
-    from pipeline.runtime.train import RankRuntime, make_groups, manual_gc
+    from pipeline.runtime.gc_control import manual_gc
+    from pipeline.runtime.train import RankRuntime, make_groups
 
     out = []
     cfgs = [parse_config(d) for d in cfg_dicts]

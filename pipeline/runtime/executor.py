@@ -192,7 +192,7 @@ class Executor:
         run = ChunkRun(stage, mb)
         self.runs[(stage, mb)] = run
         st = self.stages[stage]
-        if getattr(st, "wants_ids", False) and not self.specs[stage].has_embed:
+        if st.wants_ids and not self.specs[stage].has_embed:
             ids, _ = self.batch.microbatch(global_microbatch(self.plan, self.specs[stage].pipeline, mb))
             run.ids = ids.to(self.device, non_blocking=True)  # the real ids, never derived from the state
         if self.expert is not None:

@@ -67,6 +67,8 @@ class ChunkRun:
 
 
 class Stage(nn.Module):
+    wants_ids = False  # the embedding stage reads the ids; no block of the built-in model does
+
     def __init__(self, spec: StageSpec, cfg, *, store: WeightGradStore | None, dtype: torch.dtype,
                  rc_block: int | None, expert=None):
         super().__init__()

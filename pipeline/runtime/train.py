@@ -12,8 +12,6 @@ AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import resource
 import socket
 import zlib
@@ -34,6 +32,7 @@ from pipeline.runtime.executor import Executor
 from pipeline.distributed.expert import ExpertComm
 from pipeline.distributed.grad_reduce import GradReducer
 from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
+from pipeline.runtime.gc_control import manual_gc
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import activation_dtype, make_optimizer, param_dtype
 from pipeline.runtime.overlap import PairRunner
@@ -87,14 +86,13 @@ class RankRuntime:
                  staged: bool = False, on_action=None, record: bool = True, count_activations: bool | None = None,
                  model: UserModel | None = None, probe=None):
         """`model`: a user's model (pipeline.user_model) instead of the built-in one; `cfg.model` then describes
-        it (pipeline.launch.user_main.user_config). `probe`: check-split's boundary probe (UserStage)."""
+        it (pipeline.launch.user_config.user_config). `probe`: check-split's boundary probe (UserStage)."""
         par = cfg.parallel
         layout = Layout.of(cfg)
         if groups is None:
             layout.check(cfg)
             groups = ParallelGroups.single(layout, rank)
         self.cfg, self.rank, self.device, self.groups = cfg, groups.rank, device, groups
-        self.user_model = model
         schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
         chunks = None if model is None else model.chunks(chunk_count(par.schedule, schedule),
                                                          agreed_block_costs(model, cfg, device, groups))
@@ -111,7 +109,7 @@ class RankRuntime:
         # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
         nccl = device.type == "cuda" and not staged and groups.world_group is not None
         # (a user model whose blocks expose phases hands the turn over the same way)
-        phased = model is not None and any(model.phases(b) is not None for b in range(len(model.blocks)))
+        phased = model is not None and model.has_phases()
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None or phased,
                            stream_ordered=nccl, device=device)
         self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
@@ -119,22 +117,19 @@ class RankRuntime:
         if groups.ep_groups is not None:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair,
                                      names={side: groups.name_of(g) for side, g in groups.ep_groups.items()})
-        # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
-        # cost model prices it; blocks never cross a stage boundary
-        rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
-                     for sp in self.plan.local()}
-        self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
-        if model is not None:
+        if model is not None:  # a user model: no recompute blocks (refused in its config)
             self.rc_block = None
-            self.stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches,
-                                               probe=probe, store=self.store
-                                               ).to(device=device, dtype=param_dtype(cfg.train.dtype))
-                           for sp in self.plan.local()}
+            stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches, probe=probe,
+                                          store=self.store) for sp in self.plan.local()}
         else:
-            self.stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype,
-                                           rc_block=rc_blocks[sp.stage], expert=self.expert
-                                           ).to(device=device, dtype=param_dtype(cfg.train.dtype))
-                           for sp in self.plan.local()}
+            # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
+            # cost model prices it; blocks never cross a stage boundary
+            rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
+                         for sp in self.plan.local()}
+            self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
+            stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
+                                      expert=self.expert) for sp in self.plan.local()}
+        self.stages = {s: st.to(device=device, dtype=param_dtype(cfg.train.dtype)) for s, st in stages.items()}
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():
             for name, p in st.named_parameters():
@@ -271,36 +266,6 @@ class RankRuntime:
             return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
                                      trace_dir / "trace.json", meta)
         return None
-
-
-@contextlib.contextmanager
-def manual_gc(interval: int):
-    """Automatic garbage collection off for the run (a generation-2 pass inside an action stalls that rank and,
-    through the pipeline, every rank); yields collect(step), a full pass every `interval` steps that only walks
-    objects created since the start (the rest is frozen).
-    interval 0: automatic collection stays on. The previous setting is restored at the end, and the frozen objects
-    are unfrozen unless the process had frozen some before (one that runs many runs, such as the tests' rank
-    processes, freezes its imports once: unfreezing them would make every later pass walk them again)."""
-    if interval <= 0:
-        yield lambda step: None
-        return
-    was_enabled = gc.isenabled()
-    owner = gc.get_freeze_count() == 0
-    gc.collect()
-    gc.freeze()  # what exists now (modules, the model) is never garbage: keep it out of every later pass
-    gc.disable()
-
-    def collect(step: int) -> None:
-        if (step + 1) % interval == 0:
-            gc.collect()
-
-    try:
-        yield collect
-    finally:
-        if owner:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
 
 
 def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: bool):

@@ -12,7 +12,8 @@ from costmodel.mhc_cost import (ResidualSpec, recompute_kernel, recompute_kernel
                                 residual_activation_elems, residual_kernels, stack_ends, stage_entry)
 from costmodel.ops import Shape
 from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.pricing import Pricer, resolve_layout
+from costmodel.pricing_options import Options
 from mhcpipe.cli import main
 from schedules.build import build
 

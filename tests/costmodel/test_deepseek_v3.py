@@ -14,7 +14,8 @@ from costmodel.memory import stage_memory
 from costmodel.mhc_cost import ResidualSpec, mhc_params_per_sublayer
 from costmodel.ops import FP8_SCALE_BYTES, Shape, attention_params, block_params, linear, mtp_params
 from costmodel.predict import predict
-from costmodel.pricing import Options, Pricer, resolve_layout
+from costmodel.pricing import Pricer, resolve_layout
+from costmodel.pricing_options import Options
 from mhcpipe.cli import main
 from schedules.build import build
 

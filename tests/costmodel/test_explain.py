@@ -13,7 +13,7 @@ from costmodel.honest import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MEMORY_CURV
 from costmodel.hardware import get_hardware
 from costmodel.mhc_cost import ResidualSpec
 from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing import Options
+from costmodel.pricing_options import Options
 from costmodel.step_anatomy import (RESIDUAL_GROUPS, _stage_residual_bytes, critical_path_summary, residual_bytes,
                                     stage_residual_kernels)
 from mhcpipe.cli import main

@@ -10,7 +10,7 @@ from configs import load_config
 from costmodel.hardware import get_hardware
 from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import predict
-from costmodel.pricing import Options
+from costmodel.pricing_options import Options
 from schedules import build
 from schedules.engine import run_engine
 from schedules.ir import Kind

@@ -19,7 +19,7 @@ from configs import load_config
 from costmodel.hardware import get_hardware
 from costmodel.overlap import TimedOp, overlap
 from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing import Options
+from costmodel.pricing_options import Options
 
 REL = 1e-9
 PRESETS = ("tiny-moe", "paper-3b", "paper-27b")

@@ -5,7 +5,7 @@ import weakref
 import pytest
 
 from configs import load_config
-from pipeline.runtime.train import manual_gc
+from pipeline.runtime.gc_control import manual_gc
 
 
 class _Node:
