@@ -176,6 +176,10 @@ class TrainConfig(BaseModel):
                       "weights and optimizer states in higher precision); cost model only, on hardware with an "
                       "fp8 rate")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
+    emulate_cuda: bool = Field(False, description="run the runtime's CUDA path on CPU tensors under the emulated "
+                               "CUDA device (pipeline.device.emulated): streams, events, stream-ordered waits and "
+                               "host reads as on a GPU, and each rank's program written into --trace-dir for "
+                               "`mhcpipe check-comm --cuda` (docs/cuda_program.md); --emulate-cuda")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
     comm_rules: Literal["backend", "nccl", "nccl-pair"] = Field(
         "backend", description="'backend' = the backend's own semantics; 'nccl' = gloo P2P run under NCCL's rules "

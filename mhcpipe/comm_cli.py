@@ -3,7 +3,7 @@ rendezvous sends, positional matching, host waits) and report deadlocks, order m
 
     mhcpipe check-comm TRACE [--view group|pair|both] [--json OUT]
     mhcpipe check-comm FR_DIR [--json OUT]
-
+    mhcpipe check-comm --cuda DIR [--blocking-wait] [--json OUT]
 
 example: mhcpipe check-comm runs/x/trace.json --view both
 
@@ -17,6 +17,12 @@ the run's flight_recorder folder, which the error line names) and our op ledgers
 prints, per process group, the ranks that posted a collective the others never reached, and every NCCL op that did
 not complete, each with the pipeline action it carried (traces/formats/flight_recorder.py). The dumps are read as data
 only; a file that is not one is refused in one line (exit 2).
+
+`--cuda DIR` replays the CUDA programs a run made with `--emulate-cuda --trace-dir DIR` wrote (every stream, event,
+NCCL launch and host wait of every rank, docs/cuda_program.md) under CUDA's and NCCL's rules: `ok`, or the wait
+cycle across ranks and streams (exit 1), then whether the run also finishes when NCCL kernels of one GPU progress
+only in launch order (it says so when it needs kernels of different communicators to run concurrently).
+`--blocking-wait` replays as under TORCH_NCCL_BLOCKING_WAIT=1.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ import sys
 from pathlib import Path
 
 from traces.analysis.comm_replay import VIEWS, ReplayResult, replay
+from traces.analysis.cuda_replay import Rules, replay_programs
+from traces.formats.cuda_program import load_programs
 from traces.formats.flight_recorder import analyse, is_dump_folder
 from traces.formats.io import load_trace
 
@@ -42,6 +50,11 @@ def register(subparsers) -> None:
     p.add_argument("--view", choices=(*VIEWS, "both"), default="both",
                    help="queue per (rank, group), per (rank, group, peer) for P2P, or both (default)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON here")
+    p.add_argument("--cuda", action="store_true",
+                   help="TRACE is a folder of CUDA programs (--emulate-cuda): replay streams, events and NCCL "
+                        "launches under CUDA's and NCCL's rules")
+    p.add_argument("--blocking-wait", action="store_true",
+                   help="with --cuda: every stream-ordered wait blocks the host (TORCH_NCCL_BLOCKING_WAIT=1)")
     p.set_defaults(func=run_check_comm)
 
 
@@ -58,6 +71,10 @@ def run_check_comm(args: argparse.Namespace) -> int:
     path = Path(args.trace)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder (pass a trace written by --trace-dir)")
+    if args.cuda:
+        return _check_cuda(path, args.blocking_wait, args.json_out)
+    if args.blocking_wait:
+        raise ValueError("--blocking-wait replays CUDA programs: add --cuda")
     if is_dump_folder(path):
         return _check_flight_recorder(path, args.json_out)
     trace = load_trace(path)
@@ -83,3 +100,24 @@ def _check_flight_recorder(folder: Path, json_out: str | None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep.to_dict(), indent=1))
     return 0 if rep.ok else 1
+
+
+def _check_cuda(folder: Path, blocking_wait: bool, json_out: str | None) -> int:
+    programs = load_programs(folder)
+    res = replay_programs(programs, Rules(blocking_wait=blocking_wait))
+    lines = res.lines()
+    strict = None
+    if res.ok:
+        strict = replay_programs(programs, Rules(blocking_wait=blocking_wait, launch_order=True))
+        lines.append("  NCCL launches in launch order only (NCCL_LAUNCH_ORDER_IMPLICIT's reading): " + (
+            "ok too" if strict.ok else "would hang: this run needs NCCL kernels of different communicators to "
+            "run concurrently (its cycle: the --json output, key launch_order)"))
+    lines = lines[:MAX_LINES + 3] + ([f"  ... and {len(lines) - MAX_LINES - 3} more"]
+                                     if len(lines) > MAX_LINES + 3 else [])
+    sys.stdout.write("\n".join(lines) + "\n")
+    if json_out:
+        out = Path(json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"default": res.to_dict(),
+                                   "launch_order": strict.to_dict() if strict is not None else None}, indent=1))
+    return 0 if res.ok else 1

@@ -246,10 +246,11 @@ class UserModel:
         """Counted cost of each block: its parameters (at least 1)."""
         return [max(1, sum(p.numel() for p in m.parameters())) for m in self.blocks]
 
-    def measure_block_costs(self, tokens: int, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> list[int]:
+    def measure_block_costs(self, tokens: int, device: torch.device, dtype: torch.dtype, repeats: int = 3,
+                            sync=None) -> list[int]:
         """Each block's forward and backward on `tokens` tokens, in microseconds (median of `repeats` after one
         warm-up run), on `device` in `dtype`; the block is moved there for the measurement and back after it, and
-        keeps no gradient."""
+        keeps no gradient. `sync()`: waits for the device's queued work (CUDA: the runtime's device layer)."""
         import time
 
         out = []
@@ -261,12 +262,12 @@ class UserModel:
             ids = torch.zeros(tokens, dtype=torch.long, device=device)
             times = []
             for k in range(repeats + 1):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                if sync is not None:
+                    sync()
                 t0 = time.perf_counter()
                 self.run_block(b, x, ids).sum().backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                if sync is not None:
+                    sync()
                 if k:
                     times.append(time.perf_counter() - t0)
             m.zero_grad(set_to_none=True)

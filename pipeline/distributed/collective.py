@@ -11,7 +11,8 @@ overridable here (`BACKEND_DEVICES`) so a CPU test can run a gloo group under NC
 Deadlines: gloo works take `Work.wait(timeout)`. NCCL works are never waited with a timeout (that makes the host
 busy-wait until the work ends): their completion is polled (`Work.is_completed`, an event query) with a sleeping
 back-off until the deadline, then `Work.wait()` only orders the current stream after them. `synchronize` replaces
-`torch.cuda.synchronize` (which has no deadline) with events recorded on the given streams and polled.
+`torch.cuda.synchronize` (which has no deadline) with events recorded on the given streams (through the device
+layer, pipeline.device) and polled.
 """
 from __future__ import annotations
 
@@ -87,18 +88,26 @@ def wait_work(work, limit: float, polled: bool = False) -> bool:
     return True
 
 
-def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **kwargs):
+def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, dev=None, comm: str | None = None,
+               **kwargs):
     """Run `fn(*args, async_op=True, group=group, **kwargs)` (a torch.distributed collective) and wait for it with
     the deadline. Tensors must sit on a device the group's backend serves (checked first); errors are one line
-    naming the rank and `what`."""
+    naming the rank and `what`. `dev` (pipeline.device, with the group's name `comm`): post and wait through the
+    device layer, so that the emulated device's program holds the collective."""
     backend = check_devices(args, group, what, rank)
     if backend is None:  # a barrier: the group's own device
         served = group_backends(group)
         backend = served.get("cuda") if torch.cuda.is_available() and "cuda" in served else served.get("cpu")
     op_ledger.note(group if group is not None else dist.group.WORLD, "coll", [what])
     try:
-        work = fn(*args, async_op=True, group=group, **kwargs)
-        ok = wait_work(work, timeout_s, polled=backend == "nccl")
+        if dev is not None:
+            members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            (work,) = dev.post(lambda: [fn(*args, async_op=True, group=group, **kwargs)], comm=comm or "world",
+                               members=members, ops=[(fn.__name__, None, what)], tensors=[])
+            ok = dev.host_wait_work(work, timeout_s)
+        else:
+            work = fn(*args, async_op=True, group=group, **kwargs)
+            ok = wait_work(work, timeout_s, polled=backend == "nccl")
     except Exception as err:  # noqa: BLE001 - backend errors have no common type
         cause = describe(err)
         if cause == "the backend timed out":
@@ -108,16 +117,17 @@ def collective(fn, *args, what: str, rank: int, timeout_s: float, group=None, **
         raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what}")
 
 
-def synchronize(device: torch.device, streams, timeout_s: float, what: str, rank: int) -> None:
-    """Bounded `torch.cuda.synchronize`: wait until everything queued so far on the current stream and on
-    `streams` (None entries skipped) has run, or raise a PipelineError after `timeout_s`. No-op on CPU."""
-    if device.type != "cuda":
+def synchronize(dev, streams, timeout_s: float, what: str, rank: int) -> None:
+    """Bounded `torch.cuda.synchronize` on the device layer `dev` (pipeline.device): wait until everything queued so
+    far on the current stream and on `streams` (None entries skipped) has run, or raise a PipelineError after
+    `timeout_s`. No-op without a device layer (CPU)."""
+    if dev is None:
         return
     events = []
-    for s in (torch.cuda.current_stream(device), *streams):
+    for s in (dev.current_stream(), *streams):
         if s is None:
             continue
-        ev = torch.cuda.Event()
+        ev = dev.event()
         ev.record(s)
         events.append(ev)
     wait_events(events, timeout_s, what, rank)

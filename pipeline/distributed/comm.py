@@ -9,7 +9,8 @@ gloo and NCCL report it through `Work.get_future()`), else the first time a poll
 compute thread has to block, a `WAIT` span on the compute stream covers exactly the blocked time and names what
 it waited for (`WAIT/<op name>`), so exposed = WAIT time and hidden = communication time outside WAIT spans.
 
-CUDA (NCCL, `stream_ordered`): ops are posted from a communication stream that first waits for the compute
+CUDA (NCCL, `stream_ordered`; every CUDA call through the device layer, pipeline.device, so that the emulated
+device runs this branch on CPU): ops are posted from a communication stream that first waits for the compute
 stream, so a comm span starts with an event on that stream when the data is ready; its end is an event recorded
 on an end stream after `Work.wait()` orders that stream behind NCCL's, i.e. when the transfer finished.
 Waiting for a result orders the compute stream behind the work (`Work.wait()` without a timeout: the host keeps
@@ -22,9 +23,13 @@ stream is handed out again only once what it last waited for has completed. A sh
 op's end event, or the expert counts' copy, behind an earlier op that is still in flight, e.g. a receive posted
 early whose sender needs this rank's next output: the counts' reader would then wait for that receive, which
 serialises ranks or hangs. The streams are created outside torch's stream pool where the CUDA runtime allows it
-(the pool is shared with ProcessGroupNCCL's own streams; a pool stream can be a channel's NCCL stream). The
-tensors an op reads or fills stay referenced until its end event completed, so the caching allocator never
-hands their memory to another kernel while NCCL still uses it.
+(the pool is shared with ProcessGroupNCCL's own streams; a pool stream can be a channel's NCCL stream), and they
+are *non-blocking*: a blocking stream and the legacy default stream, where the model's kernels run, order each
+other both ways, so an end stream parked on an early-posted receive would hold every later kernel of the rank
+(1F1B on two ranks then waits in a circle at step 1: docs/cuda_program.md). The tensors an op reads or fills
+(the all-to-all's input included) stay referenced by its Handle until its end event completed, so the caching
+allocator never hands their memory to another kernel while NCCL still uses it (`Work.wait()` drops
+ProcessGroupNCCL's own reference).
 
 Deadlines: gloo works take `Work.wait(timeout)`; NCCL works are polled (`is_completed`, which queries an event)
 with a sleeping back-off, never waited with a timeout (that busy-waits the host); a stream-ordered wait has the
@@ -57,7 +62,7 @@ class Handle:
     stage: int | None = None  # the (stage, micro-batch) the op belongs to, for its spans
     mb: int | None = None
     tensor: torch.Tensor | None = None  # the device tensor sent, or the buffer the op delivers into
-    wire: torch.Tensor | None = None  # what the backend actually reads/writes (host copy when staged)
+    wire: object = None  # what the backend actually reads/writes (host copy when staged; a collective's tensors)
     work: object | None = None
     token: object = None  # recorder handle of the ~comm span
     done: bool = False
@@ -103,25 +108,6 @@ class P2PWaiter:
         self._pool.shutdown(wait=False)
 
 
-def _private_stream(device: torch.device):
-    """A CUDA stream of our own: from the CUDA runtime (cudaStreamCreate wrapped in an ExternalStream) so it is
-    none of the pool's streams that ProcessGroupNCCL also draws from; a pool stream where the runtime module lacks
-    the call. Never destroyed: a rank makes a handful, for its lifetime."""
-    import ctypes
-
-    try:
-        cudart = torch.cuda.cudart()
-        handle = ctypes.c_void_p(0)
-        with torch.cuda.device(device):
-            err = cudart.cudaStreamCreate(ctypes.addressof(handle))
-        ok = getattr(getattr(cudart, "cudaError", None), "success", 0)
-        if err == ok and handle.value:
-            return torch.cuda.ExternalStream(handle.value, device=device)
-    except (AttributeError, RuntimeError, TypeError):
-        pass
-    return torch.cuda.Stream(device)
-
-
 class _EndStreams:
     """Streams for one in-flight op each (see the module docstring): `acquire` hands out a stream whose last op
     has completed, or a new one; `release(stream, event, keep)` returns it with the event that marks its op's end
@@ -162,11 +148,12 @@ class Comms:
     """Waits and polls for one rank, with its deadline, recorder and error messages."""
 
     def __init__(self, rank: int, recorder, timeout_s: float, watch_p2p: bool = True,
-                 stream_ordered: bool = False, device: torch.device | None = None):
+                 stream_ordered: bool = False, dev=None, names=None):
         """`watch_p2p`: make gloo P2P completion observable with waiter threads (needed for comm spans and for an
         F&B pair that hands the turn over while a receive is in flight); without it gloo P2P works complete only
         when their consumer waits for them, as in torch's own schedules, and cost no extra thread wake-ups.
-        `stream_ordered`: the works are NCCL's on `device` (see the module docstring)."""
+        `stream_ordered`: the works are NCCL's, or the emulated device's, on `dev` (pipeline.device.layer.Device;
+        see the module docstring). `names(group) -> str`: a process group's name (programs name communicators)."""
         self.rank = rank
         self.recorder = recorder
         self.timeout_s = float(timeout_s)
@@ -178,34 +165,46 @@ class Comms:
         self._batches: dict[str | None, int] = {}  # group name -> batches posted on it
         self._batch_lock = threading.Lock()
         self.strict = None  # pipeline.distributed.strict_transport.StrictTransport: notes collectives, reports hangs
-        if stream_ordered and device is not None and device.type == "cuda":
-            self.stream = _private_stream(device)
-            self.end_streams = _EndStreams(lambda: _private_stream(device))
+        self.dev = dev
+        self.names = names or (lambda g: "world" if g is None else f"group{id(g):x}")
+        if stream_ordered and dev is not None:
+            self.stream = dev.new_stream("comm")
+            self.end_streams = _EndStreams(lambda: dev.new_stream("end"))
         # host-side works (gloo): P2P completion is observable only through a waiter thread
         self.waiter = P2PWaiter(self._signal) if watch_p2p and self.stream is None else None
 
     # -- posting -------------------------------------------------------------------------------------------
-    def launch(self, post, spans: list[tuple], group: str | None = None, pg=None, kind: str = "coll"):
+    def launch(self, post, spans: list[tuple], group: str | None = None, pg=None, kind: str = "coll",
+               ops: list[tuple] | None = None, tensors: list | None = None):
         """Call `post()` (which issues one batch of async ops on the process group named `group` and returns
         their works) and open one comm span per (kind, stage, mb, peer, name) in `spans`, carrying the group and
         the batch's number on it (per group, in posting order: traces.analysis.comm_replay); `pg` (the process group)
         and
         `kind` ("coll" or "p2p") go to the op ledger for Flight Recorder (op_ledger): on CPU once the ops are in
         flight (posting is the compute thread's work), on CUDA from the communication stream, which first waits
-        for the compute stream (the data is ready). Returns (works, tokens)."""
+        for the compute stream (the data is ready). `ops` ((kind, peer, name) each) and `tensors` describe the
+        batch to the device layer. Returns (works, tokens)."""
         rec = self.recorder
         with self._batch_lock:  # both halves of an F&B pair post (one at a time; the lock keeps it exact)
             batch = self._batches.get(group, 0)
             self._batches[group] = batch + 1
             if pg is not None:
                 op_ledger.note(pg, kind, [span[-1].removesuffix("~comm") for span in spans], label=group)
+        dev = self.dev
         if self.stream is None:
-            works = post()
+            works = post() if dev is None else self._post(post, group, pg, ops, tensors)
             return works, [rec.begin_async(*span, group=group, batch=batch) for span in spans]
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(dev.current_stream())
+        with dev.use(self.stream):
             tokens = [rec.begin_async(*span, group=group, batch=batch, cuda_stream=self.stream) for span in spans]
-            return post(), tokens
+            return self._post(post, group, pg, ops, tensors), tokens
+
+    def _post(self, post, group: str | None, pg, ops, tensors):
+        import torch.distributed as dist
+
+        members = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
+        return self.dev.post(post, comm=group or self.names(pg), members=members, ops=ops or [],
+                             tensors=tensors or [])
 
     def _signal(self, h: Handle) -> None:
         """An op completed (called from a backend or waiter thread): stamp it, wake whoever waits for any op."""
@@ -219,12 +218,13 @@ class Comms:
         completion stream (its span closes there); else its future's callback, or a waiter thread (gloo P2P
         works have no future)."""
         if self.end_streams is not None:
+            dev = self.dev
             done = self.end_streams.acquire()
-            with torch.cuda.stream(done):
-                h.work.wait()  # orders only `done`, which nothing else uses meanwhile, behind NCCL's stream
+            dev.wait_work(h.work, done)  # orders only `done`, which nothing else uses meanwhile, behind NCCL's stream
+            with dev.use(done):
                 self.recorder.end_async(h.token, cuda_stream=done)
-                end = torch.cuda.Event()
-                end.record(done)
+            end = dev.event()
+            end.record(done)
             self.end_streams.release(done, end, (h.tensor, h.wire))
             h.token = None
             return
@@ -248,12 +248,13 @@ class Comms:
             h.event = None  # completion seen only by waiting for it
             h.p2p_polls = not p2p
 
-    @staticmethod
-    def completed(h: Handle) -> bool:
+    def completed(self, h: Handle) -> bool:
         """Has `h` completed? Non-blocking; False until its result is usable."""
         if h.done:
             return True
-        return h.event.is_set() if h.event is not None else h.work.is_completed()
+        if h.event is not None:
+            return h.event.is_set()
+        return self.dev.work_done(h.work) if self.stream is not None else h.work.is_completed()
 
     def wait_any(self, handles: list[Handle], limit_s: float) -> bool:
         """Block until one of `handles` completes (True) or `limit_s` passes (False)."""
@@ -271,20 +272,29 @@ class Comms:
     def post(self, fn, *args, name: str, kind: str, stage: int | None, mb: int | None, peer, group_name: str,
              **kwargs) -> Handle:
         """Post a collective `fn(*args, async_op=True, **kwargs)` (its tensors checked against the group's backend
-        first) on the group named `group_name`; its output is the caller's business."""
+        first) on the group named `group_name`; its output is the caller's business. Every tensor in `args` stays
+        referenced by the Handle until the op's end (an input made for the call, e.g. `x.contiguous()`, would
+        otherwise go back to the allocator while NCCL still reads it)."""
         check_devices(args, kwargs.get("group"), name, self.rank)
+        keep = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if torch.is_tensor(t)]
+        if self.dev is not None:
+            args = tuple([self.dev.backend_view(t) if torch.is_tensor(t) else t for t in a]
+                         if isinstance(a, (list, tuple)) else (self.dev.backend_view(a) if torch.is_tensor(a) else a)
+                         for a in args)
         if self.strict is not None:
             import torch.distributed as dist
 
             self.strict.note_collective(group_name, dist.get_process_group_ranks(kwargs.get("group")), fn.__name__,
                                         name, args)
         try:
+            views = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if torch.is_tensor(t)]
             work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
                                          [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")],
-                                         group=group_name, pg=kwargs.get("group"))
+                                         group=group_name, pg=kwargs.get("group"),
+                                         ops=[(fn.__name__, None, name)], tensors=views)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"rank {self.rank}: posting {name} ({peer}) failed: {describe(err)}") from None
-        h = Handle(False, name, peer, stage, mb, work=work, token=token)
+        h = Handle(False, name, peer, stage, mb, work=work, token=token, wire=keep)
         self.track(h)
         return h
 
@@ -296,19 +306,14 @@ class Comms:
         if self.end_streams is None:
             return lambda: torch.cat(tensors).tolist()
         side = self.end_streams.acquire()  # idle: the copy waits for `h` and for nothing else
-        with torch.cuda.stream(side):
-            h.work.wait()
-            flat = torch.cat(tensors)
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        self.end_streams.release(side, done, (*tensors, flat, host))
+        self.dev.wait_work(h.work, side)
+        done, host = self.dev.read_later(tensors, side)
+        self.end_streams.release(side, done, (*tensors, host))
 
         def read() -> list:
             if not poll(done.query, self.timeout_s):
                 raise self.timeout_error(h)
-            return host.tolist()
+            return host().tolist()
 
         return read
 
@@ -339,15 +344,17 @@ class Comms:
                 ok = h.event.wait(limit)
                 if ok and h.error is not None:
                     raise h.error
-            elif self.stream_ordered and not host:
-                h.work.wait()  # the process group's timeout bounds it (NCCL's watchdog)
+            elif self.stream_ordered and not host:  # the process group's timeout bounds it (NCCL's watchdog)
+                self.dev.wait_work(h.work) if self.stream is not None else h.work.wait()
                 ok = True
-            else:
-                ok = wait_work(h.work, limit, polled=self.stream_ordered)
-                if ok and self.stream is not None:  # the host reads next: what the stream queued before must be done
-                    ev = torch.cuda.Event()
+            elif self.stream is not None:
+                ok = self.dev.host_wait_work(h.work, limit)
+                if ok:  # the host reads next: what the stream queued before must be done
+                    ev = self.dev.event()
                     ev.record()
                     ok = poll(ev.query, max(0.0, limit - (time.monotonic() - started)))
+            else:
+                ok = wait_work(h.work, limit, polled=self.stream_ordered)
         except Exception as err:  # noqa: BLE001
             cause = describe(err)
             if isinstance(err, PipelineError):  # the strict transport's batch error: keep its cause only

@@ -146,23 +146,20 @@ class _Exchange(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def start_count_read(counts: torch.Tensor, timeout_s: float):
+def start_count_read(counts: torch.Tensor, timeout_s: float, dev=None):
     """Start reading the per-expert row counts to the host (the per-expert slices need their sizes there: the
     layer's one host wait, EP=1; with EP the count exchange's read, `ExpertComm.counts`, is that one);
-    returns the reader. CUDA: a non-blocking copy into pinned memory and an event, queued now, and the reader polls
-    the event with a deadline, so the host waits for the kernels up to the counts and not for the ones queued after
-    them; elsewhere the reader reads the tensor."""
-    if not counts.is_cuda:
+    returns the reader. CUDA (`dev`, pipeline.device): a non-blocking copy into pinned memory and an event, queued
+    now on the compute stream, and the reader polls the event with a deadline, so the host waits for the kernels up
+    to the counts and not for the ones queued after them; elsewhere the reader reads the tensor."""
+    if dev is None:
         return counts.tolist
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+    done, host = dev.read_later([counts], dev.current_stream())
 
     def read() -> list[int]:
         if not poll(done.query, timeout_s):
             raise PipelineError(f"timed out after {timeout_s:g} s reading the MoE expert counts (the GPU did not "
                                 "reach them: a hung kernel, or an input a peer never sent)")
-        return host.tolist()
+        return host().tolist()
 
     return read

@@ -84,7 +84,7 @@ class Transport:
         return handles
 
     def _post_batch(self, group, gname: str, ops, labels) -> list[Handle]:
-        handles, p2p = [], []
+        handles, p2p, views = [], [], []
         for i, (is_send, name, peer, tensor) in enumerate(ops):
             _, stage, mb = labels[i] if labels is not None else (None, None, None)
             to = self._peer(peer)
@@ -93,7 +93,9 @@ class Transport:
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
             if self.strict is None:
-                p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, wire, to, group))
+                view = self.comms.dev.backend_view(wire) if self.comms.dev is not None else wire
+                views.append(view)
+                p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, view, to, group))
             handles.append(Handle(is_send, name, to, stage, mb, tensor, wire))  # messages name the global rank
         if not handles:
             return handles
@@ -105,7 +107,9 @@ class Transport:
             return [self.strict.post(group, gname, batch)] if batch is not None else dist.batch_isend_irecv(p2p)
 
         try:
-            works, tokens = self.comms.launch(post, spans, group=gname, pg=group, kind="p2p")
+            works, tokens = self.comms.launch(post, spans, group=gname, pg=group, kind="p2p",
+                                              ops=[("send" if h.is_send else "recv", h.peer, h.name) for h in handles],
+                                              tensors=views)
         except PipelineError:
             raise
         except Exception as err:  # noqa: BLE001 - backend errors have no common type

@@ -44,6 +44,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
     p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
+    p.add_argument("--emulate-cuda", action="store_true",
+                   help="train.emulate_cuda: run the CUDA path (streams, events, stream-ordered waits, host reads) "
+                        "on CPU tensors under the emulated CUDA device; with --trace-dir D each rank's program goes "
+                        "to D for `mhcpipe check-comm --cuda D` (docs/cuda_program.md)")
     p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
                    default=os.environ.get("MHCPIPE_TRANSPORT") or "auto",
                    help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "

@@ -28,6 +28,7 @@ class RunFlags(Protocol):
     expand: str | None
     recompute: str | None
     device: str | None
+    emulate_cuda: bool
     timeout: float | None
     transport: str
     p2p_groups: str | None
@@ -57,6 +58,7 @@ _FLAG_FIELDS = {
     "cpu_bind": ("train", "cpu_bind", True),
     "steps": ("train", "steps", None),
     "device": ("train", "device", None),
+    "emulate_cuda": ("train", "emulate_cuda", True),
     "timeout": ("train", "timeout_s", None),
     "diagnostics_every": ("train", "diagnostics_every", None),
     "p2p_groups": ("parallel", "p2p_groups", None),

@@ -10,9 +10,11 @@ CPU: `time.perf_counter_ns`; a comm span ends when the backend reported completi
 `WAIT` span covers the time the compute thread blocked on it. CUDA: events recorded on the span's stream (the
 high-priority stream for `~hp` ranges), resolved in `flush_step` once they completed (polled with a deadline);
 comm spans start with an event on the communication stream and end with one on a stream ordered behind the
-transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall. Spans come from the two threads of
-an overlapped F&B pair, one at a time (pipeline.runtime.overlap). The `nvtx` package is optional: without it (or
-without a profiler attached, where its calls cost little) only spans are kept. NVTX domain `mhc_pipe`,
+transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall. The events come from the device
+layer (pipeline.device): under the emulated CUDA device they resolve to the host times at which what they wait for
+completed, and each compute span's start is a kernel of the emulated program, named after the span. Spans come
+from the two threads of an overlapped F&B pair, one at a time (pipeline.runtime.overlap). The `nvtx` package is
+optional: without it (or without a profiler attached, where its calls cost little) only spans are kept. NVTX domain `mhc_pipe`,
 category = op kind.
 """
 from __future__ import annotations
@@ -35,11 +37,12 @@ _COLORS = {"F": "orange", "I": "green", "B": "green", "W": "blue", "FB": "yellow
 
 
 class Recorder:
-    def __init__(self, rank: int, device: torch.device, enabled: bool = True):
+    def __init__(self, rank: int, device: torch.device, enabled: bool = True, dev=None):
         self.rank = rank
         self.device = device
         self.enabled = enabled
-        self.cuda = device.type == "cuda"
+        self.dev = dev  # pipeline.device: CUDA (or emulated CUDA) events; None: host clock
+        self.cuda = dev is not None
         self.spans: list[Span] = []
         self._open: list[tuple] = []  # CUDA: (kind, stage, mb, stream, partner, peer, name, comm, ev0, ev1)
         self._t0_ns = time.perf_counter_ns()
@@ -54,7 +57,7 @@ class Recorder:
         self._t0_ns = now if common_zero_ns is None else common_zero_ns
         self._cuda_offset_us = (now - self._t0_ns) / 1e3  # the CUDA reference event is recorded now
         if self.cuda:
-            self._ref_event = torch.cuda.Event(enable_timing=True)
+            self._ref_event = self.dev.event(timing=True)
             self._ref_event.record()
 
     def _now_us(self) -> float:
@@ -69,6 +72,8 @@ class Recorder:
         a process-wide NVTX start/end range, not a push/pop on this thread's stack. `comm`: (group, batch) of a
         communication span."""
         nv = None
+        if self.dev is not None and stream in ("compute", "hp") and kind != "WAIT":
+            self.dev.kernel(name)  # the program's name for what the stream runs from here
         if _nvtx is not None and nvtx:
             color, category = _COLORS.get(kind.split(".")[0], "purple"), kind.split(".")[0]
             if thread_bound:
@@ -79,7 +84,7 @@ class Recorder:
         if not self.enabled:
             return (kind, nv)
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self.dev.event(timing=True)
             ev.record(cuda_stream) if cuda_stream is not None else ev.record()
             start = ev
         else:
@@ -98,7 +103,7 @@ class Recorder:
             return
         kind, _, stage, mb, stream, partner, peer, name, start, cuda_stream, comm = token
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self.dev.event(timing=True)
             ev.record(cuda_stream) if cuda_stream is not None else ev.record()
             self._open.append((kind, stage, mb, stream, partner, peer, name, comm, start, ev))
         else:
@@ -120,7 +125,7 @@ class Recorder:
         if not self.enabled:
             return (kind, None)
         if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
+            start = self.dev.event(timing=True)
             start.record(cuda_stream) if cuda_stream is not None else start.record()
         else:
             start = self._now_us()

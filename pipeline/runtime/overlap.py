@@ -44,13 +44,16 @@ class HalfAborted(RuntimeError):
 
 
 class PairRunner:
-    def __init__(self, recorder, device: torch.device, comms, filler=None):
+    def __init__(self, recorder, device: torch.device, comms, filler=None, dev=None):
+        """`dev`: the device layer (pipeline.device) when waits are stream-ordered (CUDA, emulated CUDA): the turns
+        then follow the program only."""
         self.recorder = recorder
         self.device = device
+        self.dev = dev
         self.comms = comms
         self.filler = filler  # -> one deferred weight-grad closure of the running backward half, or None
         self._fills = 0
-        self.dynamic = device.type != "cuda"  # hand the turn over while an op is in flight (host-blocking waits)
+        self.dynamic = dev is None  # hand the turn over while an op is in flight (host-blocking waits)
         self._waiting: dict[str, object] = {"F": None, "B": None}  # side -> the op it is parked on
         self._cv = threading.Condition()
         self.active = False
@@ -106,8 +109,8 @@ class PairRunner:
             raise err
 
     def _loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if self.dev is not None:
+            self.dev.bind_thread()
         while True:
             job = self._jobs.get()
             if job is None:  # close()

@@ -70,7 +70,7 @@ class Stage(nn.Module):
     wants_ids = False  # the embedding stage reads the ids; no block of the built-in model does
 
     def __init__(self, spec: StageSpec, cfg, *, store: WeightGradStore | None, dtype: torch.dtype,
-                 rc_block: int | None, expert=None):
+                 rc_block: int | None, expert=None, dev=None):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed
         self.spec = spec
@@ -81,7 +81,7 @@ class Stage(nn.Module):
         self.head = build_head(mc, seed, store) if spec.has_head else None
         for m in self.blocks.modules():  # EP=1 count reads: early, and no longer than every other wait of the run
             if hasattr(m, "count_reader"):
-                m.count_reader = functools.partial(start_count_read, timeout_s=cfg.train.timeout_s)
+                m.count_reader = functools.partial(start_count_read, timeout_s=cfg.train.timeout_s, dev=dev)
         subs = [(layer, m, layer % 2 == 1) for b in spec.blocks for layer, m in self.blocks[str(b)].sublayers()]
         self.groups = split_blocks(subs, rc_block)
         self.expert = expert
@@ -231,11 +231,12 @@ class Stage(nn.Module):
 class StageEnv:
     """Per-rank services a stage uses while running: saved-tensor accounting, recorder, hp stream."""
 
-    def __init__(self, saved: SavedTensors, recorder: Recorder, total_tokens: int, hp_stream=None):
+    def __init__(self, saved: SavedTensors, recorder: Recorder, total_tokens: int, hp_stream=None, dev=None):
         self.saved = saved
         self.recorder = recorder
         self.total_tokens = total_tokens
         self.hp = hp_stream
+        self.dev = dev  # pipeline.device: the hp stream's device (None on CPU)
         self.diagnostics = None  # pipeline.observability.diagnostics_log.StepProbe while a logged step runs
         self._tls = threading.local()  # per half of an F&B pair: its post+res still running on the hp stream
 
@@ -247,17 +248,18 @@ class StageEnv:
         if self.hp is None:
             with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name):
                 return post(x, y)
-        main = torch.cuda.current_stream()
+        dev = self.dev
+        main = dev.current_stream()
         self.hp.wait_stream(main)
-        with torch.cuda.stream(self.hp):
+        with dev.use(self.hp):
             with self.recorder.range("F.post_res", stage, mb, stream="hp", name=name, cuda_stream=self.hp):
                 out = post(x, y)
-            done = torch.cuda.Event()
+            done = dev.event()
             done.record(self.hp)
         self._tls.pending = done
-        out.record_stream(main)
+        dev.record_stream(out, main)
         for t in (x, y, *(coeffs or ())):
-            t.record_stream(self.hp)
+            dev.record_stream(t, self.hp)
         return out
 
     def sync_hp(self) -> None:
@@ -267,4 +269,4 @@ class StageEnv:
         done = getattr(self._tls, "pending", None)
         if done is not None:
             self._tls.pending = None
-            torch.cuda.current_stream().wait_event(done)
+            self.dev.current_stream().wait_event(done)

@@ -26,6 +26,7 @@ from configs import recompute_block_size
 from schedules import build
 from kernels import single_pass
 
+from pipeline.device.layer import device_layer
 from pipeline.distributed.comm import Comms
 from pipeline.data import Batch, load_tokens, make_batch
 from pipeline.runtime.executor import Executor
@@ -68,6 +69,11 @@ class StepStats:
 
 def pick_device(cfg, local_rank: int) -> torch.device:
     want = cfg.train.device
+    if cfg.train.emulate_cuda:
+        if want == "cuda":
+            raise ValueError("train.emulate_cuda (--emulate-cuda) runs the CUDA path on CPU tensors: use --device "
+                             "cpu or auto, or drop --emulate-cuda on a GPU")
+        return torch.device("cpu")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("train.device: 'cuda' requested but torch.cuda.is_available() is False")
@@ -94,25 +100,30 @@ class RankRuntime:
             groups = ParallelGroups.single(layout, rank)
         self.cfg, self.rank, self.device, self.groups = cfg, groups.rank, device, groups
         schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
+        world = dist.get_world_size(groups.world_group) if groups.world_group is not None else 1
+        # CUDA, or the emulated CUDA device: every stream, event and stream-ordered wait goes through it
+        self.dev = device_layer(device, emulate=cfg.train.emulate_cuda, rank=groups.rank, world=world,
+                                timeout_s=cfg.train.timeout_s)
         chunks = None if model is None else model.chunks(chunk_count(par.schedule, schedule),
-                                                         agreed_block_costs(model, cfg, device, groups))
+                                                         agreed_block_costs(model, cfg, device, groups, self.dev))
         self.plan = plan_rank(cfg, groups.pp_rank, schedule, dp_rank=groups.dp_rank, chunks=chunks)
         self.dtype = activation_dtype(cfg.train.dtype)
         self.store = WeightGradStore()
         n = cfg.model.residual.n
-        self.recorder = Recorder(groups.rank, device, enabled=record)
+        self.recorder = Recorder(groups.rank, device, enabled=record, dev=self.dev)
         self.timeout_s = cfg.train.timeout_s
         # gloo P2P completion is watched (waiter threads) only where the runtime uses it: an F&B pair that hands the
         # turn over while a receive is in flight (expert parallelism). Elsewhere, recording included, it is not:
         # the threads' wake-ups take CPU time from the step's compute, and such a trace then says that its P2P
         # spans end where a wait saw them done (meta p2p_completion), which traces.analysis.comm_overlap respects.
         # NCCL (a CUDA run with a process group, not host-staged): stream-ordered waits and comm-stream spans
-        nccl = device.type == "cuda" and not staged and groups.world_group is not None
+        nccl = self.dev is not None and not staged and groups.world_group is not None
         # (a user model whose blocks expose phases hands the turn over the same way)
         phased = model is not None and model.has_phases()
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None or phased,
-                           stream_ordered=nccl, device=device)
-        self.pair = PairRunner(self.recorder, device, self.comms, filler=self.store.take_one) if par.overlap else None
+                           stream_ordered=nccl, dev=self.dev, names=groups.name_of)
+        self.pair = (PairRunner(self.recorder, device, self.comms, filler=self.store.take_one, dev=self.dev)
+                     if par.overlap else None)
         self.expert = None
         if groups.ep_groups is not None:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair,
@@ -128,7 +139,7 @@ class RankRuntime:
                          for sp in self.plan.local()}
             self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
             stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
-                                      expert=self.expert) for sp in self.plan.local()}
+                                      expert=self.expert, dev=self.dev) for sp in self.plan.local()}
         self.stages = {s: st.to(device=device, dtype=param_dtype(cfg.train.dtype)) for s, st in stages.items()}
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():
@@ -139,11 +150,11 @@ class RankRuntime:
         self.optimizer = make_optimizer(self.params.values(), cfg.train)
         self.saved = SavedTensors(self.params.values(), counting=record if count_activations is None
                                   else count_activations)
-        hp = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+        hp = self.dev.new_stream("hp", priority=-1) if self.dev is not None else None
         self.hp = hp
         self.tokens_per_mb = par.tokens_per_microbatch
         self.total_tokens = self.tokens_per_mb * par.microbatches
-        self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp)
+        self.env = StageEnv(self.saved, self.recorder, self.total_tokens, hp, self.dev)
         self.strict = strict_transport(cfg, groups, device, staged)
         self.comms.strict = self.strict
         self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged,
@@ -154,7 +165,7 @@ class RankRuntime:
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
                                  on_action=on_action, who=f"rank {groups.rank}")
         # every communicator connected once, in one global order, before any step posts (NCCL connects lazily)
-        self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict)
+        self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict, self.dev)
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
         if self.grads_reducer.active:
             self.executor.grads = self.grads_reducer
@@ -167,15 +178,15 @@ class RankRuntime:
         wants."""
         cfg = self.cfg
         batch = make_batch(cfg, step, self.tokens)
-        if self.device.type == "cuda":  # ids and labels go to the device without a host sync per micro-batch
-            batch = Batch(batch.inputs.pin_memory(), batch.labels.pin_memory())
+        if self.dev is not None:  # ids and labels go to the device without a host sync per micro-batch
+            batch = Batch(self.dev.pinned(batch.inputs), self.dev.pinned(batch.labels))
         self.env.diagnostics = None
         if diagnostics is not None and diagnostics.wants_step(step):
             self.env.diagnostics = StepProbe(diagnostics, step, first_microbatches(self.executor.actions))
         self.optimizer.zero_grad(set_to_none=True)
         self.saved.reset_peak()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.dev is not None:
+            self.dev.reset_peak_memory()
         started = time.perf_counter()
         with self.recorder.range("step", None, None, name=f"step/{step}"):
             loss_sum = self.executor.run_step(batch)
@@ -187,14 +198,13 @@ class RankRuntime:
                 self.optimizer.step()
             # The step's one wait for the device (the step time needs it); the loss travels with the statistics
             # below, so no collective waits on the GPU's compute before this.
-            synchronize(self.device, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
+            synchronize(self.dev, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
                         self.rank)
         elapsed = time.perf_counter() - started
         self.env.diagnostics = None
         self.recorder.flush_step(self.timeout_s)
-        if self.device.type == "cuda":
-            mem = torch.cuda.max_memory_allocated(self.device)
-        else:
+        mem = self.dev.peak_memory() if self.dev is not None else None
+        if mem is None:
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         world = self.groups.world_group
         where = group_device(world, self.device)  # NCCL gathers cuda tensors only
@@ -202,7 +212,7 @@ class RankRuntime:
         mine = torch.cat([loss_sum.detach().reshape(1).to(where, torch.float64), host.to(where)])
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, every, mine, what="the step statistics all-gather", rank=self.rank,
-                   timeout_s=self.timeout_s, group=world)
+                   timeout_s=self.timeout_s, group=world, dev=self.dev)
         rows = torch.stack(every).tolist()  # one host read: [rank][loss, seconds, activation bytes, peak bytes]
         # the loss: summed on the host in rank order (the same on every backend); the rest: the slowest rank's
         loss = sum(r[0] for r in rows)
@@ -213,10 +223,13 @@ class RankRuntime:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
 
     # -- whole run -----------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, program_dir: Path | None = None) -> None:
         """Stop this runtime's helper threads (the F&B pair's backward half, the strict transport's queues and
         heads publisher, gloo P2P waiters): a process that runs several runtimes in turn (variants, the tests'
-        rank pool) must not keep every earlier one's threads waking up."""
+        rank pool) must not keep every earlier one's threads waking up. The emulated CUDA device writes its
+        program into `program_dir` (the run's trace folder)."""
+        if self.dev is not None:
+            self.dev.close(program_dir)
         if self.pair is not None:
             self.pair.close()
         if self.strict is not None:
@@ -229,13 +242,14 @@ class RankRuntime:
         barrier (the clocks agree, the barrier's exit does not), else each rank's own reading after it.
         Returns that zero (a `time.perf_counter_ns` value), for other recorders of this rank to share."""
         world = self.groups.world_group
-        collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s, group=world)
+        collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s, group=world,
+                   dev=self.dev)
         now = time.perf_counter_ns()
         mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64,
                             device=group_device(world, self.device))
         seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s,
-                   group=world)
+                   group=world, dev=self.dev)
         one_host = len({int(t[0]) for t in seen}) == 1
         zero = min(int(t[1]) for t in seen) if one_host else now
         self.recorder.align(zero)
@@ -261,7 +275,7 @@ class RankRuntime:
                 "comm_rules": self.cfg.train.comm_rules}
         self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
         collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s,
-                   group=self.groups.world_group)
+                   group=self.groups.world_group, dev=self.dev)
         if self.rank == 0:
             return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
                                      trace_dir / "trace.json", meta)
@@ -346,7 +360,9 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
         diag.save(Path(diagnostics_dir))
         if rank == 0:
             log(f"diagnostics: {diagnostics_dir}/diagnostics_rank*.json (mhcpipe diagnose {diagnostics_dir})")
-    rt.close()
+    rt.close(program_dir=trace_dir)
+    if trace_dir is not None and rt.dev is not None and rt.dev.name == "emulated-cuda" and rank == 0:
+        log(f"CUDA programs: {trace_dir}/cuda_program_rank*.json (mhcpipe check-comm --cuda {trace_dir})")
     return history
 
 
@@ -377,6 +393,9 @@ def train_interleaved(cfgs: list, rank: int, world: int, device: torch.device, *
     variants see the same drift, so their step times compare; no variant always runs after another. The configs
     must agree on ranks and steps; each one's trace goes to its own folder, all on one time axis. Rank 0 prints
     each step's line prefixed with the variant's residual."""
+    if any(c.train.emulate_cuda for c in cfgs):
+        raise ValueError("--emulate-cuda records one run's CUDA program; an interleaved A/B run would mix two "
+                         "programs on the same communicators: drop --interleave")
     if len({(Layout.of(c), c.train.steps) for c in cfgs}) != 1:
         raise ValueError("interleaved runs need the same layout (--pp, --dp, --ep) and train.steps in every config; "
                          "got " + ", ".join(f"{Layout.of(c)} x {c.train.steps} steps" for c in cfgs))

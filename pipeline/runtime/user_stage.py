@@ -151,7 +151,7 @@ def _leaf_grads(leaf):
     return tuple(one(v) for v in leaf) if type(leaf) is tuple else one(leaf)
 
 
-def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups) -> list[int] | None:
+def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups, dev=None) -> list[int] | None:
     """The costs every rank balances its stages by: None for parameter counts; `balance` 'measured': rank 0 times
     every block on one micro-batch (pipeline.user_model.UserModel.measure_block_costs) and broadcasts the numbers,
     so every rank cuts the model at the same blocks (timings differ from rank to rank)."""
@@ -159,12 +159,17 @@ def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups) -> l
         return None
     import torch.distributed as dist
 
-    from pipeline.distributed.collective import collective, group_device
+    from pipeline.distributed.collective import collective, group_device, synchronize
     from pipeline.model import activation_dtype
 
     world = groups.world_group if groups is not None else None
     tokens = cfg.parallel.tokens_per_microbatch
-    mine = torch.tensor(model.measure_block_costs(tokens, device, activation_dtype(cfg.train.dtype))
+    rank = groups.rank if groups is not None else 0
+
+    def sync() -> None:  # the device's queued work, before and after each timed block (CUDA)
+        synchronize(dev, (), cfg.train.timeout_s, "timing the blocks", rank)
+
+    mine = torch.tensor(model.measure_block_costs(tokens, device, activation_dtype(cfg.train.dtype), sync=sync)
                         if world is None or groups.rank == 0 else [0] * len(model.blocks), dtype=torch.int64)
     if world is not None:
         mine = mine.to(group_device(world, device))

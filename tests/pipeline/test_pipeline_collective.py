@@ -86,8 +86,7 @@ def _handle(work) -> Handle:
 
 
 def test_stream_ordered_waits_never_pass_a_timeout():
-    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False,
-                  device=torch.device("cpu"))
+    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False)
     # a consumer on the device: ordered behind the work, the host does not wait for it to finish
     w = _NcclLikeWork(finish_after_s=None)
     h = _handle(w)
@@ -141,8 +140,7 @@ def test_a_coalesced_p2p_work_completes_every_op_of_its_batch(one_rank_gloo, mon
 
     work = _NcclLikeWork(finish_after_s=0.0)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [work])
-    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False,
-                  device=torch.device("cpu"))
+    comms = Comms(0, Recorder(0, torch.device("cpu")), timeout_s=5.0, stream_ordered=True, watch_p2p=False)
     tr = Transport(0, torch.device("cpu"), comms)
     x = torch.zeros(4)
     handles = tr.post([(True, "SEND_F/s0/mb0", 0, x), (False, "RECV_B/s0/mb0", 0, torch.empty(4))],

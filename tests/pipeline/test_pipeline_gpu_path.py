@@ -204,7 +204,8 @@ def test_ep1_moe_reads_its_counts_through_the_runtimes_bounded_reader():
     cfg = parse_config(tiny_config("1f1b", 2, moe=True, timeout_s=7), "test")
     rt = RankRuntime(cfg, 0, torch.device("cpu"))
     moes = [m for s in rt.executor.stages.values() for m in s.modules() if isinstance(m, MoE)]
-    assert moes and all(m.count_reader is not None and m.count_reader.keywords == {"timeout_s": 7} for m in moes)
+    assert moes and all(m.count_reader is not None and m.count_reader.keywords == {"timeout_s": 7, "dev": None}
+                        for m in moes)
     counts = torch.tensor([3, 0, 5])
     assert start_count_read(counts, 1.0)() == [3, 0, 5]
     rt.close()
