@@ -14,8 +14,8 @@ transfer (pipeline.distributed.comm), and a `WAIT` is the compute stream's stall
 layer (pipeline.device): under the emulated CUDA device they resolve to the host times at which what they wait for
 completed, and each compute span's start is a kernel of the emulated program, named after the span. Spans come
 from the two threads of an overlapped F&B pair, one at a time (pipeline.runtime.overlap). The `nvtx` package is
-optional: without it (or without a profiler attached, where its calls cost little) only spans are kept. NVTX domain `mhc_pipe`,
-category = op kind.
+optional: without it (or without a profiler attached, where its calls cost little) only spans are kept. NVTX
+domain `mhc_pipe`, category = op kind.
 """
 from __future__ import annotations
 
