@@ -129,5 +129,5 @@ class CudaDevice:
     def peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
 
-    def close(self, program_dir=None) -> None:
+    def close(self, program_dir=None, complete: bool = True) -> None:
         pass

@@ -169,6 +169,11 @@ class EmulatedCuda:
         return EmuEvent(self)
 
     def host_wait_events(self, events, limit_s: float) -> bool:
+        """The host blocks on `events`: in the program before it waits (a run that hangs here shows where)."""
+        for ev in events:
+            if ev.id is not None and not ev._seen:
+                ev._seen = True
+                self._emit("host_wait", event=ev.id)
         deadline = time.monotonic() + limit_s
         for ev in events:
             for d in ev.deps:
@@ -232,11 +237,11 @@ class EmulatedCuda:
 
     def host_wait_work(self, work, limit_s: float) -> bool:
         done = self._done(work)
+        self._emit("host_wait", id=done.nccl_id)
         if not done.flag.wait(limit_s):
             return False
         if done.error is not None:
             raise done.error
-        self._emit("host_wait", id=done.nccl_id)
         return True
 
     def read_later(self, tensors, stream: EmuStream):
@@ -268,13 +273,14 @@ class EmulatedCuda:
     def peak_memory(self) -> int | None:
         return None
 
-    def close(self, program_dir: Path | None = None) -> Path | None:
-        """Stop the waiter threads; write the program into `program_dir` (a run's trace folder) when given."""
+    def close(self, program_dir: Path | None = None, complete: bool = True) -> Path | None:
+        """Stop the waiter threads; write the program into `program_dir` (a run's trace folder) when given.
+        `complete=False`: the run failed (a timeout, a dead peer) and the program ends where this rank stopped."""
         self._pool.shutdown(wait=False)
         if program_dir is None:
             return None
         with self._lock:
             prog = list(self.program)
         path = program_path(Path(program_dir), self.rank)
-        write_program(path, self.rank, self.world, prog)
+        write_program(path, self.rank, self.world, prog, complete)
         return path

@@ -130,11 +130,14 @@ def synchronize(dev, streams, timeout_s: float, what: str, rank: int) -> None:
         ev = dev.event()
         ev.record(s)
         events.append(ev)
-    wait_events(events, timeout_s, what, rank)
+    wait_events(events, timeout_s, what, rank, dev)
 
 
-def wait_events(events, timeout_s: float, what: str, rank: int) -> None:
-    """Poll CUDA events (anything with `query()`) until all completed; PipelineError after `timeout_s`."""
-    if not poll(lambda: all(ev.query() for ev in events), timeout_s):
+def wait_events(events, timeout_s: float, what: str, rank: int, dev=None) -> None:
+    """Poll CUDA events (anything with `query()`; through the device layer `dev` when given, so that the emulated
+    device's program holds the host wait) until all completed; PipelineError after `timeout_s`."""
+    done = dev.host_wait_events(events, timeout_s) if dev is not None else poll(
+        lambda: all(ev.query() for ev in events), timeout_s)
+    if not done:
         raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what} (the GPU did not finish the "
                             "work queued before it: a hung kernel or a collective a peer never joined)")

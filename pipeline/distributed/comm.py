@@ -311,7 +311,7 @@ class Comms:
         self.end_streams.release(side, done, (*tensors, host))
 
         def read() -> list:
-            if not poll(done.query, self.timeout_s):
+            if not self.dev.host_wait_events([done], self.timeout_s):
                 raise self.timeout_error(h)
             return host().tolist()
 

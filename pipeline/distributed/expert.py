@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed.comm import Comms
-from pipeline.distributed.errors import PipelineError, poll
+from pipeline.distributed.errors import PipelineError
 from traces.trace import span_name
 
 
@@ -157,7 +157,7 @@ def start_count_read(counts: torch.Tensor, timeout_s: float, dev=None):
     done, host = dev.read_later([counts], dev.current_stream())
 
     def read() -> list[int]:
-        if not poll(done.query, timeout_s):
+        if not dev.host_wait_events([done], timeout_s):
             raise PipelineError(f"timed out after {timeout_s:g} s reading the MoE expert counts (the GPU did not "
                                 "reach them: a hung kernel, or an input a peer never sent)")
         return host().tolist()

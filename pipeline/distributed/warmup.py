@@ -95,20 +95,23 @@ def _p2p(name: str, group, src: int, dst: int, rank: int, device: torch.device, 
     t = torch.zeros(1, device=device)
     op = f"{'SEND' if sending else 'RECV'}_WARMUP/{src}>{dst}"
     try:
+        views = []
         if strict is not None:
-            work = strict.post(group, name, [(sending, op, peer, t)])
-        elif dev is not None:
-            op_ledger.note(group, "p2p", [op], label=name)
-            view = dev.backend_view(t)
-            p2p = [dist.P2POp(dist.isend if sending else dist.irecv, view, peer, group)]
-            (work,) = dev.post(lambda: dist.batch_isend_irecv(p2p), comm=name, members=[src, dst],
-                               ops=[("send" if sending else "recv", peer, op)], tensors=[view])
+            def post():
+                return [strict.post(group, name, [(sending, op, peer, t)])]
         else:
             op_ledger.note(group, "p2p", [op], label=name)
-            (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, t, peer, group)])
-        if dev is not None and strict is None:
+            views = [dev.backend_view(t) if dev is not None else t]
+            p2p = [dist.P2POp(dist.isend if sending else dist.irecv, views[0], peer, group)]
+
+            def post():
+                return dist.batch_isend_irecv(p2p)
+        if dev is not None:
+            (work,) = dev.post(post, comm=name, members=[src, dst], ops=[("send" if sending else "recv", peer, op)],
+                               tensors=views)
             ok = dev.host_wait_work(work, timeout_s)
         else:
+            (work,) = post()
             ok = wait_work(work, timeout_s, polled=device.type == "cuda")
     except PipelineError:
         raise

@@ -147,7 +147,7 @@ class Recorder:
         from pipeline.distributed.collective import wait_events
 
         wait_events([ev for *_, ev0, ev1 in self._open for ev in (ev0, ev1)], timeout_s,
-                    "resolving the step's CUDA events", self.rank)
+                    "resolving the step's CUDA events", self.rank, self.dev)
         ref = self._ref_event
         for kind, stage, mb, stream, partner, peer, name, comm, ev0, ev1 in self._open:
             start = ref.elapsed_time(ev0) * 1e3 + self._cuda_offset_us

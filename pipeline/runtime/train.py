@@ -28,6 +28,7 @@ from kernels import single_pass
 
 from pipeline.device.layer import device_layer
 from pipeline.distributed.comm import Comms
+from pipeline.distributed.errors import PipelineError
 from pipeline.data import Batch, load_tokens, make_batch
 from pipeline.runtime.executor import Executor
 from pipeline.distributed.expert import ExpertComm
@@ -223,13 +224,14 @@ class RankRuntime:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
 
     # -- whole run -----------------------------------------------------------------------------------------
-    def close(self, program_dir: Path | None = None) -> None:
+    def close(self, program_dir: Path | None = None, complete: bool = True) -> None:
         """Stop this runtime's helper threads (the F&B pair's backward half, the strict transport's queues and
         heads publisher, gloo P2P waiters): a process that runs several runtimes in turn (variants, the tests'
         rank pool) must not keep every earlier one's threads waking up. The emulated CUDA device writes its
-        program into `program_dir` (the run's trace folder)."""
+        program into `program_dir` (the run's trace folder); `complete=False` after a failure (it ends where this
+        rank stopped: `mhcpipe check-comm --cuda` then names the cycle it was part of)."""
         if self.dev is not None:
-            self.dev.close(program_dir)
+            self.dev.close(program_dir, complete)
         if self.pair is not None:
             self.pair.close()
         if self.strict is not None:
@@ -342,16 +344,21 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     steps = cfg.train.steps
     diagnostics_dir = diagnostics_dir or trace_dir
     diag = diagnostics_log(cfg, rank) if diagnostics_dir is not None else None
-    with manual_gc(cfg.train.gc_interval) as collect:
-        rt.align_clocks()
-        for k in range(rt.start_step, steps):
-            stats = rt.step(k, diag)
-            history.append(stats)
-            if rank == 0:
-                log(stats.line(steps))
-            if checkpoint_dir is not None:
-                dcp.save(Path(checkpoint_dir), rt, k)
-            collect(k)
+    try:
+        with manual_gc(cfg.train.gc_interval) as collect:
+            rt.align_clocks()
+            for k in range(rt.start_step, steps):
+                stats = rt.step(k, diag)
+                history.append(stats)
+                if rank == 0:
+                    log(stats.line(steps))
+                if checkpoint_dir is not None:
+                    dcp.save(Path(checkpoint_dir), rt, k)
+                collect(k)
+    except PipelineError:
+        if rt.dev is not None and trace_dir is not None:  # the emulated device's program, up to where it stopped
+            rt.dev.close(trace_dir, complete=False)
+        raise
     if trace_dir is not None:
         path = rt.save_trace(trace_dir, world)
         if path is not None:

@@ -364,6 +364,10 @@ class _Replay:
             self.problems[:0] = self._unmatched()
         for rk in self.ranks:
             self.problems += hazards(rk.prog)
+        cut = [rk.r for rk in self.ranks if not rk.prog.complete]
+        if cut:
+            self.problems.append(f"the run stopped early (a timeout or a dead peer): the programs of rank(s) "
+                                 f"{', '.join(map(str, cut))} end where each one stopped")
         total = sum(len(rk.prog.instructions) for rk in self.ranks)
         launches = sum(len(rk.launches) for rk in self.ranks)
         return CudaReplayResult(not stuck and not self.problems, len(self.ranks), total, launches, len(self.comms),
@@ -382,6 +386,9 @@ class _Replay:
         if isinstance(node, tuple):
             rk = self.ranks[node[1]]
             b = rk.blocked_on
+            if b is None and rk.pc >= len(rk.prog.instructions) and not rk.prog.complete:
+                last = self._last_open(rk)
+                return [(last, "the run stopped here: the host was blocked on its last work")] if last else []
             if isinstance(b, _Item):
                 return [(b, "the host waits for it")]
             if isinstance(b, tuple):
@@ -412,6 +419,12 @@ class _Replay:
         b = self._blocker(rk, item)
         return [b] if b is not None else []
 
+    @staticmethod
+    def _last_open(rk: _Rank) -> _Item | None:
+        """The latest-issued work of a rank that has not completed."""
+        open_items = [i for s, q in rk.queues.items() for i in q[rk.heads[s]:] if not i.done]
+        return max(open_items, key=lambda i: i.issue) if open_items else None
+
     def _describe(self, node) -> str:
         if isinstance(node, tuple):
             rk = self.ranks[node[1]]
@@ -423,6 +436,7 @@ class _Replay:
 
     def _cycle(self, stuck: list[_Rank]) -> list[str]:
         starts = [("host", rk.r) for rk in stuck if rk.pc < len(rk.prog.instructions)]
+        starts += [("host", rk.r) for rk in stuck if rk.pc >= len(rk.prog.instructions) and not rk.prog.complete]
         starts += [rk.head(s) for rk in stuck for s in rk.queues if rk.head(s) is not None]
         for start in starts:
             path, seen, why = [], {}, []

@@ -53,15 +53,17 @@ class Program:
     world: int
     instructions: list[dict]
     source: str
+    complete: bool = True  # False: the run failed; the host was blocked at the end of the program
 
 
 def program_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"cuda_program_rank{rank}.json"
 
 
-def write_program(path: Path, rank: int, world: int, instructions: list[dict]) -> None:
+def write_program(path: Path, rank: int, world: int, instructions: list[dict], complete: bool = True) -> None:
+    """`complete=False`: the run failed and the program ends where the rank stopped (its host blocked there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": FORMAT, "version": VERSION, "rank": rank, "world": world}
+    doc = {"format": FORMAT, "version": VERSION, "rank": rank, "world": world, "complete": complete}
     with open(path, "w") as f:  # one instruction per line: a reader can diff two programs
         f.write(json.dumps(doc)[:-1] + ', "program": [\n')
         f.write(",\n".join(json.dumps(i, separators=(",", ":")) for i in instructions))
@@ -103,7 +105,10 @@ def read_program(path: Path) -> Program:
         raise TraceError(f"{path}: field 'program' must be a list of instructions")
     for i, ins in enumerate(prog):
         _check(path, i, ins, doc["world"])
-    return Program(doc["rank"], doc["world"], prog, str(path))
+    complete = doc.get("complete", True)
+    if not isinstance(complete, bool):
+        raise TraceError(f"{path}: field 'complete' must be true or false")
+    return Program(doc["rank"], doc["world"], prog, str(path), complete)
 
 
 def _check(path: Path, i: int, ins, world: int) -> None:
