@@ -375,6 +375,16 @@ class _Replay:
 
     def _unmatched(self) -> list[str]:
         out = []
+        for rk in self.ranks:
+            b = rk.blocked_on
+            if isinstance(b, tuple):
+                for k in b[1]:
+                    if k not in self.connected:
+                        others = sorted(set(range(len(self.ranks)) if k[1] == "coll" else k[1:]) - self.arrived[k]
+                                        - {rk.r})
+                        out.append(f"rank {rk.r}: {b[2]} never meets its partner on rank(s) "
+                                   f"{', '.join(map(str, others))} (its first op on {k[0]} waits for them to post "
+                                   "there, and they never do)")
         for item, (what, key, peer, name) in self.pending_partners:
             if not item.done:
                 out.append(f"rank {item.rank}: {name} never meets its partner on rank {peer} (no matching "
