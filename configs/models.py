@@ -181,6 +181,10 @@ class TrainConfig(BaseModel):
                                "host reads as on a GPU, and each rank's program written into --trace-dir for "
                                "`mhcpipe check-comm --cuda` (docs/cuda_program.md); --emulate-cuda")
     timeout_s: float = Field(60.0, gt=0, description="every P2P wait and collective gives up after this")
+    first_step_timeout_s: float = Field(
+        600.0, gt=0, description="GPU runs: the first step's deadline instead of timeout_s (when larger), since every "
+        "rank JIT-compiles its Triton kernels and NCCL makes the connections the warm-up does not in it; "
+        "NCCL's watchdog (pipeline.distributed.p2p.process_group_timeout_s) comes after both")
     comm_rules: Literal["backend", "nccl", "nccl-pair"] = Field(
         "backend", description="'backend' = the backend's own semantics; 'nccl' = gloo P2P run under NCCL's rules "
         "(per communicator one batch at a time in posting order, a send completes only while its receive runs; "

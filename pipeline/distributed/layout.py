@@ -193,27 +193,34 @@ def use_split(env=None) -> bool:
             and dist.get_backend() == "nccl")
 
 
-def make_groups(sets: list[list[int]], desc: str, split: bool):
+def make_groups(sets: list[list[int]], desc: str, split: bool, timeout=None):
     """This rank's group among `sets` (disjoint lists of global ranks; every rank calls this, in the same order),
     or None when it is in none. split: one `split_group` of the world for the whole family; else one `new_group`
-    per set."""
+    per set. `timeout` (a timedelta): the group's own, like the world's (pipeline.distributed.p2p
+    .process_group_timeout_s); without it torch gives a subgroup its default (10 minutes on NCCL), under which
+    NCCL's watchdog would abort a slow first step before the step deadline's one-line error."""
     import inspect
 
     import torch.distributed as dist
 
     from pipeline.distributed.errors import PipelineError, describe
 
+    extra = {"timeout": timeout} if timeout is not None else {}
     if split:
         try:
             # group_desc names the family in Flight Recorder's dumps; an older split_group may not take it
-            named = "group_desc" in inspect.signature(dist.split_group).parameters
-            return dist.split_group(split_ranks=sets, **({"group_desc": desc} if named else {}))
+            params = inspect.signature(dist.split_group).parameters
+            if "group_desc" in params:
+                extra["group_desc"] = desc
+            if "timeout" not in params:
+                extra.pop("timeout", None)
+            return dist.split_group(split_ranks=sets, **extra)
         except Exception as err:  # noqa: BLE001 - backend errors have no common type
             raise PipelineError(f"creating the {desc} groups with torch.distributed.split_group failed: "
                                 f"{describe(err)}; MHCPIPE_SPLIT_GROUPS=0 makes them with new_group") from None
     mine = None
     for members in sets:
-        group = dist.new_group(members, group_desc=desc)  # collective: every rank calls it, members or not
+        group = dist.new_group(members, group_desc=desc, **extra)  # collective: every rank calls it, members or not
         if dist.get_rank() in members:
             mine = group
     return mine
@@ -232,7 +239,7 @@ def channel_families(layout: Layout) -> list[tuple[str, list[tuple[int, int, int
     return out
 
 
-def build_p2p_channels(layout: Layout, rank: int, split: bool = False) -> tuple[dict, dict]:
+def build_p2p_channels(layout: Layout, rank: int, split: bool = False, timeout=None) -> tuple[dict, dict]:
     """One two-rank process group per direction of every link between neighbouring pipeline ranks, for every
     pipeline row: created on every rank in the same order (each creation is collective over the world), so each
     is one communicator on both of its members. Neighbours are the only pipeline ranks that exchange activations in
@@ -240,7 +247,8 @@ def build_p2p_channels(layout: Layout, rank: int, split: bool = False) -> tuple[
     group} and {id(group): name}."""
     mine, names = {}, {}
     for desc, links in channel_families(layout):
-        group = make_groups([sorted((layout.rank(src, d), layout.rank(dst, d))) for d, src, dst in links], desc, split)
+        group = make_groups([sorted((layout.rank(src, d), layout.rank(dst, d))) for d, src, dst in links], desc, split,
+                            timeout)
         for d, src, dst in links:
             a, b = layout.rank(src, d), layout.rank(dst, d)
             if rank in (a, b):
@@ -250,7 +258,7 @@ def build_p2p_channels(layout: Layout, rank: int, split: bool = False) -> tuple[
 
 
 def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: list, new: bool = False,
-               split: bool = False, desc: str | None = None):
+               split: bool = False, desc: str | None = None, timeout=None):
     """This rank's group among `sets` (disjoint rank lists that cover the world), as a one-dimensional DeviceMesh (kept
     in `meshes`): one creation per set (new_group), or one for all (split). A set of the whole world is the
     default group unless `new` (a group that must differ from every other); sets of one rank make none (None).
@@ -264,17 +272,24 @@ def _dimension(sets: list[list[int]], axis: MeshAxis, device_type: str, meshes: 
     if len(sets) == 1 and len(sets[0]) == dist.get_world_size() and not new:
         group = dist.group.WORLD
     else:
-        group = make_groups(sets, desc or axis.value, split)
+        group = make_groups(sets, desc or axis.value, split, timeout)
     meshes.append(DeviceMesh.from_group(group, device_type, mesh_dim_names=(axis.value,)))
     return group
 
 
-def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = "channel") -> ParallelGroups:
+def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = "channel",
+                 timeout_s: float | None = None) -> ParallelGroups:
     """Create the groups the runtime posts on (collective: every rank of the world calls it, in the same order).
     `p2p_groups`: 'channel' (one group per direction of each pipeline link) or 'shared' (each pipeline row's one
-    group for all P2P: reproduces the design that deadlocks under NCCL's rules). pipeline.distributed.group_plan
-    lists the same groups without creating them."""
+    group for all P2P: reproduces the design that deadlocks under NCCL's rules). `timeout_s`: every group's
+    timeout, as the world's. pipeline.distributed.group_plan lists the same groups without creating them."""
+    import datetime
+    from functools import partial
+
     import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    _dim = partial(_dimension, timeout=timeout)
 
     if p2p_groups not in ("channel", "shared"):
         raise ValueError(f"parallel.p2p_groups: {p2p_groups!r}; use 'channel' or 'shared'")
@@ -286,18 +301,18 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
     P, D = layout.pp, layout.dp
     split = use_split()
     if p2p_groups == "shared":
-        g.pp_group = _dimension([[layout.rank(p, d) for p in range(P)] for d in range(D)], MeshAxis.PP,
+        g.pp_group = _dim([[layout.rank(p, d) for p in range(P)] for d in range(D)], MeshAxis.PP,
                                 device_type, meshes, split=split)
         if g.pp_group is not None:
             g.names.setdefault(id(g.pp_group), f"pp:{_members(g.pp_group)}")
     else:
-        g.p2p_channels, names = build_p2p_channels(layout, rank, split)
+        g.p2p_channels, names = build_p2p_channels(layout, rank, split, timeout)
         g.names.update(names)
     if layout.ep > 1:
         # the backward's exchanges have groups of their own over the same ranks (pipeline.distributed.expert):
         # every creation makes a new group, so the two sides never share one
         blocks = layout.expert_ranks().reshape(-1, layout.ep).tolist()
-        g.ep_groups = {side: _dimension(blocks, MeshAxis.EP, device_type, meshes, new=True, split=split,
+        g.ep_groups = {side: _dim(blocks, MeshAxis.EP, device_type, meshes, new=True, split=split,
                                         desc=f"ep-{side}") for side in ("F", "B")}
         for side, group in g.ep_groups.items():
             g.names[id(group)] = f"ep-{side}:{_members(group)}"
@@ -305,11 +320,11 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
             raise RuntimeError("the forward and backward expert-parallel exchanges got one process group; their "
                                "collectives could pair up across the two halves of an F&B pair")
     if layout.mirrored:
-        g.dense_grad_group = _dimension(layout.dense_grad_ranks().tolist(), MeshAxis.GRAD, device_type, meshes,
+        g.dense_grad_group = _dim(layout.dense_grad_ranks().tolist(), MeshAxis.GRAD, device_type, meshes,
                                         split=split, desc="grad")
         g.dense_grad_size = 2 * D
     elif D > 1:
-        g.dense_grad_group = _dimension([[layout.rank(p, d) for d in range(D)] for p in range(P)], MeshAxis.DP,
+        g.dense_grad_group = _dim([[layout.rank(p, d) for d in range(D)] for p in range(P)], MeshAxis.DP,
                                         device_type, meshes, split=split, desc="grad")
         g.dense_grad_size = D
     copies = 2 * layout.edp if layout.mirrored else layout.edp
@@ -318,7 +333,7 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
             g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
         else:
             sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().transpose(1, 2)
-            g.expert_grad_group = _dimension(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes,
+            g.expert_grad_group = _dim(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes,
                                              split=split, desc="grad-experts")
         g.expert_grad_size = copies
     for role, group in (("grad", g.dense_grad_group), ("grad-experts", g.expert_grad_group)):

@@ -152,12 +152,14 @@ NCCL_WATCHDOG_MIN_S = 900.0
 _BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
-def process_group_timeout_s(backend: str, step_timeout_s: float) -> float:
-    """The process group's timeout: the step deadline on gloo (our waits carry their own deadlines), and on NCCL
-    well above it so the step deadline's error comes first."""
+def process_group_timeout_s(backend: str, step_timeout_s: float, first_step_timeout_s: float = 0.0) -> float:
+    """The process group's timeout (the world's and every subgroup's): the step deadline on gloo (our waits carry
+    their own deadlines), and on NCCL well above it, and above the first step's deadline, so the deadline's error
+    comes first."""
     if backend != "nccl":
         return float(step_timeout_s)
-    return max(NCCL_WATCHDOG_FACTOR * float(step_timeout_s), NCCL_WATCHDOG_MIN_S)
+    return max(NCCL_WATCHDOG_FACTOR * float(step_timeout_s), NCCL_WATCHDOG_MIN_S,
+               float(first_step_timeout_s) + NCCL_WATCHDOG_MIN_S / 3)
 
 
 def override_blocking_wait(env) -> str | None:
@@ -177,7 +179,8 @@ def override_blocking_wait(env) -> str | None:
             "watchdog")
 
 
-def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None) -> str | None:
+def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None,
+                     first_step_timeout_s: float = 0.0) -> str | None:
     """init_process_group from torchrun's environment. `timeout_s` is the step deadline; the process group gets
     `process_group_timeout_s` of it. NCCL: bound to this rank's GPU (`device_id`), so the communicators are created
     now, collectively, and every subgroup is split from them when it is made, instead of lazily at a first op that
@@ -187,7 +190,7 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device | None
 
     note = override_blocking_wait(os.environ) if backend == "nccl" else None
     extra = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
-    pg_timeout = datetime.timedelta(seconds=process_group_timeout_s(backend, timeout_s))
+    pg_timeout = datetime.timedelta(seconds=process_group_timeout_s(backend, timeout_s, first_step_timeout_s))
     try:
         dist.init_process_group(backend, timeout=pg_timeout, **extra)
     except Exception as err:  # noqa: BLE001

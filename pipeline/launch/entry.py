@@ -112,22 +112,23 @@ def main(argv: list[str] | None = None, build=None) -> int:
     from pipeline.distributed.errors import PipelineError
     from pipeline.distributed.p2p import init_distributed
     from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
-    from pipeline.launch.gpu_sharing import gpu_shared_with_another_rank
+    from pipeline.launch.gpu_sharing import choose_backend
     from pipeline.runtime.train import pick_device, train, train_interleaved
 
     fr_dir, backend = None, "gloo"
     try:
         device = pick_device(cfg, local_rank)
-        staged = args.transport == "host"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            # NCCL refuses two ranks on one GPU; one visible GPU per rank (SLURM --gpus-per-task=1) is not that
-            if not staged and gpu_shared_with_another_rank(device, local_rank, local_world, cfg.train.timeout_s):
-                staged = True
-        backend = "nccl" if device.type == "cuda" and not staged else "gloo"
+        # NCCL refuses two ranks on one GPU; one visible GPU per rank (SLURM --gpus-per-task=1) is not that
+        backend, staged, why = choose_backend(device, local_rank, local_world, args.transport,
+                                              cfg.train.emulate_cuda, cfg.train.timeout_s)
+        if rank == 0:
+            print(f"{prog}: backend {backend}{' (host-staged P2P)' if staged else ''}: {why}", file=sys.stderr,
+                  flush=True)
         fr_dir = flight_recorder_dir(args.trace_dir, os.environ)
         flight_recorder_env(fr_dir, os.environ)  # before the process group exists: torch reads it at creation
-        note = init_distributed(backend, cfg.train.timeout_s, device)
+        note = init_distributed(backend, cfg.train.timeout_s, device, cfg.train.first_step_timeout_s)
         if note and rank == 0:
             print(f"{prog}: note: {note}", file=sys.stderr, flush=True)
         def log(line: str) -> None:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None, build=None) -> int:
     except PipelineError as err:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
         if fr_dir is not None:
-            report_flight_recorder(fr_dir, rank, backend, cfg.train.timeout_s)
+            report_flight_recorder(fr_dir, rank, backend, cfg.train.timeout_s, cfg.train.first_step_timeout_s)
         os._exit(1)
     except ValueError as err:
         print(f"{prog}: error (rank {rank}): {err}", file=sys.stderr, flush=True)
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None, build=None) -> int:
     return 0
 
 
-def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float) -> None:
+def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float,
+                           first_step_timeout_s: float = 0.0) -> None:
     """After a one-line error: this rank's op ledger next to Flight Recorder's dumps, and one line saying where they
     are. NCCL: the watchdog writes the dumps when the stuck op reaches the process-group timeout (counted from its
     post); the rank waits that long for its own (MHCPIPE_FR_WAIT_S overrides; 0 = do not wait), so that torchrun
@@ -175,7 +177,8 @@ def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float) ->
             print(f"mhcpipe: note: op ledgers in {folder} (Flight Recorder writes dumps on NCCL runs only, at the "
                   "process-group timeout)", file=sys.stderr, flush=True)
         return
-    wait = float(os.environ.get("MHCPIPE_FR_WAIT_S", process_group_timeout_s(backend, timeout_s) + 30))
+    wait = float(os.environ.get("MHCPIPE_FR_WAIT_S",
+                                process_group_timeout_s(backend, timeout_s, first_step_timeout_s) + 30))
     if rank == 0:
         print(f"mhcpipe: note: Flight Recorder dumps go to {prefix}<rank> when NCCL's watchdog reaches the stuck op "
               f"(waiting up to {wait:.0f} s; MHCPIPE_FR_WAIT_S=0 skips); then: mhcpipe check-comm {folder}",

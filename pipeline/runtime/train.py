@@ -42,7 +42,7 @@ from pipeline.distributed.collective import collective, group_device, synchroniz
 from pipeline.distributed.warmup import warm_up
 from pipeline.observability.diagnostics_log import DiagnosticsLog
 from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
-from pipeline.distributed.p2p import Transport
+from pipeline.distributed.p2p import Transport, process_group_timeout_s
 from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
@@ -66,6 +66,14 @@ class StepStats:
         return (f"step {self.step + 1}/{total_steps}  loss {self.loss:.6f}  step_time {self.step_time_s * 1e3:.1f} ms  "
                 f"tokens/s {self.tokens_per_s:,.0f}  peak_act {act}  "
                 f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB")
+
+
+def first_step_deadline(cfg, device: torch.device) -> float:
+    """The first step's deadline: on a GPU every rank JIT-compiles its Triton kernels and NCCL connects what the
+    warm-up did not in it, so it is train.first_step_timeout_s when that is longer; elsewhere train.timeout_s."""
+    if device.type == "cuda":
+        return max(cfg.train.timeout_s, cfg.train.first_step_timeout_s)
+    return cfg.train.timeout_s
 
 
 def pick_device(cfg, local_rank: int) -> torch.device:
@@ -113,6 +121,7 @@ class RankRuntime:
         n = cfg.model.residual.n
         self.recorder = Recorder(groups.rank, device, enabled=record, dev=self.dev)
         self.timeout_s = cfg.train.timeout_s
+        self.first_timeout_s = first_step_deadline(cfg, device)
         # gloo P2P completion is watched (waiter threads) only where the runtime uses it: an F&B pair that hands the
         # turn over while a receive is in flight (expert parallelism). Elsewhere, recording included, it is not:
         # the threads' wake-ups take CPU time from the step's compute, and such a trace then says that its P2P
@@ -172,12 +181,17 @@ class RankRuntime:
             self.executor.grads = self.grads_reducer
         self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
         self.start_step = 0
+        self._stepped = False  # has a step run (the first has its own deadline)
 
     # -- per step ------------------------------------------------------------------------------------------
     def step(self, step: int, diagnostics=None) -> StepStats:
         """One optimizer step; `diagnostics` (pipeline.observability.diagnostics_log.DiagnosticsLog) logs it if it
         wants."""
         cfg = self.cfg
+        first = not self._stepped
+        self._stepped = True
+        limit = self.first_timeout_s if first else self.timeout_s
+        self.comms.timeout_s = limit  # every wait of the step (the executor's, the pair's, the expert exchanges')
         batch = make_batch(cfg, step, self.tokens)
         if self.dev is not None:  # ids and labels go to the device without a host sync per micro-batch
             batch = Batch(self.dev.pinned(batch.inputs), self.dev.pinned(batch.labels))
@@ -199,11 +213,11 @@ class RankRuntime:
                 self.optimizer.step()
             # The step's one wait for the device (the step time needs it); the loss travels with the statistics
             # below, so no collective waits on the GPU's compute before this.
-            synchronize(self.dev, (self.hp, self.comms.stream), self.timeout_s, "the end-of-step synchronize",
+            synchronize(self.dev, (self.hp, self.comms.stream), limit, "the end-of-step synchronize",
                         self.rank)
         elapsed = time.perf_counter() - started
         self.env.diagnostics = None
-        self.recorder.flush_step(self.timeout_s)
+        self.recorder.flush_step(limit)
         mem = self.dev.peak_memory() if self.dev is not None else None
         if mem is None:
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -213,7 +227,7 @@ class RankRuntime:
         mine = torch.cat([loss_sum.detach().reshape(1).to(where, torch.float64), host.to(where)])
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, every, mine, what="the step statistics all-gather", rank=self.rank,
-                   timeout_s=self.timeout_s, group=world, dev=self.dev)
+                   timeout_s=limit, group=world, dev=self.dev)
         rows = torch.stack(every).tolist()  # one host read: [rank][loss, seconds, activation bytes, peak bytes]
         # the loss: summed on the host in rank order (the same on every backend); the rest: the slowest rank's
         loss = sum(r[0] for r in rows)
@@ -258,7 +272,8 @@ class RankRuntime:
         return zero
 
     def save_trace(self, trace_dir: Path, world: int) -> Path | None:
-        """Write this rank's spans; rank 0 merges every rank's file into trace.json after a barrier."""
+        """Write this rank's spans; rank 0 gathers every rank's file over the world group (ranks on other nodes
+        write to their own disks: no shared filesystem is assumed) and merges them into trace.json."""
         trace_dir = Path(trace_dir)
         par = self.cfg.parallel
         layout = self.groups.layout
@@ -275,13 +290,37 @@ class RankRuntime:
                 "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb,
                 "comm_groups": self.groups.comm_groups() if self.groups.world_group is not None else {},
                 "comm_rules": self.cfg.train.comm_rules}
-        self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
-        collective(dist.barrier, what="the trace barrier", rank=self.rank, timeout_s=self.timeout_s,
-                   group=self.groups.world_group, dev=self.dev)
+        mine = self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
+        files = gather_files(mine, self.groups.world_group, self.device, self.rank, self.timeout_s, self.dev)
         if self.rank == 0:
+            for r, data in enumerate(files):
+                if r != 0:
+                    rank_trace_path(trace_dir, r).write_bytes(data)
             return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
                                      trace_dir / "trace.json", meta)
         return None
+
+
+def gather_files(path: Path, world, device: torch.device, rank: int, timeout_s: float, dev=None) -> list[bytes]:
+    """Every rank's file at `path` (its own copy), gathered to rank 0 over `world` as bytes (rank order); other
+    ranks get []. Two collectives: the sizes (all-gather), then the padded bytes (gather to rank 0)."""
+    data = Path(path).read_bytes()
+    where = group_device(world, device)
+    n = dist.get_world_size(world)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=where)
+    sizes = [torch.empty_like(size) for _ in range(n)]
+    collective(dist.all_gather, sizes, size, what="the trace file sizes all-gather", rank=rank, timeout_s=timeout_s,
+               group=world, dev=dev)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf = buf.to(where)
+    every = [torch.empty_like(buf) for _ in range(n)] if rank == 0 else None
+    collective(dist.gather, buf, gather_list=every, dst=0, what="the trace files gather", rank=rank,
+               timeout_s=timeout_s, group=world, dev=dev)
+    if rank != 0:
+        return []
+    return [bytes(t[:int(s.item())].cpu().numpy().tobytes()) for t, s in zip(every, sizes)]
 
 
 def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: bool):
@@ -318,7 +357,10 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
         raise ValueError("parallel.p2p_groups 'shared' (--p2p-groups shared) puts all of a pipeline's P2P on one "
                          "communicator, which deadlocks under NCCL; it exists to reproduce that on gloo "
                          "(--transport strict); use 'channel'")
-    return build_groups(layout, rank, device_type, cfg.parallel.p2p_groups)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    return build_groups(layout, rank, device_type, cfg.parallel.p2p_groups,
+                        timeout_s=process_group_timeout_s(backend, cfg.train.timeout_s,
+                                                          cfg.train.first_step_timeout_s))
 
 
 def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,

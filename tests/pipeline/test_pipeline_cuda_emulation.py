@@ -9,6 +9,7 @@ programs replayed under CUDA's and NCCL's rules (traces.analysis.cuda_replay, do
   read queued behind an early receive hangs the run, whose programs then name the cycle), an all-to-all input
   released before its end (a hazard: the caching allocator may reuse it while NCCL reads it), a warm-up that skips
   the all-to-all connections (a host-blocking connection inside step 1).
+* Ranks on different nodes share no filesystem: rank 0 gathers the per-rank trace files over the world group.
 """
 from __future__ import annotations
 
@@ -187,3 +188,33 @@ def test_a_shared_end_stream_hangs_gpipe_with_ep_and_the_programs_name_the_cycle
     assert res.cycle, text
     assert any("D2H copy" in c or "host" in c for c in res.cycle), text
     assert any("RECV_B/" in c for c in res.cycle), text
+
+
+def _trace_worker(rank, world, cfg_dict, base):
+    """One recorded step, each rank's trace folder its own (as on nodes without a shared filesystem)."""
+    import torch
+
+    from configs import parse_config
+    from pipeline.runtime.train import RankRuntime, make_groups
+
+    cfg = parse_config(cfg_dict)
+    rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=make_groups(cfg, rank, world, torch.device("cpu")))
+    rt.align_clocks()
+    rt.step(0)
+    path = rt.save_trace(Path(base) / f"node{rank}", world)
+    rt.close(program_dir=Path(base) / f"node{rank}")
+    return str(path) if path else None
+
+
+@pytest.mark.timeout(200)
+def test_rank_0_gathers_the_trace_files_of_ranks_on_other_nodes(tmp_path):
+    from traces.formats.cuda_program import program_path
+    from traces.trace import Trace
+
+    results = launch(_trace_worker, 2, (_emulated(tiny_config("1f1b", 2, steps=1)), str(tmp_path)), timeout_s=150)
+    check_ok(results)
+    merged = Trace.load(results[0].value)
+    assert {s.rank for s in merged.spans} == {0, 1}
+    # rank 1's file reached rank 0's folder only through the gather
+    assert (tmp_path / "node0" / "rank1.json").read_bytes() == (tmp_path / "node1" / "rank1.json").read_bytes()
+    assert program_path(tmp_path / "node1", 1).exists()

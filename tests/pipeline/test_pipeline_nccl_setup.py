@@ -55,3 +55,70 @@ def test_one_visible_gpu_per_rank_is_not_a_shared_gpu():
 def test_ranks_on_one_gpu_are_found_sharing_it():
     assert _ranks_report(["GPU-a"] * 4) == [True] * 4
     assert _ranks_report(["GPU-a", "GPU-b", "GPU-a", "GPU-c"]) == [True, False, True, False]
+
+
+def test_the_watchdog_also_comes_after_the_first_steps_deadline():
+    """Step 1 on a GPU has its own, longer deadline (train.first_step_timeout_s: JIT and connections); NCCL's
+    watchdog must come after it too, or it aborts the job without the deadline's one-line error."""
+    assert process_group_timeout_s("nccl", 60.0, 600.0) == 900.0
+    assert process_group_timeout_s("nccl", 60.0, 1800.0) > 1800.0
+    assert process_group_timeout_s("gloo", 60.0, 1800.0) == 60.0
+
+
+def test_every_subgroup_gets_the_worlds_timeout(monkeypatch):
+    """new_group / split_group without a timeout get torch's default (10 minutes on NCCL), not the world's: every
+    group build_groups makes (P2P channels, expert groups, gradient groups) is made with the one it is given."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeline.distributed import layout as lay
+
+    made = []
+
+    def new_group(ranks=None, **kw):
+        made.append(kw.get("timeout"))
+        return object()
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(lay, "use_split", lambda env=None: False)
+    monkeypatch.setattr(lay, "_members", lambda g: "0,1")
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda *a, **k: None))
+    lay.build_groups(lay.Layout(pp=2, dp=4, ep=2, schedule="dualpipev"), 0, "cpu", timeout_s=1234.0)
+    assert len(made) >= 6 and all(t == datetime.timedelta(seconds=1234.0) for t in made), made
+
+
+def test_the_backend_is_said_and_never_falls_back_unasked(monkeypatch):
+    import pytest
+    import torch
+
+    from pipeline.launch import gpu_sharing
+
+    assert gpu_sharing.choose_backend(torch.device("cpu"), 0, 4, "auto", emulate=True)[0:2] == ("gloo", False)
+    cuda = torch.device("cuda", 0)
+    assert gpu_sharing.choose_backend(cuda, 0, 4, "host", emulate=False)[:2] == ("gloo", True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_sharing, "gpu_shared_with_another_rank", lambda *a: None)
+    with pytest.raises(ValueError, match="cannot be checked.*--transport host"):
+        gpu_sharing.choose_backend(cuda, 0, 4, "auto", emulate=False)
+    monkeypatch.setattr(gpu_sharing, "gpu_shared_with_another_rank", lambda *a: True)
+    with pytest.raises(ValueError, match="shares its GPU.*--transport host"):
+        gpu_sharing.choose_backend(cuda, 0, 4, "auto", emulate=False)
+    monkeypatch.setattr(gpu_sharing, "gpu_shared_with_another_rank", lambda *a: False)
+    backend, staged, why = gpu_sharing.choose_backend(cuda, 0, 4, "auto", emulate=False)
+    assert (backend, staged) == ("nccl", False) and "one GPU per rank" in why
+
+
+def test_the_first_step_on_a_gpu_has_its_own_deadline():
+    import torch
+
+    from configs import load_config
+    from pipeline.runtime.train import first_step_deadline
+
+    cfg = load_config("tiny")
+    assert cfg.train.timeout_s == 60.0 and cfg.train.first_step_timeout_s == 600.0
+    assert first_step_deadline(cfg, torch.device("cuda", 0)) == 600.0
+    assert first_step_deadline(cfg, torch.device("cpu")) == 60.0  # no JIT, and the deadlock tests stay short

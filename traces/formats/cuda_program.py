@@ -33,7 +33,7 @@ VERSION = 1
 FILE_RE = re.compile(r"cuda_program_rank(\d+)\.json")
 LEGACY = 0  # the legacy default stream's id in every program
 P2P_KINDS = ("send", "recv")
-COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce_scatter", "barrier")
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce_scatter", "barrier", "gather")
 _FIELDS: dict[str, dict[str, type | tuple]] = {  # op -> field -> type
     "stream": {"stream": int, "flags": str, "priority": int, "role": str},
     "kernel": {"stream": int, "name": str},
