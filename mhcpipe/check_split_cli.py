@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--p2p-timeout", type=float, help="seconds any wait inside a step may take (train.timeout_s; "
                                                      "default the config's)")
     p.add_argument("--json", dest="json_out", type=Path, help="write every case's result here")
+    p.add_argument("--emulate-cuda", action="store_true",
+                   help="run each case on the runtime's CUDA path under the emulated CUDA device and replay its "
+                        "programs under CUDA's and NCCL's rules (docs/cuda_program.md)")
     p.set_defaults(func=run_check_split)
 
 
@@ -88,7 +91,7 @@ def run_check_split(args) -> int:
     started = time.perf_counter()
     results = run_cases(args.model, base, cases, residual=args.residual, rtol=rtol, rules=args.rules,
                         timeout_s=args.timeout, p2p_timeout_s=args.p2p_timeout,
-                        log=lambda line: print(line, flush=True))
+                        log=lambda line: print(line, flush=True), emulate_cuda=args.emulate_cuda)
     for r in results:
         if not r.ok and r.message.startswith("rank "):
             print(r.line(), flush=True)  # a failed launch: not logged per case

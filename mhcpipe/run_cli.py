@@ -40,6 +40,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
         cmd.append("--no-overlap")
     if args.cpu_bind:
         cmd.append("--cpu-bind")
+    if args.emulate_cuda:
+        cmd.append("--emulate-cuda")
     for flag in ("trace_dir", "checkpoint_dir", "diagnostics_dir"):
         value = getattr(args, flag)
         if value is not None:

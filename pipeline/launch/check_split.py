@@ -21,6 +21,8 @@ All cases of one world size run in one launch (`launcher`: pipeline.launch.local
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from dataclasses import dataclass
 
 import torch
@@ -48,23 +50,27 @@ class CaseResult:
         return f"{where}  FAIL  {self.message}"
 
 
-def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl", p2p_timeout_s: float | None = None):
+def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl", p2p_timeout_s: float | None = None,
+                emulate_cuda: bool = False):
     """The check's config of one case: float64 on CPU, one step, the layout and schedule asked; P2P under NCCL's
     rules by default (the strict transport: a posting order NCCL would hang on or mismatch fails with every rank's
-    queue heads), or `rules` 'backend' (plain gloo: a mismatched order then shows as wrong numbers)."""
+    queue heads), or `rules` 'backend' (plain gloo: a mismatched order then shows as wrong numbers);
+    `emulate_cuda`: on the runtime's CUDA path under the emulated device (docs/cuda_program.md)."""
     from configs import parse_config
 
     data = base.model_dump()
     data["parallel"].update(schedule=schedule, ranks=pp, data_parallel=dp, expert_parallel=1)
-    data["train"].update(dtype="float64", device="cpu", steps=1, comm_rules=rules)
+    data["train"].update(dtype="float64", device="cpu", steps=1, comm_rules=rules, emulate_cuda=emulate_cuda)
     if p2p_timeout_s is not None:
         data["train"]["timeout_s"] = p2p_timeout_s
     data["recompute"] = {"mode": "off"}
     return parse_config(data, f"{schedule} pp{pp} x dp{dp}")
 
 
-def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dicts: list[dict]) -> list[dict]:
-    """One rank of every case: build the model, run one step with the boundary probe, return what it saw."""
+def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dicts: list[dict],
+                 program_dirs: list[str | None] | None = None) -> list[dict]:
+    """One rank of every case: build the model, run one step with the boundary probe, return what it saw; an
+    emulated-CUDA case writes its program into its folder of `program_dirs`."""
     from configs import parse_config
     from pipeline.launch.user_config import build_model, load_builder, user_config
     from pipeline.partition import global_microbatch
@@ -72,7 +78,7 @@ def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dic
 
     builder = load_builder(spec)
     out = []
-    for d in cfg_dicts:
+    for i, d in enumerate(cfg_dicts):
         cfg = parse_config(d)
         model = build_model(builder, cfg.train.seed, residual, cfg.parallel.seq_len)
         cfg = user_config(cfg, model)
@@ -87,7 +93,7 @@ def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dic
         stages = {sp.stage: (sp.blocks.start, sp.blocks.stop - 1, sp.rank) for sp in rt.plan.stages}
         out.append({"records": records, "grads": rt.grads(), "stages": stages, "loss": stats.loss,
                     "rank": rank, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank})
-        rt.close()
+        rt.close(program_dir=Path(program_dirs[i]) if program_dirs and program_dirs[i] else None)
     return out
 
 
@@ -178,16 +184,23 @@ def _stage_of(name: str, stages: dict, num_blocks: int) -> str:
 
 def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: str | None = None,
               rtol: float = DEFAULT_RTOL, rules: str = "nccl", launcher=None, worker=split_worker,
-              timeout_s: float = 600.0, p2p_timeout_s: float | None = None, log=None) -> list[CaseResult]:
+              timeout_s: float = 600.0, p2p_timeout_s: float | None = None, log=None,
+              emulate_cuda: bool = False) -> list[CaseResult]:
     """Every (schedule, pp, dp) case against the unsplit model; one launch per world size. `timeout_s`: the
-    launch's deadline; `p2p_timeout_s`: every wait inside a step (train.timeout_s; default the config's)."""
+    launch's deadline; `p2p_timeout_s`: every wait inside a step (train.timeout_s; default the config's).
+    `emulate_cuda`: each case also runs the CUDA path under the emulated device, and its programs are replayed
+    under CUDA's and NCCL's rules (a case whose replay is not ok fails with the replay's first lines)."""
+    import tempfile
     from pipeline.launch.user_config import build_model, load_builder, user_config
     from pipeline.user_reference import unsplit_run
 
     if launcher is None:
         from pipeline.launch.local import launch as launcher
     builder = load_builder(spec)
-    cfgs = {case: case_config(base, *case, rules=rules, p2p_timeout_s=p2p_timeout_s) for case in cases}
+    cfgs = {case: case_config(base, *case, rules=rules, p2p_timeout_s=p2p_timeout_s, emulate_cuda=emulate_cuda)
+            for case in cases}
+    scratch = tempfile.TemporaryDirectory(prefix="check-split-cuda-") if emulate_cuda else None
+    dirs = {case: str(Path(scratch.name) / "-".join(map(str, case))) if scratch else None for case in cases}
     model = build_model(builder, base.train.seed, residual, base.parallel.seq_len)
     ref_cfg = user_config(cfgs[cases[0]], model)
     model.chunks(max(1, min(pp for _, pp, _ in cases)))  # a split the model cannot take: one line, before launching
@@ -205,7 +218,9 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
     results: list[CaseResult] = []
     for world in sorted({pp * dp for _, pp, dp in cases}):
         group = [c for c in cases if c[1] * c[2] == world]
-        got = launcher(worker, world, (spec, residual, [cfgs[c].model_dump() for c in group]), timeout_s=timeout_s)
+        args = (spec, residual, [cfgs[c].model_dump() for c in group]) + ((
+            [dirs[c] for c in group],) if emulate_cuda else ())
+        got = launcher(worker, world, args, timeout_s=timeout_s)
         failed = [r for r in got if r.exitcode != 0 or r.error]
         if failed:
             r = failed[0]
@@ -216,8 +231,24 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
         for i, (s, pp, dp) in enumerate(group):
             ranks = [r.value[i] for r in got]
             bad, worst = compare(ref, ranks, len(model.blocks), rtol)
+            if bad is None and emulate_cuda:
+                bad = _cuda_replay(dirs[(s, pp, dp)])
             res = CaseResult(s, pp, dp, bad is None, bad or "", worst, ranks[0]["loss"])
             results.append(res)
             if log is not None:
                 log(res.line())
+    if scratch is not None:
+        scratch.cleanup()
     return results
+
+
+def _cuda_replay(folder: str) -> str | None:
+    """None when the case's CUDA programs replay ok, else the replay's verdict in one line."""
+    from traces.analysis.cuda_replay import replay_programs
+    from traces.formats.cuda_program import load_programs
+
+    res = replay_programs(load_programs(Path(folder)))
+    if res.ok:
+        return None
+    first = (res.cycle or res.problems or [""])[0]
+    return f"CUDA replay: {res.summary()}; {first}"

@@ -37,6 +37,19 @@ def test_the_hyper_connections_example_agrees_with_one_process_under_every_sched
     assert len({round(r.loss, 12) for r in results}) == 1
 
 
+def test_under_emulated_cuda_every_case_agrees_and_replays_ok_and_a_hang_is_a_failed_case(monkeypatch):
+    """--emulate-cuda: the user's blocks on the runtime's CUDA path (phased F&B pairs with fixed turns, end
+    streams), the same numbers, and each case's programs replayed ok; a case whose replay finds a cycle fails with
+    it (here: the replay made to report one)."""
+    import pipeline.launch.check_split as cs
+
+    results = check(case_list=cases(["1f1b", "dualpipev"], [(4, 1), (2, 2)]), emulate_cuda=True)
+    assert [r.line() for r in results if not r.ok] == [] and len(results) == 4
+    monkeypatch.setattr(cs, "_cuda_replay", lambda folder: "CUDA replay: deadlock: 4 ranks; rank 0 ...")
+    bad = check(case_list=[("1f1b", 4, 1)], emulate_cuda=True)
+    assert not bad[0].ok and bad[0].message.startswith("CUDA replay: deadlock")
+
+
 def test_a_plain_transformer_wrapped_in_our_mhc_agrees_too():
     results = check(f"{ROOT}/examples/plain_transformer.py:build", cases(["dualpipev", "zb1p"], [(4, 1)]),
                     residual="mhc:4")
