@@ -3,5 +3,6 @@ host-staged loopback and the NCCL-rules strict transport), posted async work and
 collectives (collective), the data- and expert-parallel gradient reduction (grad_reduce), the MoE all-to-all
 (expert), and the one-line errors every bounded wait raises (errors).
 
-May import: nothing else of pipeline (the bottom layer: runtime, checkpoint, observability and launch build on it).
+May import: device (the CUDA device layer below it) and nothing else of pipeline (runtime, checkpoint, observability
+and launch build on it).
 """

@@ -2,5 +2,5 @@
 the per-layer residual-stream diagnostics, probed in the stage (diagnostics_probe), logged per step
 (diagnostics_log) and read back as tables and a picture (diagnose, `mhcpipe diagnose`).
 
-May import: pipeline.distributed (the recorder's clock alignment is a collective).
+May import: pipeline.distributed (the recorder's clock alignment is a collective) and pipeline.device (its events).
 """
