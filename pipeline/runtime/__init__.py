@@ -3,6 +3,6 @@ a stage's forward/backward with its mHC sub-layers (stage) or a user model's blo
 F&B pair (overlap), recompute in blocks (recompute, saved_tensors), garbage collection during a run (gc_control),
 and binding a rank to cores (cpu_binding).
 
-May import: pipeline.device, pipeline.distributed, pipeline.observability, pipeline.checkpoint and the model modules at the top of
-pipeline.
+May import: pipeline.device, pipeline.distributed, pipeline.observability, pipeline.checkpoint and the model
+modules at the top of pipeline.
 """
