@@ -4,5 +4,6 @@ At the top: the model and its pieces (model; weight_grad, the deferred weight gr
 partition into stages; data; single_process, the unsplit reference) and the torchrun entry (__main__). Below, by
 role: device (the CUDA device layer, real or emulated), distributed (groups, P2P, collectives, errors),
 observability (trace recorder, diagnostics), checkpoint (DCP save/resume), runtime (executing a schedule on a
-rank), launch (run flags, local rank processes, host measurements). Each sub-package's docstring says what it may import (tests/test_imports.py checks it).
+rank), launch (run flags, local rank processes, host measurements). Each sub-package's docstring says what it may
+import (tests/test_imports.py checks it).
 """
