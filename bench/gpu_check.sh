@@ -13,6 +13,10 @@
 #   install         pydantic / nvtx / pyyaml / pytest from .whl/ when the image lacks them (no network there;
 #                   bench/stage_wheels.sh fills .whl/ on a machine with network)
 #   env             versions, device, stream priorities, NVTX (bench/gpu_report.py env)
+#   stream_probe    the stream rule the pipeline relies on: a kernel on the compute stream runs while an end stream
+#                   (made by the runtime's device layer) waits for an op that has not completed; a blocking-stream
+#                   control must fail it (bench/gpu_stream_probe.py; --cpu: the emulated device and the replay).
+#                   Failing it stops the check with one line: every later step would rest on a broken rule.
 #   fb_pair_cuda    the threaded F&B pair on CUDA streams: DualPipeV rank 0 (P=2, M=8, 11 pairs) of a MoE model
 #                   with a world-size-1 NCCL group, two 1-rank EP groups (F, B) whose all-to-alls really run, and
 #                   loopback P2P; trace has both halves' spans and the all-to-all comm spans; loss and every grad
@@ -92,11 +96,12 @@ elif [ "$MODE" = cpu ]; then BUDGET=${GPU_CHECK_BUDGET:-900}; else BUDGET=${GPU_
 
 # Per-step limits in seconds. GPU: they add up to 450 s, under the 460 s budget, so the whole check fits one
 # 8-minute device call with room for the machine's start; CPU (--cpu, 810 s of 900): Triton interpreted.
-STEPS=(install env fb_pair_cuda hp_bitwise world1_nccl kernel_parity stage kernel_bench pipeline_2rank kernel_tests)
-declare -A LIM_GPU=([install]=30 [env]=20 [fb_pair_cuda]=50 [hp_bitwise]=40 [world1_nccl]=70 [kernel_parity]=40
-                    [stage]=60 [kernel_bench]=40 [pipeline_2rank]=60 [kernel_tests]=40)
-declare -A LIM_CPU=([install]=60 [env]=30 [fb_pair_cuda]=60 [hp_bitwise]=60 [world1_nccl]=90 [kernel_parity]=60
-                    [stage]=60 [kernel_bench]=60 [pipeline_2rank]=90 [kernel_tests]=240)
+STEPS=(install env stream_probe fb_pair_cuda hp_bitwise world1_nccl kernel_parity stage kernel_bench pipeline_2rank
+       kernel_tests)
+declare -A LIM_GPU=([install]=30 [env]=20 [stream_probe]=15 [fb_pair_cuda]=50 [hp_bitwise]=40 [world1_nccl]=70
+                    [kernel_parity]=40 [stage]=55 [kernel_bench]=30 [pipeline_2rank]=60 [kernel_tests]=40)
+declare -A LIM_CPU=([install]=60 [env]=30 [stream_probe]=30 [fb_pair_cuda]=60 [hp_bitwise]=60 [world1_nccl]=90
+                    [kernel_parity]=60 [stage]=60 [kernel_bench]=60 [pipeline_2rank]=90 [kernel_tests]=240)
 lim() { if [ "$MODE" = cpu ]; then echo "${LIM_CPU[$1]}"; else echo "${LIM_GPU[$1]}"; fi; }
 
 if [ "$PLAN" = 1 ]; then
@@ -201,6 +206,14 @@ if [ "$GPUS" != 0 ]; then
     run_step multi_gpu "$BUDGET" "$PY" bench/gpu_multi.py --gpus "$GPUS" "${MULTI[@]}" --python "$PY" \
         --out "$OUT/multi.json" --workdir "$OUT/multi"
     [ -f "$OUT/multi_table.txt" ] && { echo; cat "$OUT/multi_table.txt"; }
+    finish
+fi
+
+# stream_probe: first, and a failure stops the check (every later step rests on the rule it checks).
+run_step stream_probe "$(lim stream_probe)" "$PY" bench/gpu_stream_probe.py \
+    --device "$([ "$MODE" = cpu ] && echo cpu || echo cuda)" --out "$OUT/stream_probe.json"
+if [ "$(awk -F'\t' '$1 == "stream_probe" { print $2 }' "$STATUS")" != "0" ] && grep -q '^stream_probe' "$STATUS"; then
+    echo "gpu_check: stopped: $(tail -n 1 "$OUT/stream_probe.log")"
     finish
 fi
 

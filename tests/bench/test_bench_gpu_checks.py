@@ -169,3 +169,26 @@ def test_gpu_report_table_fails_on_a_failed_step_not_on_a_skip(tmp_path):
     assert rep.table(tmp_path)[1] is False
     (tmp_path / "status.tsv").write_text("env\t124\t20.0\t20\ta.log\n")
     assert rep.table(tmp_path)[1] is False
+
+
+def test_gpu_check_starts_with_the_stream_probe_and_stops_when_it_fails(tmp_path):
+    """--cpu: the probe replays the documented 1F1B example with the stream flags the runtime's Comms asks for
+    (ok) and with blocking streams (the control, a deadlock); a probe that fails stops the check with one line."""
+    out = tmp_path / "gc"
+    proc = _gpu_check(["--cpu"], env={"OUT": str(out), "GPU_CHECK_ONLY": "stream_probe"}, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    probe = json.loads((out / "stream_probe.json").read_text())
+    assert probe["ok"] and probe["control_fails"] and probe["runtime"]["flags"] == "non-blocking"
+    # the runtime asking for blocking streams: the probe fails and nothing after it runs
+    fake = tmp_path / "sitecustomize.py"
+    fake.write_text("import pipeline.device.emulated as e\n"
+                    "real = e.EmulatedCuda.new_stream\n"
+                    "e.EmulatedCuda.new_stream = lambda self, role, priority=0, blocking=False: "
+                    "real(self, role, priority, True)\n")
+    out2 = tmp_path / "gc2"
+    proc = _gpu_check(["--cpu"], env={"OUT": str(out2), "GPU_CHECK_ONLY": "stream_probe,stage",
+                                      "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=120)
+    assert proc.returncode != 0
+    assert "gpu_check: stopped: stream probe: FAIL" in proc.stdout, proc.stdout[-2000:]
+    rows = {s["step"] for s in json.loads((out2 / "summary.json").read_text())["steps"]}
+    assert "stage" not in rows
