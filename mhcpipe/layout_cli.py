@@ -1,20 +1,21 @@
 """`mhcpipe layout`: the process groups a launch makes, before launching it (no GPU, no process group).
 
     mhcpipe layout --config CONFIG [--pp P] [--dp D] [--ep EP] [--schedule KIND] [--p2p-groups channel|shared]
-                   [--rank R] [--buffsize-mib 4] [--channels 2] [--json OUT]
+                   [--rank R] [--gpus-per-node 8] [--json OUT]
 
 example: mhcpipe layout --config v4-pro --dp 128
 
 Prints the groups the start-up creates (the runtime makes only groups it posts on) and the creations collective over
 the whole world that make them (NCCL: one `split_group` per family of disjoint groups; gloo: one `new_group` per
 group), the communicators per rank,
-a rough estimate of NCCL's buffer memory per rank, and one rank's groups in the order the start-up warm-up connects
+a range for NCCL's buffer memory per rank, and one rank's groups in the order the start-up warm-up connects
 them (pipeline.distributed.warmup). The groups come from pipeline.distributed.group_plan, which a test checks against
 a real start-up. Micro-batches do not change the groups: a count that does not divide over --dp is rounded up here.
 
-NCCL memory model (rough, an upper bound of the buffers alone): a rank connects to 1 peer on a two-rank group, to its
-2 ring neighbours on an all-reduce group and to every other member on an all-to-all (expert) group; each connection
-holds `--channels` channels of NCCL_BUFFSIZE (`--buffsize-mib`, NCCL's default 4 MiB) for each direction.
+NCCL memory: a range per rank from NCCL's protocol buffers (Simple 4 MiB, LL 512 KiB, LL128 4.69 MiB per channel,
+peer and direction), the channels a connection gets on its link (a group inside one node of `--gpus-per-node`
+GPUs: NVLink; else the network) and the peers each group connects; the assumptions are printed with it
+(pipeline/distributed/nccl_memory.py).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"))
     p.add_argument("--p2p-groups", choices=("channel", "shared"), help="parallel.p2p_groups")
     p.add_argument("--rank", type=int, default=0, help="the rank whose groups are listed (default 0)")
-    p.add_argument("--buffsize-mib", type=float, default=4.0, help="NCCL_BUFFSIZE in MiB (default 4)")
-    p.add_argument("--channels", type=int, default=2, help="NCCL channels per connection (default 2)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: a group inside one node talks over NVLink (default 8)")
     p.add_argument("--json", dest="json_out", type=Path, help="write the plan and the counts as JSON here")
     p.set_defaults(func=run_layout)
 
@@ -48,12 +49,10 @@ def register(subparsers) -> None:
 def _config(args):
     from configs import load_config, load_config_data
 
-    for flag in ("pp", "dp", "ep", "channels"):
+    for flag in ("pp", "dp", "ep", "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise ValueError(f"--{flag} {value}: must be >= 1")
-    if args.buffsize_mib <= 0:
-        raise ValueError(f"--buffsize-mib {args.buffsize_mib:g}: must be > 0")
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
     par: dict = {}
     for flag, field in (("pp", "ranks"), ("dp", "data_parallel"), ("ep", "expert_parallel"),
                         ("schedule", "schedule"), ("p2p_groups", "p2p_groups")):
@@ -67,24 +66,21 @@ def _config(args):
     return load_config(args.config, {"parallel": par})
 
 
-def _peers(role: str, size: int) -> int:
-    if size == 2:
-        return 1
-    return size - 1 if role.startswith("ep") else 2
-
-
-def summarize(layout, plan, buffsize_mib: float, channels: int) -> dict:
+def summarize(layout, plan, gpus_per_node: int) -> dict:
     from pipeline.distributed.group_plan import groups_of, world_wide_creations
+    from pipeline.distributed.nccl_memory import ASSUMPTIONS, rank_range_mib
 
     per_rank = [groups_of(plan, r) for r in range(layout.world)]
     comms = [len(g) for g in per_rank]
-    mem = [sum(_peers(s.role, len(s.members)) * channels * 2 * buffsize_mib for s in g) for g in per_rank]
+    ranges = [rank_range_mib(g, gpus_per_node) for g in per_rank]
     return {
         "world": layout.world, "num_groups": len(plan),
         "creations": world_wide_creations(plan, split=False),  # gloo: one new_group per group
         "nccl_splits": world_wide_creations(plan, split=True),  # NCCL: one split_group per family
         "by_role": dict(Counter(g.role for g in plan)),
-        "communicators_per_rank": [min(comms), max(comms)], "nccl_buffer_mib_per_rank": [min(mem), max(mem)],
+        "communicators_per_rank": [min(comms), max(comms)],
+        "nccl_buffer_mib_per_rank": [min(lo for lo, _ in ranges), max(hi for _, hi in ranges)],
+        "nccl_buffer_assumptions": ASSUMPTIONS, "gpus_per_node": gpus_per_node,
     }
 
 
@@ -99,7 +95,7 @@ def run_layout(args) -> int:
     if not 0 <= args.rank < layout.world:
         raise ValueError(f"--rank {args.rank}: the layout has ranks 0..{layout.world - 1}")
     plan = plan_groups(layout, cfg.parallel.p2p_groups)
-    s = summarize(layout, plan, args.buffsize_mib, args.channels)
+    s = summarize(layout, plan, args.gpus_per_node)
     pp_rank, dp_rank = layout.coords(args.rank)
     print(f"layout {cfg.model.name}: {layout.schedule} PP{layout.pp} x DP{layout.dp} (EP{layout.ep} inside DP, "
           f"D_e {layout.edp}), {layout.world} ranks, P2P groups: {cfg.parallel.p2p_groups}")
@@ -109,8 +105,8 @@ def run_layout(args) -> int:
     print("  by role: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_role"].items())))
     lo, hi = s["communicators_per_rank"]
     mlo, mhi = s["nccl_buffer_mib_per_rank"]
-    print(f"per rank: {lo}..{hi} communicators; NCCL buffers about {mlo:,.0f}..{mhi:,.0f} MiB "
-          f"({args.channels} channels x NCCL_BUFFSIZE {args.buffsize_mib:g} MiB per direction and peer)")
+    print(f"per rank: {lo}..{hi} communicators; NCCL buffers {mlo:,.0f}..{mhi:,.0f} MiB (range over ranks and "
+          f"assumptions, {args.gpus_per_node} GPUs per node; {s['nccl_buffer_assumptions']})")
     order = warmup_order(groups_of(plan, args.rank))
     print(f"rank {args.rank} (pp {pp_rank}, dp {dp_rank}): the warm-up connects its {len(order)} groups in this "
           "order:")

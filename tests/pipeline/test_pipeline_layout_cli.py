@@ -47,3 +47,32 @@ def test_bad_input_is_one_line(args, field):
     out = mhcpipe_in_process("layout", *args)
     err = out.stderr.strip()
     assert out.returncode == 2 and len(err.splitlines()) == 1 and field in err, err
+
+
+def test_nccl_buffers_are_a_range_from_protocols_channels_and_links():
+    """NCCL's defaults (src/init.cc): Simple 4 MiB, LL 8x512x8x16 B, LL128 120x640x8x8 B per channel, peer and
+    direction; the low end is Simple at 2 channels, the high end every protocol the link supports at the channels
+    NCCL reaches on it; a two-rank group is one peer, an all-reduce ring two, an all-to-all every other member."""
+    from pipeline.distributed import nccl_memory as nm
+
+    assert (nm.SIMPLE, nm.LL, nm.LL128) == (4 << 20, 524288, 4915200)
+    mib = 1 << 20
+    # a P2P channel inside a node (NVLink) and across nodes (network)
+    assert nm.group_bytes("p2p", (0, 1), 8, high=False) == 1 * 2 * 2 * 4 * mib
+    assert nm.group_bytes("p2p", (0, 1), 8, high=True) == 1 * 8 * 2 * (nm.SIMPLE + nm.LL + nm.LL128)
+    assert nm.group_bytes("p2p", (0, 8), 8, high=True) == 1 * 2 * 2 * (nm.SIMPLE + nm.LL)  # no LL128 off NVLink
+    # an 8-rank all-to-all group: 7 peers; an all-reduce group: 2 ring neighbours
+    assert nm.group_bytes("ep-F", tuple(range(8)), 8, high=False) == 7 * 2 * 2 * 4 * mib
+    assert nm.group_bytes("grad", tuple(range(8)), 8, high=False) == 2 * 2 * 2 * 4 * mib
+    lo, hi = nm.rank_range_mib([type("G", (), {"role": "p2p", "members": (0, 1)})()], 8)
+    assert lo < hi
+
+
+def test_layout_prints_the_nccl_buffer_range_with_its_assumptions():
+    r = mhcpipe_in_process("layout", "--config", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2",
+                           "--gpus-per-node", "2")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("per rank:"))
+    assert "NCCL buffers" in line and "2 GPUs per node" in line and "low: Simple protocol only" in line
+    bad = mhcpipe_in_process("layout", "--config", "tiny", "--gpus-per-node", "0")
+    assert bad.returncode == 2 and "--gpus-per-node 0: must be >= 1" in bad.stderr
