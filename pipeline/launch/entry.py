@@ -186,5 +186,41 @@ def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float,
     got = wait_for_dump(prefix, rank, wait) if wait > 0 else False
     print(f"mhcpipe: rank {rank}: Flight Recorder dump {'written: ' + prefix + str(rank) if got else 'not written'}"
           f"; op ledger {folder}/actions_rank{rank}.json", file=sys.stderr, flush=True)
+    gather_to_rank0(folder, prefix, rank, wait)
+
+
+def gather_to_rank0(folder: Path, prefix: str, rank: int, wait_s: float) -> None:
+    """Ranks on other nodes keep their dumps and ledgers on their own disks: each publishes them through torchrun's
+    store and rank 0 writes every rank's into its folder (pipeline.observability.flight_recorder.share_files). Only
+    under torchrun's agent store (a store that exists apart from the hung process group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipeline.observability.flight_recorder import STORE_PREFIX, share_files
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mine = {p.name: p.read_bytes() for p in (Path(folder) / f"actions_rank{rank}.json", Path(prefix + str(rank)))
+            if p.is_file()}
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+        key = f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        got = share_files(store, key, rank, world, mine, limit_s=min(wait_s, 60.0) + 30.0)
+    except Exception as err:  # noqa: BLE001 - the store is gone with the job: say so, do not fail the report
+        print(f"mhcpipe: note: rank {rank}: could not share its dump and ledger through torchrun's store: {err}",
+              file=sys.stderr, flush=True)
+        return
+    dump_dir = Path(prefix).parent
+    for name, data in got.items():
+        target = (Path(folder) if name.startswith("actions_rank") else dump_dir) / name
+        if not target.exists():
+            target.write_bytes(data)
+    if rank == 0 and got:
+        print(f"mhcpipe: rank 0 gathered {len(got)} dump and ledger file(s) of {world} ranks into {folder}",
+              file=sys.stderr, flush=True)
 
 

@@ -58,3 +58,33 @@ def wait_for_dump(prefix: str, rank: int, limit_s: float) -> bool:
 def write_ledger(folder: Path, rank: int) -> Path:
     """This rank's ledger of posted ops, as actions_rank<r>.json in `folder`."""
     return LEDGER.write(folder, rank)
+
+
+STORE_PREFIX = "mhcpipe/fr"
+
+
+def share_files(store, key: str, rank: int, world: int, files: dict[str, bytes], limit_s: float) -> dict[str, bytes]:
+    """Gather every rank's `files` ({name: bytes}) to rank 0 through `store` (torchrun's TCP store: it outlives a
+    hung NCCL group, which a collective would not), under `key` (the run and its restart). Every rank publishes its
+    own; rank 0 waits up to `limit_s` for the others' and returns {name: bytes} of every file that arrived (its own
+    included); other ranks return {}. Ranks on other nodes write their dumps and ledgers to their own disks: this is
+    how they reach rank 0's folder."""
+    import datetime
+    import json
+
+    names = sorted(files)
+    store.set(f"{key}/{rank}/names", json.dumps(names))
+    for name in names:
+        store.set(f"{key}/{rank}/file/{name}", files[name])
+    store.set(f"{key}/{rank}/done", "1")
+    if rank != 0:
+        return {}
+    got = dict(files)
+    for r in range(1, world):
+        try:
+            store.wait([f"{key}/{r}/done"], datetime.timedelta(seconds=max(0.1, limit_s)))
+        except Exception:  # noqa: BLE001 - a rank that died before publishing: what arrived is what there is
+            continue
+        for name in json.loads(store.get(f"{key}/{r}/names").decode()):
+            got[name] = store.get(f"{key}/{r}/file/{name}")
+    return got

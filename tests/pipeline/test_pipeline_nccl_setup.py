@@ -122,3 +122,35 @@ def test_the_first_step_on_a_gpu_has_its_own_deadline():
     assert cfg.train.timeout_s == 60.0 and cfg.train.first_step_timeout_s == 600.0
     assert first_step_deadline(cfg, torch.device("cuda", 0)) == 600.0
     assert first_step_deadline(cfg, torch.device("cpu")) == 60.0  # no JIT, and the deadlock tests stay short
+
+
+def test_dumps_and_ledgers_of_other_nodes_reach_rank_0_through_the_store():
+    """After a hang the NCCL group cannot carry anything; torchrun's store can: every rank publishes its dump and
+    ledger, rank 0 gets all of them (a rank that never publishes is waited for only up to the limit)."""
+    import time
+
+    from pipeline.observability.flight_recorder import share_files
+
+    store = dist.HashStore()
+    world = 3
+    got: dict = {}
+
+    def rank(r: int) -> None:
+        files = {f"actions_rank{r}.json": f"ledger {r}".encode(), f"rank_{r}": bytes([r, 0, 255])}
+        out = share_files(store, "fr/run/0", r, world, files, limit_s=10)
+        if r == 0:
+            got.update(out)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 2, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(got) == {f"actions_rank{r}.json" for r in range(3)} | {f"rank_{r}" for r in range(3)}
+    assert got["rank_2"] == bytes([2, 0, 255]) and got["actions_rank1.json"] == b"ledger 1"
+    # a rank that died before publishing: rank 0 stops waiting at the limit and keeps what arrived
+    store2 = dist.HashStore()
+    share_files(store2, "k", 1, 3, {"actions_rank1.json": b"x"}, limit_s=1)
+    t0 = time.monotonic()
+    out = share_files(store2, "k", 0, 3, {"actions_rank0.json": b"y"}, limit_s=0.5)
+    assert set(out) == {"actions_rank0.json", "actions_rank1.json"} and time.monotonic() - t0 < 5
