@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed.errors import PipelineError, describe
+from traces.nccl_rules import VIEWS, message_key, queue_of
 
 READY_TAG, DATA_TAG = 1, 2  # gloo honours tags: the "receive is running" notes and the data never cross
 _NOTE_BYTES = 192
@@ -63,9 +64,8 @@ class _Op:
 
     @property
     def key(self) -> str:
-        """The message key both ends name: F/s0/mb3 for SEND_F/s0/mb3 and RECV_F/s0/mb3."""
-        kind, rest = self.name.split("/", 1)
-        return f"{kind.split('_', 1)[1]}/{rest}"
+        """The message key both ends name: F/s0/mb3 for SEND_F/s0/mb3 and RECV_F/s0/mb3 (traces.nccl_rules)."""
+        return message_key(self.name)
 
     def note(self) -> dict:
         return {"key": self.key, "shape": list(self.tensor.shape), "dtype": str(self.tensor.dtype)}
@@ -116,8 +116,8 @@ class StrictTransport:
     """The queues of one rank. `post(group, group_name, ops)` enqueues a batch and returns its `StrictWork`."""
 
     def __init__(self, rank: int, world: int, timeout_s: float, view: str = "group", store=None):
-        if view not in ("group", "pair"):
-            raise ValueError(f"strict transport view {view!r}: use 'group' or 'pair'")
+        if view not in VIEWS:
+            raise ValueError(f"strict transport view {view!r}: use {' or '.join(map(repr, VIEWS))}")
         self.rank, self.world, self.view = rank, world, view
         self.timeout_s = float(timeout_s)
         self._queues: dict[str, deque[_Batch]] = {}
@@ -144,8 +144,7 @@ class StrictTransport:
             if tensor.device.type != "cpu":
                 raise PipelineError(f"rank {self.rank}: the strict transport runs gloo on host tensors; {name} is "
                                     f"on {tensor.device} (use it on CPU runs)")
-            pair = f"{min(self.rank, peer)}-{max(self.rank, peer)}"
-            queue = group_name if self.view == "group" else f"{group_name}|{pair}"
+            queue = queue_of(self.view, group_name, f"{min(self.rank, peer)}-{max(self.rank, peer)}")
             parts.setdefault(queue, []).append(_Op(is_send, name, peer, tensor))
         for queue, part in parts.items():
             for op in part:

@@ -33,9 +33,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from traces.nccl_rules import VIEWS, message_key, queue_of
 from traces.trace import Trace, TraceError
 
-VIEWS = ("group", "pair")
+__all__ = ["VIEWS", "ReplayResult", "replay"]
 
 
 @dataclass(slots=True)
@@ -142,7 +143,7 @@ def _comm_ops(trace: Trace, source: str) -> list[_Op]:
         name = s.label.split("~", 1)[0]
         head = name.split("/", 1)[0]
         role = "send" if head.startswith("SEND") else "recv" if head.startswith("RECV") else "coll"
-        message = s.kind if role == "coll" else name.split("_", 1)[1] if "_" in head else name
+        message = s.kind if role == "coll" else message_key(name)
         ops.append(_Op(s.rank, s.group, s.batch, name, role, s.peer, s.start, message))
     ops.sort(key=lambda o: (o.rank, o.group, o.batch, o.start, o.name))
     return ops
@@ -275,8 +276,9 @@ def _units(ops: list[_Op], view: str, waited: dict[int, list[tuple[float, int]]]
         need = min([need, *(ops[k].wpos for k in range(i, j) if ops[k].wpos >= 0)])
         parts: dict[tuple, list[int]] = defaultdict(list)
         for k in range(i, j):
-            peer = ops[k].peer if view == "pair" and ops[k].role != "coll" else None
-            parts[(o.rank, o.group, peer)].append(k)
+            peer = ops[k].peer if ops[k].role != "coll" else None
+            qname = queue_of(view, o.group, peer)  # the communicator the op runs on in this view
+            parts[(o.rank, o.group, None if qname == o.group else peer)].append(k)
         for q, members in parts.items():
             for k in members:
                 ops[k].unit = len(units)

@@ -37,6 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from traces.formats.cuda_program import LEGACY, P2P_KINDS, Program
+from traces.nccl_rules import COLLECTIVE, CONNECT, RENDEZVOUS, connection
 from traces.trace import TraceError
 
 MAX_CYCLE = 40
@@ -229,11 +230,11 @@ class _Replay:
         keys = []
         for o in ins["ops"]:
             if o["kind"] in P2P_KINDS:
-                keys.append((comm, *sorted((r, o["peer"]))))
+                keys.append(connection(comm, r, o["peer"]))
             elif o["kind"] == "all_to_all":
-                keys += [(comm, *sorted((r, m))) for m in ins["members"] if m != r]
+                keys += [connection(comm, r, m) for m in ins["members"] if m != r]
             else:
-                keys.append((comm, "coll"))
+                keys.append(connection(comm, r))
         if rk.blocked_on is None:
             new = [k for k in keys if k not in self.connected]
             for k in new:
@@ -409,8 +410,7 @@ class _Replay:
                     comm = k[0]
                     peers = [p for p in ((k[1], k[2]) if k[1] != "coll" else range(len(self.ranks)))
                              if p != rk.r and p not in self.arrived[k]]
-                    out += [(("host", p), f"the first op on {comm} connects: the host waits for rank {p}'s host "
-                             f"to post there ({b[2]})") for p in peers]
+                    out += [(("host", p), f"{CONNECT} (rank {p}, {comm}: {b[2]})") for p in peers]
                 return out
             return []
         item = node
@@ -423,8 +423,7 @@ class _Replay:
             out = []
             for what, key, peer, name in (v for it, v in self.pending_partners if it is item):
                 out.append((("host", peer), f"its partner for {name} is not posted yet on rank {peer}"))
-            out += [(p, "a send/receive completes only while its peer's op runs; a collective once all run")
-                    for p in item.partners if not p.started]
+            out += [(p, f"{RENDEZVOUS}; {COLLECTIVE}") for p in item.partners if not p.started]
             return out
         b = self._blocker(rk, item)
         return [b] if b is not None else []
