@@ -44,7 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
 
-SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+from schedules.registry import names  # noqa: E402 - ROOT is on sys.path above
+
+SCHEDULES = names()
 REL_TOL = 1e-4
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss ([-\d.eE+naif]+)", re.M)
 WHY_TOL = ("|a-b| <= 1e-4 |b|: float64 on both sides; cuBLAS vs CPU BLAS and NCCL vs gloo reductions sum in other "
@@ -101,7 +103,9 @@ def layouts(n: int, wanted: list[str]) -> list[dict]:
 
 def stages_of(schedule: str, pp: int) -> int:
     """Pipeline stages of a schedule on pp ranks: DualPipe and DualPipeV place two stages on each rank."""
-    return 2 * pp if schedule in ("dualpipe", "dualpipev") else pp
+    from schedules.registry import kind_of
+
+    return kind_of(schedule).held_per_rank * pp
 
 
 def stage_message_bytes(size: str, n: int = 4) -> int:

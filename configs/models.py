@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kernels.config import MHCConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent  # the YAML presets sit next to the models
-ScheduleKind = Literal["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"]
+# a registered schedule kind (schedules.registry: the one list of names); checked where the config is validated
+ScheduleKind = str
 
 
 class MoEConfig(BaseModel):
@@ -133,10 +134,26 @@ class ParallelConfig(BaseModel):
     def world_size(self) -> int:
         return self.ranks * self.data_parallel
 
+    @model_validator(mode="after")
+    def _kind(self) -> "ParallelConfig":
+        from schedules.registry import canonical, kind_of
+
+        try:
+            kind_of(self.schedule)
+        except ValueError:
+            from schedules.registry import names
+
+            raise ValueError(f"schedule {self.schedule!r} is not a schedule kind; use one of {', '.join(names())}") \
+                from None
+        self.schedule = canonical(self.schedule)
+        return self
+
     @property
     def num_stages(self) -> int:
-        """Stages of one pipeline: 2P for DualPipeV (V placement), P otherwise (DualPipe per direction)."""
-        return 2 * self.ranks if self.schedule == "dualpipev" else self.ranks
+        """Stages of one pipeline (schedules.registry: 2P for DualPipeV's V, P otherwise, DualPipe per direction)."""
+        from schedules.registry import kind_of
+
+        return kind_of(self.schedule).num_stages(self.ranks)
 
 
 class RecomputeConfig(BaseModel):

@@ -49,9 +49,9 @@ from costmodel.pricing_options import Options
 from costmodel.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
+from schedules.registry import kind_of, names
 from schedules.ir import Action, Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 GIB = 2 ** 30
 TIE_PCT = 2.0  # the model's +-2% error band (costmodel.md §1 anchors: 2-8% average error)
 
@@ -144,17 +144,18 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=SCHEDULES, microbatch_sizes=(1, 2, 4),
+def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, microbatch_sizes=(1, 2, 4),
                recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
                distributed_optimizer=(False, True), counts: Counter | None = None) -> list[Candidate]:
     """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
+    schedules = names() if schedules is None else schedules  # every registered kind (schedules.registry)
     counts = counts if counts is not None else Counter()
     nb, moe = cfg.model.num_blocks, cfg.model.moe
     out = []
     for pp in divisors(gpus):
         dp = gpus // pp
         for kind in schedules:
-            stages = 2 * pp if kind == "dualpipev" else pp
+            stages = kind_of(kind).model_chunks(pp)
             if stages > nb:
                 counts["more stages than blocks"] += 1
                 continue

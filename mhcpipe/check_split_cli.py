@@ -28,8 +28,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("check-split", help=HELP, description=f"{HELP}\n\nexample: {EXAMPLE}",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="FILE.py:FUNCTION or MODULE:FUNCTION returning a UserModel")
-    p.add_argument("--schedule", default="all", help="'all' (default) or a comma list of gpipe, 1f1b, zb1p, "
-                                                     "dualpipe, dualpipev")
+    from schedules.registry import names
+
+    p.add_argument("--schedule", default="all", help=f"'all' (default) or a comma list of {', '.join(names())}")
     p.add_argument("--layouts", default="pp4,pp2xdp2", help="comma list of ppP[xdpD] (default pp4,pp2xdp2: 4 ranks)")
     p.add_argument("--config", default="tiny", help="preset or YAML giving the batch and seed (default tiny)")
     p.add_argument("--microbatches", type=int, help="parallel.microbatches (default: the config's)")
@@ -60,7 +61,9 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 
 def parse_schedules(text: str) -> list[str]:
-    from pipeline.launch.check_split import SCHEDULES
+    from schedules.registry import names
+
+    SCHEDULES = names()  # every registered kind (schedules.registry)
 
     if text == "all":
         return list(SCHEDULES)

@@ -25,6 +25,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from schedules.registry import names
+
 HELP = "the process groups a layout makes: creations, communicators per rank, NCCL buffers, the warm-up's order"
 EXAMPLE = "mhcpipe layout --config v4-pro --dp 128"
 SHOWN = 12  # groups listed for the chosen rank before "... and K more"
@@ -37,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--pp", type=int, help="pipeline ranks (parallel.ranks)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (parallel.data_parallel)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (parallel.expert_parallel)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"))
+    p.add_argument("--schedule", choices=names())
     p.add_argument("--p2p-groups", choices=("channel", "shared"), help="parallel.p2p_groups")
     p.add_argument("--rank", type=int, default=0, help="the rank whose groups are listed (default 0)")
     p.add_argument("--gpus-per-node", type=int, default=8,

@@ -19,6 +19,7 @@ from pathlib import Path
 from configs import presets
 from costmodel.hardware import hardware_names
 from costmodel.local.host_pricing import HostPricing
+from schedules.registry import names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--config", help="path to a RunConfig YAML")
     p.add_argument("--hardware", default="h800", help=f"one of {', '.join(hardware_names())}, or a profile .json")
     p.add_argument("--pp", type=int, help="pipeline ranks P")
-    p.add_argument("--schedule", help="gpipe, 1f1b, zb1p, dualpipe, dualpipev")
+    p.add_argument("--schedule", help=", ".join(names()))
     p.add_argument("--ep", type=int, help="expert-parallel degree (must divide --dp)")
     p.add_argument("--dp", type=int, help="data-parallel replicas D (world = P x D; --microbatches counts the global "
                    "batch, M / D per replica)")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from schedules.build import GENERATORS, build
+from schedules.build import build
+from schedules.registry import names
 from schedules.durations import Durations
 from schedules.formulas import bubble_formula, peak_activation_bound
 from schedules.ir import Schedule
@@ -17,7 +18,7 @@ MAX_PRINTED_ACTIONS = 400  # per-rank order lines get unreadable beyond this
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedule", help="generate, validate, simulate and draw a pipeline schedule",
                        description=__doc__)
-    p.add_argument("--kind", required=True, choices=sorted(GENERATORS), help="schedule generator")
+    p.add_argument("--kind", required=True, choices=names(), help="schedule generator")
     p.add_argument("--ranks", type=int, required=True, help="pipeline ranks P")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches M per iteration")
     p.add_argument("--cost", default="F=1,I=1,W=1",

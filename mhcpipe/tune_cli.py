@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from costmodel.hardware import hardware_names
+from schedules.registry import kind_of, names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step, kept fixed (default: the config's parallel.microbatches x "
                         "microbatch_size; e.g. 1280 for the paper's 27B run)")
-    p.add_argument("--schedules", default="gpipe,1f1b,zb1p,dualpipe,dualpipev", help="schedule kinds to search")
+    p.add_argument("--schedules", default=None, help="schedule kinds to search, comma-separated (default: all: "
+                   f"{','.join(names())})")
     p.add_argument("--microbatch-sizes", default="1,2,4", help="sequences per micro-batch to search")
     p.add_argument("--recompute", default="off,auto,1,2,4,8",
                    help="recompute choices: off, auto (Eq. 20 per stage), block sizes in sub-layers")
@@ -105,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--memory-gib {args.memory_gib:g}: must be a positive number of GiB per GPU")
     G = args.global_batch if args.global_batch is not None else cfg.parallel.microbatches * cfg.parallel.microbatch_size
     space = dict(
-        schedules=tuple(_list("--schedules", args.schedules, allowed=["gpipe", "1f1b", "zb1p", "dualpipe",
-                                                                      "dualpipev"])),
+        schedules=tuple(_list("--schedules", args.schedules or ",".join(names()), allowed=list(names()))),
         microbatch_sizes=tuple(int(b) for b in _list("--microbatch-sizes", args.microbatch_sizes, integer=True)),
         recompute=tuple(_list("--recompute", args.recompute, allowed=["off", "auto"], integer=True)),
         hp=tuple(h == "on" for h in _list("--hp", args.hp, allowed=["on", "off"])),
@@ -135,7 +136,7 @@ def _layout_exists(nb: int, gpus: int, G: int, space: dict) -> bool:
     for pp in range(1, gpus + 1):
         if gpus % pp:
             continue
-        stages = [2 * pp if k == "dualpipev" else pp for k in space["schedules"]]
+        stages = [kind_of(k).model_chunks(pp) for k in space["schedules"]]
         if min(stages) > nb or (not space["allow_uneven"] and all(nb % s for s in stages if s <= nb)):
             continue
         if any(G % b == 0 and (G // b) % (gpus // pp) == 0 for b in space["microbatch_sizes"]):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedules import Schedule, build
+from schedules.registry import kind_of
 
 from configs import RunConfig, stage_blocks
 
@@ -59,8 +60,9 @@ class RankPlan:
 
 
 def chunk_count(kind: str, schedule: Schedule) -> int:
-    """How many cuts of the model: P for DualPipe (each chunk runs in both directions), one per stage else."""
-    return schedule.num_ranks if kind == "dualpipe" else schedule.num_stages
+    """How many cuts of the model (schedules.registry: P for DualPipe, whose chunks run in both directions; one per
+    stage else)."""
+    return kind_of(kind).model_chunks(schedule.num_ranks)
 
 
 def chunks_for(kind: str, num_blocks: int, schedule: Schedule) -> list[range]:
@@ -94,7 +96,7 @@ def plan_rank(cfg: RunConfig, rank: int, schedule: Schedule | None = None, dp_ra
         schedule = build(par.schedule, par.ranks, par.microbatches_per_replica)
     if not 0 <= rank < schedule.num_ranks:
         raise ValueError(f"rank {rank} outside the {schedule.num_ranks} ranks of parallel.ranks")
-    mirror = schedule.num_ranks - 1 - rank if par.schedule == "dualpipe" else None
+    mirror = schedule.num_ranks - 1 - rank if kind_of(par.schedule).mirrors else None
     return RankPlan(rank, schedule, plan_stages(cfg, schedule, chunks), mirror, dp_rank)
 
 

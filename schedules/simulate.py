@@ -13,6 +13,7 @@ from schedules.durations import Durations
 from schedules.engine import run_engine
 from schedules.ir import Action, Kind, Schedule
 from schedules.lowering import lower_comms
+from schedules.registry import trace_meta
 from schedules.validate import check_structure, raise_deadlock
 from traces.trace import Trace
 
@@ -79,8 +80,7 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     if not result.completed:
         raise_deadlock(lowered, result.blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
-            "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
-                         "microbatches": schedule.num_microbatches},
+            "schedule": trace_meta(schedule.kind, schedule.num_ranks, schedule.num_microbatches),
             # how the trace was made, for readers that rebuild its dependencies (traces.analysis.span_graph)
             "p2p": p2p, "fb_release_inside_pair": fb_timing is not None}
     trace = Trace(spans=result.spans, meta=meta)

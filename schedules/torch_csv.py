@@ -131,4 +131,6 @@ def read_csv(path: str | Path, kind: str | None = None) -> Schedule:
 
 
 def _template_microbatches(kind: str, ranks: int, per_pipeline: int) -> int:
-    return per_pipeline * (2 if kind.lower() == "dualpipe" else 1)
+    from schedules.registry import kind_of
+
+    return per_pipeline * kind_of(kind).csv_rounds

@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 
 from schedules.deps import Topology, needs, produces
 from schedules.ir import COMM_KINDS, Action, Kind, Schedule
+from schedules.registry import trace_meta
 from schedules.simulate import SimResult, peak_live_activations
 from schedules.validate import check_structure, raise_deadlock
 from traces.trace import Span, Trace
@@ -397,8 +398,7 @@ def simulate_shared(schedule: Schedule, work: Callable[[Action], float], transfe
     if blocked:
         raise_deadlock(lowered, blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
-            "schedule": {"kind": schedule.kind, "ranks": schedule.num_ranks,
-                         "microbatches": schedule.num_microbatches},
+            "schedule": trace_meta(schedule.kind, schedule.num_ranks, schedule.num_microbatches),
             "cores_by_concurrency": [float(c) for c in cores], "time_slice_us": float(slice_us),
             "protect_us": float(protect_us)}
     makespan = max(sim.end, default=0.0)

@@ -68,7 +68,9 @@ class Layout:
     @property
     def mirrored(self) -> bool:
         """DualPipe: pipeline ranks r and P-1-r hold the same model chunks."""
-        return self.schedule == "dualpipe"
+        from schedules.registry import kind_of
+
+        return kind_of(self.schedule).mirrors
 
     def rank(self, pp_rank: int, dp_rank: int) -> int:
         return pp_rank * self.dp + dp_rank

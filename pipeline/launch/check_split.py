@@ -30,7 +30,6 @@ import torch
 from pipeline.user_model import ContractError
 
 DEFAULT_RTOL = 1e-9
-SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
 @dataclass

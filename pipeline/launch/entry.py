@@ -26,7 +26,9 @@ from pipeline.launch.run_args import (check_resume, config_from_args, diagnostic
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The run's flags (this entry's and `mhcpipe run`'s; pipeline.launch.run_args turns them into the config)."""
     p.add_argument("--config", default="tiny", help="YAML path or preset name in configs/ (default tiny)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev"], help="parallel.schedule")
+    from schedules.registry import names
+
+    p.add_argument("--schedule", choices=names(), help="parallel.schedule (schedules.registry)")
     p.add_argument("--microbatches", type=int, help="parallel.microbatches: of the global batch (split over --dp)")
     p.add_argument("--pp", type=int, help="parallel.ranks: pipeline ranks (default: processes / --dp)")
     p.add_argument("--dp", type=int, help="parallel.data_parallel: data-parallel replicas of the pipeline")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from configs import recompute_block_size
 from schedules import build
+from schedules.registry import trace_meta
 from kernels import single_pass
 
 from pipeline.device.layer import device_layer
@@ -277,8 +278,7 @@ class RankRuntime:
         trace_dir = Path(trace_dir)
         par = self.cfg.parallel
         layout = self.groups.layout
-        meta = {"source": "measured", "schedule": {"kind": par.schedule, "ranks": par.ranks,
-                                                     "microbatches": par.microbatches_per_replica},
+        meta = {"source": "measured", "schedule": trace_meta(par.schedule, par.ranks, par.microbatches_per_replica),
                 "pipelines": [list(chain) for chain in self.plan.schedule.pipelines],  # stage chains (traces)
                 "layout": {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                            "overlap": self.pair is not None},

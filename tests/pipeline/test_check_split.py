@@ -14,7 +14,8 @@ import torch
 from rank_pool import launch
 
 from configs import load_config
-from pipeline.launch.check_split import SCHEDULES, run_cases, split_worker
+from pipeline.launch.check_split import run_cases, split_worker
+from schedules.registry import names
 from pipeline.user_model import ContractError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def check(spec=HC, case_list=(("1f1b", 4, 1),), **kw):
 
 
 def test_the_hyper_connections_example_agrees_with_one_process_under_every_schedule_and_layout():
-    results = check(case_list=cases(SCHEDULES, [(4, 1), (2, 2)]))
+    results = check(case_list=cases(names(), [(4, 1), (2, 2)]))
     assert [r.line() for r in results if not r.ok] == []
     assert len(results) == 10
     assert max(r.worst for r in results) < 1e-12  # same kernels on the same micro-batches: only summation order
@@ -208,7 +209,7 @@ def test_the_probe_sees_every_boundary_of_every_micro_batch():
 def test_phased_blocks_with_tuple_states_agree_under_every_schedule():
     """Phases that hand a tuple on (state, integer routing, a plain value): the F&B pairs interleave at them and the
     gradients still equal one process's."""
-    results = check(f"{ROOT}/tests/pipeline/phased_model.py:build", cases(SCHEDULES, [(4, 1), (2, 2)]))
+    results = check(f"{ROOT}/tests/pipeline/phased_model.py:build", cases(names(), [(4, 1), (2, 2)]))
     assert [r.line() for r in results if not r.ok] == []
     assert max(r.worst for r in results) < 1e-12
 

@@ -51,7 +51,8 @@ def test_run_trace_interleave_checkpoint_resume(tmp_path):
 
     trace = json.loads((tmp_path / "trace" / "mhc_4" / "trace.json").read_text())
     assert trace["meta"]["source"] == "measured" and trace["meta"]["time_unit"] == "us"
-    assert trace["meta"]["schedule"] == {"kind": "dualpipev", "ranks": 2, "microbatches": 4}
+    assert trace["meta"]["schedule"] == {"kind": "dualpipev", "ranks": 2, "microbatches": 4, "mirrors": False,
+                                         "stages_per_rank": 2}  # the kind's facts (schedules.registry.trace_meta)
     names = {s["name"] for s in trace["spans"]}
     assert {"F/s0/mb0", "SEND_F/s0/mb0~comm", "RECV_F/s0/mb0~comm", "F/s0/mb0/L1.post_res~hp"} <= names
     assert any(re.fullmatch(r"FB/s\d+/mb\d+\+s\d+/mb\d+", n) for n in names)

@@ -1,12 +1,12 @@
 """torch.distributed.pipelining CSV interop and our JSON form of the IR."""
 import pytest
 
-from schedules import GENERATORS, build, lower_comms, validate_schedule
+from schedules import names, build, lower_comms, validate_schedule
 from schedules.ir_json import load_schedule, save_schedule
 from schedules.torch_csv import read_csv, write_csv
 
 
-@pytest.mark.parametrize("kind", sorted(GENERATORS))
+@pytest.mark.parametrize("kind", names())
 @pytest.mark.parametrize("lowered", [False, True])
 def test_csv_round_trip(tmp_path, kind, lowered):
     s = build(kind, 4, 8)

@@ -31,9 +31,12 @@ def stage_chains(trace: Trace, schedule: Any = None) -> tuple[tuple[int, ...], .
     stages = sorted({s.stage for s in trace.spans if s.stage is not None})
     if not stages:
         return ()
-    kind = str(schedule_descriptor(trace.meta).get("kind", "")).lower()
+    desc = schedule_descriptor(trace.meta)
     n = stages[-1] + 1
-    if kind == "dualpipe":
+    mirrors = desc.get("mirrors")
+    if mirrors is None:  # a trace written before schedules carried their facts (schedules.registry.trace_meta)
+        mirrors = str(desc.get("kind", "")).lower() == "dualpipe"
+    if mirrors:
         ranks = schedule_descriptor(trace.meta).get("ranks")
         p = int(ranks) if isinstance(ranks, int) or str(ranks).isdigit() else (n + 1) // 2
         return (tuple(range(p)), tuple(range(p, 2 * p)))

@@ -89,7 +89,8 @@ def _second_direction_stages(trace: Trace) -> set[int]:
     if len(pipelines) == 2:
         return set(pipelines[1])
     sch = trace.meta.get("schedule") if isinstance(trace.meta.get("schedule"), dict) else {}
-    if sch.get("kind") == "dualpipev" and len(pipelines) == 1 and len(pipelines[0]) % 2 == 0:
+    v_shape = sch.get("stages_per_rank") == 2 if "stages_per_rank" in sch else sch.get("kind") == "dualpipev"
+    if v_shape and len(pipelines) == 1 and len(pipelines[0]) % 2 == 0:
         return set(pipelines[0][len(pipelines[0]) // 2:])
     return set()
 
