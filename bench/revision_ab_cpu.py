@@ -43,7 +43,8 @@ print(json.dumps(times))
 
 def one_launch(tree: Path, config: str, steps: int, ranks: int = 0) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.pop("MHCPIPE_TRANSPORT", None)
+    env.pop("MHCPIPE_COMM_RULES", None)
+    env.pop("MHCPIPE_TRANSPORT", None)  # the spelling of revisions before the one switch
     out = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, config, str(steps), str(ranks)], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:

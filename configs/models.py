@@ -206,8 +206,8 @@ class TrainConfig(BaseModel):
         "backend", description="'backend' = the backend's own semantics; 'nccl' = gloo P2P run under NCCL's rules "
         "(per communicator one batch at a time in posting order, a send completes only while its receive runs; "
         "collectives compared across members every step), one queue per process group; 'nccl-pair' = the same "
-        "with one queue per (group, peer). CPU only (pipeline.distributed.strict_transport; --transport "
-        "strict|strict-pair)")
+        "with one queue per (group, peer). CPU only (pipeline.distributed.strict_transport); the one switch: "
+        "--comm-rules and $MHCPIPE_COMM_RULES take the same values")
     cpu_bind: bool = Field(False, description="CPU runs: bind local rank i to core i mod cores (consecutive ranks, "
                            "e.g. expert-parallel peers, on different cores; pipeline.runtime.cpu_binding), --cpu-bind")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "

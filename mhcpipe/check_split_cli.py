@@ -1,7 +1,8 @@
 """`mhcpipe check-split`: does your model, split into pipeline stages, compute what the unsplit model computes?
 
     mhcpipe check-split MODEL [--schedule all|KIND[,KIND..]] [--layouts pp4,pp2xdp2] [--config tiny]
-                        [--microbatches M] [--residual VARIANT:N] [--rtol 1e-9] [--rules nccl|backend] [--json OUT]
+                        [--microbatches M] [--residual VARIANT:N] [--rtol 1e-9]
+                        [--comm-rules nccl|nccl-pair|backend] [--emulate-cuda] [--json OUT]
 
 example: mhcpipe check-split examples/hc_model.py:build
 
@@ -37,9 +38,10 @@ def register(subparsers) -> None:
     p.add_argument("--residual", help="for builders that take it: the residual their sub-layers are wrapped in")
     p.add_argument("--rtol", type=float,
                    help="relative tolerance (default 1e-9; pipeline/launch/check_split.py says why)")
-    p.add_argument("--rules", choices=("nccl", "backend"), default="nccl",
-                   help="P2P under NCCL's rules (default: an order NCCL would hang on or mismatch fails with every "
-                        "rank's queue heads) or plain gloo's (a mismatched order then shows as wrong numbers)")
+    p.add_argument("--comm-rules", choices=("nccl", "nccl-pair", "backend"), default="nccl",
+                   help="train.comm_rules of every case: P2P under NCCL's rules (default: an order NCCL would hang on "
+                        "or mismatch fails with every rank's queue heads) or plain gloo's ('backend': a mismatched "
+                        "order then shows as wrong numbers)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for all cases of one world size")
     p.add_argument("--p2p-timeout", type=float, help="seconds any wait inside a step may take (train.timeout_s; "
                                                      "default the config's)")
@@ -92,7 +94,7 @@ def run_check_split(args) -> int:
     print(f"check-split {args.model}: {len(cases)} cases against the unsplit model (float64, rtol {rtol:g})",
           flush=True)
     started = time.perf_counter()
-    results = run_cases(args.model, base, cases, residual=args.residual, rtol=rtol, rules=args.rules,
+    results = run_cases(args.model, base, cases, residual=args.residual, rtol=rtol, rules=args.comm_rules,
                         timeout_s=args.timeout, p2p_timeout_s=args.p2p_timeout,
                         log=lambda line: print(line, flush=True), emulate_cuda=args.emulate_cuda)
     for r in results:

@@ -31,6 +31,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
     cmd = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
+    if args.comm_rules:
+        cmd += ["--comm-rules", args.comm_rules]
     for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
                  "interleave", "diagnostics_every", "expand", "p2p_groups"):
         value = getattr(args, flag)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("MHCPIPE_TRANSPORT", "strict")
+os.environ.setdefault("MHCPIPE_COMM_RULES", "nccl")  # every launch under NCCL's rules (docs/communication.md)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers (and the rank processes beside them) share the cores: one compute thread each, or torch's

@@ -15,6 +15,8 @@ docs/communication.md and docs/cuda_program.md §Rules.
 from __future__ import annotations
 
 VIEWS = ("group", "pair")
+# train.comm_rules (also --comm-rules, $MHCPIPE_COMM_RULES) -> the view its strict transport runs
+VIEW_OF_RULES = {"nccl": "group", "nccl-pair": "pair"}
 
 FIFO = "one communicator runs its launches one at a time, in posting order"
 RENDEZVOUS = "a send or receive completes only while its peer's matching op runs"

@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.launch.run_args import (check_resume, config_from_args, diagnostics_dir, interleaved_configs, variant_dir)
+from pipeline.launch.run_args import (COMM_RULES, COMM_RULES_ENV, check_resume, config_from_args, diagnostics_dir,
+                                      interleaved_configs, variant_dir)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,16 +51,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="train.emulate_cuda: run the CUDA path (streams, events, stream-ordered waits, host reads) "
                         "on CPU tensors under the emulated CUDA device; with --trace-dir D each rank's program goes "
                         "to D for `mhcpipe check-comm --cuda D` (docs/cuda_program.md)")
-    p.add_argument("--transport", choices=["auto", "host", "strict", "strict-pair"],
-                   default=os.environ.get("MHCPIPE_TRANSPORT") or "auto",
-                   help="default auto, or $MHCPIPE_TRANSPORT (the test suite sets strict). "
-                        "'host' = stage P2P through host memory (several ranks on one GPU); 'strict' = gloo P2P "
-                        "under NCCL's rules (a posting order that would hang on NCCL fails here with every rank's "
-                        "queue heads; train.comm_rules nccl), 'strict-pair' = the same with one queue per rank pair")
+    p.add_argument("--transport", choices=["auto", "host"], default="auto",
+                   help="'auto' (default) or 'host' = stage P2P through host memory (several ranks on one GPU)")
+    p.add_argument("--comm-rules", choices=COMM_RULES, default=os.environ.get(COMM_RULES_ENV) or None,
+                   help="train.comm_rules (default the config's, or $MHCPIPE_COMM_RULES, which the test suite sets "
+                        "to nccl): 'nccl' = gloo P2P under NCCL's rules (a posting order that would hang on NCCL "
+                        "fails here with every rank's queue heads), 'nccl-pair' = the same with one queue per rank "
+                        "pair, 'backend' = the backend's own semantics"),
     p.add_argument("--p2p-groups", choices=["channel", "shared"],
                    help="parallel.p2p_groups: 'channel' (default) = one process group per direction of each "
                         "pipeline link; 'shared' = one for all, the old design that deadlocks under NCCL (kept to "
-                        "reproduce it with --transport strict and mhcpipe check-comm)")
+                        "reproduce it with --comm-rules nccl and mhcpipe check-comm)")
     p.add_argument("--diagnostics-every", type=int, metavar="K",
                    help="train.diagnostics_every: log stream-collapse diagnostics on step 0, every K-th step and the "
                         "last, into --diagnostics-dir or --trace-dir (draw them with `mhcpipe diagnose`)")

@@ -31,6 +31,7 @@ class RunFlags(Protocol):
     emulate_cuda: bool
     timeout: float | None
     transport: str
+    comm_rules: str | None
     p2p_groups: str | None
     diagnostics_every: int | None
     diagnostics_dir: Path | None
@@ -63,7 +64,9 @@ _FLAG_FIELDS = {
     "diagnostics_every": ("train", "diagnostics_every", None),
     "p2p_groups": ("parallel", "p2p_groups", None),
 }
-_TRANSPORT_RULES = {"strict": "nccl", "strict-pair": "nccl-pair"}  # --transport -> train.comm_rules
+# the one switch for the NCCL-rules transport: train.comm_rules, --comm-rules and $MHCPIPE_COMM_RULES, one spelling
+COMM_RULES = ("backend", "nccl", "nccl-pair")
+COMM_RULES_ENV = "MHCPIPE_COMM_RULES"
 
 
 def config_from_args(args: RunFlags, world: int | None, model: dict | None = None):
@@ -80,8 +83,8 @@ def config_from_args(args: RunFlags, world: int | None, model: dict | None = Non
         given = getattr(args, flag, None)
         if given:  # unset flags (None, False, 0) keep the config's value
             over[section][field] = given if value is None else value
-    if getattr(args, "transport", None) in _TRANSPORT_RULES:
-        over["train"]["comm_rules"] = _TRANSPORT_RULES[args.transport]
+    if getattr(args, "comm_rules", None):
+        over["train"]["comm_rules"] = args.comm_rules
     if args.pp:
         over["parallel"]["ranks"] = args.pp
     elif world is not None:

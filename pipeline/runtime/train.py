@@ -25,6 +25,7 @@ import torch.distributed as dist
 from configs import recompute_block_size
 from schedules import build
 from schedules.registry import trace_meta
+from traces.nccl_rules import VIEW_OF_RULES
 from kernels import single_pass
 
 from pipeline.device.layer import device_layer
@@ -330,12 +331,12 @@ def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: 
     if rules == "backend" or groups.world_group is None:
         return None
     if device.type == "cuda" and not staged:
-        raise ValueError(f"train.comm_rules {rules!r} (--transport strict) runs gloo P2P under NCCL's rules; this "
+        raise ValueError(f"train.comm_rules {rules!r} (--comm-rules) runs gloo P2P under NCCL's rules; this "
                          "run is on NCCL already: use --transport auto, or --device cpu")
     from pipeline.distributed.strict_transport import StrictTransport
 
     return StrictTransport(groups.rank, dist.get_world_size(groups.world_group), cfg.train.timeout_s,
-                           view="pair" if rules == "nccl-pair" else "group")
+                           view=VIEW_OF_RULES[rules])
 
 
 def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
@@ -356,7 +357,7 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
     if cfg.parallel.p2p_groups == "shared" and device_type == "cuda":
         raise ValueError("parallel.p2p_groups 'shared' (--p2p-groups shared) puts all of a pipeline's P2P on one "
                          "communicator, which deadlocks under NCCL; it exists to reproduce that on gloo "
-                         "(--transport strict); use 'channel'")
+                         "(--comm-rules nccl); use 'channel'")
     backend = "nccl" if device_type == "cuda" else "gloo"
     return build_groups(layout, rank, device_type, cfg.parallel.p2p_groups,
                         timeout_s=process_group_timeout_s(backend, cfg.train.timeout_s,
