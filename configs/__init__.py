@@ -17,3 +17,4 @@ from .models import (  # noqa: F401
     stage_blocks,
 )
 from .recompute_block import eq20_block_size, eq20_objective, recompute_block_size  # noqa: F401
+from kernels import residual_spec  # noqa: F401 - the residual variants' one home, for the cost model above configs

@@ -81,9 +81,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from configs import residual_spec as rs
 from costmodel.ops import Kernel, vec
 
-VARIANTS = ("residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc")
+VARIANTS = rs.NAMES  # kernels.residual_spec: the one list
 XHC_DENSE, XHC_SPARSE = 39.5 / 12, 8 - 39.5 / 12  # derived above
 XHC_FLASH_RATIO = 51 / 73.5
 
@@ -101,20 +102,12 @@ class ResidualSpec:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown residual variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.variant == "residual" and self.n != 1:
-            raise ValueError(f"variant 'residual' has one stream; got n={self.n} (use n=1 or another variant)")
-        if self.variant == "mhc-lite" and self.n > 4:
-            raise ValueError(f"mhc-lite enumerates n! permutations and supports n <= 4, got n={self.n}")
-        if self.variant == "mhc-sp" and not self.fused:
-            raise ValueError("mhc-sp is one fused pass per sub-layer by definition; drop --unfused")
-        if self.variant == "xhc":
-            if self.k is None or not 1 <= self.k <= self.n:
-                raise ValueError(f"xhc needs 1 <= k <= n active streams (got n={self.n}, k={self.k}); "
-                                 "e.g. --n 16 --k 4")
-        elif self.k is not None and self.k != self.n:
-            raise ValueError(f"--k (active streams) applies to xhc only; variant {self.variant!r} uses all n streams")
+        v = rs.variant(self.variant)
+        if v.takes_k and self.k is None:
+            raise ValueError(f"xhc needs 1 <= k <= n active streams (got n={self.n}, k={self.k}); e.g. --n 16 --k 4")
+        rs.check_shape(self.variant, self.n, self.k)
+        if v.always_fused and not self.fused:
+            raise ValueError(f"{self.variant} is one fused pass per sub-layer by definition; drop --unfused")
 
     @property
     def is_baseline(self) -> bool:
@@ -123,7 +116,8 @@ class ResidualSpec:
     @property
     def unfused(self) -> bool:
         """Priced by mHC Table 2's separate ops (hc always; mhc and mhc-lite with fused=False)."""
-        return not self.is_baseline and (self.variant == "hc" or (not self.fused and self.variant != "xhc"))
+        v = rs.variant(self.variant)
+        return not self.is_baseline and (v.never_fused or (not self.fused and not v.takes_k))
 
     @property
     def width(self) -> int:
@@ -134,18 +128,11 @@ class ResidualSpec:
     def carry_bytes(self) -> int:
         """Bytes per token that cross a stage boundary besides the width x C state (each direction): mhc-sp's
         input-mixing coefficient A_l, n fp32 values (its gradient going back)."""
-        return 4 * self.n if self.variant == "mhc-sp" and not self.is_baseline else 0
+        return 4 * self.n if rs.variant(self.variant).carries_coefficient and not self.is_baseline else 0
 
     @property
     def num_mix(self) -> int:
-        n = self.n
-        if self.variant == "hc":
-            return n * (n + 2)
-        if self.variant == "mhc-lite":
-            return 2 * n + math.factorial(n)
-        if self.variant == "xhc":
-            return 2 * self.k + self.k * self.k
-        return 2 * n + n * n
+        return rs.num_mix(self.variant, self.n, self.k)
 
     def coef_elems(self, d: int) -> float:
         """The fp32 coefficients of one sub-layer per token, in units of d-byte elements."""
@@ -155,7 +142,8 @@ class ResidualSpec:
         if self.is_baseline:
             return "residual (n=1)"
         extra = f", k={self.k}" if self.variant == "xhc" else ""
-        fused = "" if self.variant in ("hc", "mhc-sp") else (" fused" if self.fused else " unfused")
+        v = rs.variant(self.variant)
+        fused = "" if v.never_fused or v.always_fused else (" fused" if self.fused else " unfused")
         return f"{self.variant}{fused} (n={self.n}{extra})"
 
     @classmethod

@@ -4,19 +4,20 @@ Shape letters: T tokens, n residual streams, C hidden size of one stream.
 """
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Variant = Literal["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"]
+from kernels import residual_spec as rs
+
+Variant = Literal[rs.NAMES]  # the variants (kernels.residual_spec: the one list)
 SinkhornForm = Literal["exp", "softmax"]
 ExpandMode = Literal["copy", "lss"]
 Backend = Literal["auto", "reference", "fused"]
 
-VARIANTS: tuple[str, ...] = ("residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc")
-FUSED_VARIANTS = ("mhc", "mhc-sp", "hc", "mhc-lite")  # variants built from the ops kernels.fused implements
-MHC_LITE_MAX_N = 4  # n! permutation matrices: 4! = 24 logits, 5! = 120 is already past the point of the trick
+VARIANTS: tuple[str, ...] = rs.NAMES
+FUSED_VARIANTS = tuple(n for n, v in rs.VARIANTS.items() if v.fused_kernels)  # built from kernels.fused's ops
+MHC_LITE_MAX_N = rs.VARIANTS["mhc-lite"].max_n  # 4! = 24 logits; 5! = 120 is already past the point of the trick
 
 
 class MHCConfig(BaseModel):
@@ -76,14 +77,10 @@ class MHCConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "MHCConfig":
-        if self.variant == "residual" and self.n != 1:
-            raise ValueError(f"n={self.n} with variant='residual': the plain residual has one stream; set n=1")
-        if self.variant == "mhc-lite" and self.n > MHC_LITE_MAX_N:
-            raise ValueError(
-                f"n={self.n} with variant='mhc-lite': it enumerates n! permutations and supports n <= "
-                f"{MHC_LITE_MAX_N}; use variant='mhc' for larger n"
-            )
-        if self.variant == "xhc":
+        spec = rs.variant(self.variant)
+        if not spec.takes_k:
+            rs.check_shape(self.variant, self.n, None)  # one stream for 'residual', n <= 4 for 'mhc-lite'
+        if spec.takes_k:
             k = self.k
             if k > self.n:
                 raise ValueError(f"active={k} > n={self.n} with variant='xhc': at most n streams can be active; "
@@ -118,7 +115,7 @@ class MHCConfig(BaseModel):
     @property
     def label(self) -> str:
         """The name a run's flags and folders use for this residual ('mhc:4', 'xhc:16:4'; `--residual`)."""
-        return f"{self.variant}:{self.n}" + (f":{self.k}" if self.variant == "xhc" else "")
+        return rs.label(self.variant, self.n, self.k)
 
     @property
     def augmented(self) -> bool:
@@ -128,7 +125,8 @@ class MHCConfig(BaseModel):
     @property
     def num_res_logits(self) -> int:
         """Width of the res block of the mix vector: n^2 (hc, mhc) or n! (mhc-lite)."""
-        return math.factorial(self.n) if self.variant == "mhc-lite" else self.n * self.n
+        return rs.num_res_logits(self.variant, self.n) if rs.variant(self.variant).res_logits == "n!" \
+            else self.n * self.n
 
     @property
     def num_mix(self) -> int:
@@ -140,6 +138,5 @@ class MHCConfig(BaseModel):
 
 def check_variant(variant: str) -> str:
     """Raise a ValueError naming the field for an unknown variant string passed outside the config."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} is unknown; choose one of {', '.join(VARIANTS)}")
+    rs.variant(variant)  # ValueError naming the choices
     return variant

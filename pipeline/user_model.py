@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from kernels import MHCConfig, MHCSublayer, StreamExpand, contract
+from kernels import residual_spec as rs
 
 
 class ContractError(ValueError):
@@ -77,16 +78,15 @@ def parse_residual(value: str | MHCConfig) -> MHCConfig:
     if isinstance(value, MHCConfig):
         cfg = value
     else:
-        variant, _, n = str(value).partition(":")
-        if not n.isdigit():
-            raise ContractError(f"residual {value!r}: use VARIANT:N, e.g. mhc:4, hc:4, mhc-lite:4 or residual:1")
         try:
-            cfg = MHCConfig(variant=variant, n=int(n))
-        except Exception as err:  # noqa: BLE001 - pydantic's message, first line
+            variant, n, k = rs.parse(str(value))  # the one spelling of a residual (kernels.residual_spec)
+            cfg = MHCConfig(variant=variant, n=n, **({"active": k} if k is not None else {}))
+        except Exception as err:  # noqa: BLE001 - the spec's or pydantic's message, last line
             raise ContractError(f"residual {value!r}: {str(err).splitlines()[-1].strip()}") from None
-    if cfg.variant not in ("residual", "hc", "mhc", "mhc-lite"):
-        raise ContractError(f"residual {cfg.variant!r}: a user model's sub-layers can be wrapped in residual, hc, mhc "
-                            "or mhc-lite (xhc and mhc-sp carry state between sub-layers the built-in model owns)")
+    if not rs.variant(cfg.variant).wraps_user_sublayers:
+        allowed = ", ".join(n for n, v in rs.VARIANTS.items() if v.wraps_user_sublayers)
+        raise ContractError(f"residual {cfg.variant!r}: a user model's sub-layers can be wrapped in {allowed} (the "
+                            "others carry state between sub-layers the built-in model owns)")
     return cfg
 
 

@@ -141,15 +141,14 @@ def with_residual_flag(cfg, flag: str, value: str):
     """cfg with the residual a VARIANT:N (xHC: xhc:N:K) flag names, validated like a config file."""
     from configs import parse_config
 
-    variant, *nums = value.split(":")
-    if not nums or len(nums) > 2 or not all(v.isdigit() for v in nums):
-        raise ValueError(f"{flag} {value!r}: use VARIANT:N, e.g. mhc:4, mhc-sp:4 or residual:1 (xHC: xhc:N:K, "
-                         "e.g. xhc:16:4 = 16 streams, 4 active)")
-    if len(nums) == 2 and variant != "xhc":
-        raise ValueError(f"{flag} {value!r}: only xhc takes N:K (K active streams); use {variant}:{nums[0]}")
+    from kernels import residual_spec as rs
+
     try:
-        return parse_config(cfg.with_residual(variant, int(nums[0]), int(nums[1]) if len(nums) == 2 else None)
-                            .model_dump())
+        variant, n, k = rs.parse(value, check=False)  # the one spelling; the config names a bad value
+    except ValueError as err:
+        raise ValueError(f"{flag} {err}") from None
+    try:
+        return parse_config(cfg.with_residual(variant, n, k).model_dump())
     except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError: one line naming the field
         first = err.errors()[0]["msg"] if hasattr(err, "errors") else str(err)
         raise ValueError(f"{flag}: model.residual: {first}") from None
