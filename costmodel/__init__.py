@@ -10,4 +10,8 @@ app layer (mhcpipe/).
 `local/`: the emulation of this runtime on a CPU host (a runtime profile calibrated for one config, ranks
 sharing the host's cores). It plugs into the core through pricing.ProfilePricing and trace_fit.TraceFitter;
 the core never imports it.
+
+Also: `pricing_options` (the modelling switches), `fb_stage` (the overlapped F&B stage), `step_anatomy` (what a step
+is made of), `data_parallel` (gradient sync and ranks on nodes), `explain` and `honest` (`predict --explain`),
+`sensitivity` (`--sensitivity`), `charts` (their pictures), `measured_pair` (the F&B model checked against runs).
 """

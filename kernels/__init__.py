@@ -2,6 +2,11 @@
 (mHC and its relatives in module.py, single-pass mHC in single_pass.py, xHC in xhc.py).
 
 `import kernels` never imports triton: kernels.fused (Triton) is loaded on first use by kernels.dispatch.
+
+Modules: `residual_spec` (the variants and their spelling: the one home), `config` (MHCConfig), `reference`,
+`sinkhorn`, `eager` and `sinkhorn_node` (the CPU path without Triton), `triton_project`, `triton_coeffs` and
+`triton_apply` (the Triton kernels), `launch` (tiles, splits, precision), `fused`, `dispatch`, `parity`, `module`,
+`single_pass`, `xhc`, `diagnostics`.
 """
 from . import diagnostics, dispatch, reference
 from .config import MHCConfig

@@ -6,4 +6,6 @@ role: device (the CUDA device layer, real or emulated), distributed (groups, P2P
 observability (trace recorder, diagnostics), checkpoint (DCP save/resume), runtime (executing a schedule on a
 rank), launch (run flags, local rank processes, host measurements). Each sub-package's docstring says what it may
 import (tests/test_imports.py checks it).
+
+A user's model: `user_model` (its pieces' contract), `user_reference` (its unsplit run).
 """

@@ -9,6 +9,8 @@ reads any of them by content), `analysis` (steps, the dependency graph, critical
 predicted vs measured) and `drawing` (timeline pictures, the HTML view). The commands that read and draw traces
 (`mhcpipe view`, `compare`, `critical-path`, `check-comm`, ...) live in the app layer (mhcpipe/); the
 stream-collapse diagnostics of a training run are read where they are written (pipeline.observability.diagnose).
+
+`nccl_rules`: NCCL's ordering rules, the one home the strict transport and both replays share.
 """
 from traces.trace import STREAMS, Span, Trace, TraceError, span_name
 

@@ -3,4 +3,6 @@ the per-layer residual-stream diagnostics, probed in the stage (diagnostics_prob
 (diagnostics_log) and read back as tables and a picture (diagnose, `mhcpipe diagnose`).
 
 May import: pipeline.distributed (the recorder's clock alignment is a collective) and pipeline.device (its events).
+
+Also: `flight_recorder` (Flight Recorder's settings and the op ledgers).
 """

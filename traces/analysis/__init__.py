@@ -4,4 +4,6 @@ run one pipeline at a time, `replicas`), its replay and critical path (`replay`,
 replays (`whatif`), communication under compute (`overlap_stats`, `comm_overlap`), the communication replayed
 under NCCL's rules (`comm_replay`), predicted against measured (`compare`, `path_overhead`) and the text of these
 reports (`report`, `path_report`).
+
+`cuda_replay`: the emulated CUDA device's programs under CUDA's and NCCL's rules (`check-comm --cuda`).
 """

@@ -3,4 +3,6 @@
 `nsys_csv` (`nsys stats` NVTX CSV), `project` (CPU ranges projected onto the GPU work they launched), and
 `flight_recorder` (NCCL Flight Recorder dumps, read through an allow-list unpickler). All produce a
 `traces.trace.Trace`.
+
+`cuda_program`: the emulated CUDA device's per-rank programs (docs/cuda_program.md).
 """
