@@ -57,7 +57,8 @@ def test_demo_writes_report_pictures_and_perfetto_trace(tmp_path):
     o = cmp["overhead"]
     assert cmp["matched"] > 0 and cmp["steps"] == 1  # 2 steps, the warm-up dropped
     assert cmp["meas"]["ranks"] == 4 and cmp["meas"]["schedule"] == {"kind": "dualpipev", "ranks": 4,
-                                                                    "microbatches": 8}
+                                                                    "microbatches": 8, "mirrors": False,
+                                                                    "stages_per_rank": 2}
 
     # comparison.json against the traces: its measured makespan of step 1 fits inside the slowest rank's step
     # span (the step also holds the optimizer and the loss all-reduce), and the overhead is their ratio
