@@ -3,7 +3,8 @@
     .venv/bin/python bench/predict_local.py [--reuse] [--steps 8] [--repeat 1] [--sequential]
                                            [--out runs/bench/predict_local]
 
-1. Host micro-benchmarks (costmodel.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs, 2-process
+1. Host micro-benchmarks (costmodel.fitting.calibrate.calibrate_local --quick: matmul/copy sweeps, launch costs,
+2-process
    gloo P2P alpha-beta); --reuse keeps an existing runs/hardware/local.json for this part.
 2. `--repeat` times: run the BASELINE (n = 1) and mHC (n = 4) on the config's 4 gloo ranks, interleaved step by
    step in one launch (A B B A ...: on a shared host whose speed drifts within seconds, both see the same drift;
@@ -114,11 +115,11 @@ def main() -> int:
                     "e.g. xhc:16:4 or mhc-sp:4 (default mhc:4; --json then defaults to predict_local_<variant>.json)")
     args = ap.parse_args()
 
-    from costmodel.calibrate import calibrate_local
-    from costmodel.hardware import HardwareSpec, local_profile_path
+    from costmodel.fitting.calibrate import calibrate_local
+    from costmodel.physics.hardware import HardwareSpec, local_profile_path
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.host_pricing import HostPricing
-    from costmodel.predict import predict, residual_spec_of
+    from costmodel.answers.predict import predict, residual_spec_of
     from pipeline.launch.run_args import with_residual_flag
     from pipeline.launch.host_measurements import block_round, run_runtime, run_runtime_interleaved, time_stage_pieces
     from configs import load_config

@@ -1,5 +1,5 @@
 """Benchmark: the F&B cost model checked against runs. Calibrate each F&B pair kind's chains on a serial run
-(`--no-overlap`), predict the overlapped run with `costmodel.overlap`, and compare with the overlapped run.
+(`--no-overlap`), predict the overlapped run with `costmodel.pricing.fb_overlap`, and compare with the overlapped run.
 
     .venv/bin/python bench/predict_overlap_cpu.py [--config tiny-moe] [--pp 2 --dp 2 --ep 2] [--microbatches 16]
         [--steps 10] [--warmup 2] [--traces runs/bench/predict_overlap_cpu] [--reuse]
@@ -8,12 +8,13 @@
 One job trains the same model twice, overlapped and serial, one step of each in turn (as bench/overlap_cpu.py:
 `pipeline.runtime.train.train_interleaved`, so both see the same machine state), and keeps both traces under
 `--traces` (`overlap/trace.json`, `serial/trace.json`); `--reuse` reads them from there instead of running.
-From the steps after the warm-up (costmodel.measured_pair; `cores_taken_pct` says how much of the serial pairs'
+From the steps after the warm-up (costmodel.fitting.measured_pair; `cores_taken_pct` says how much of the serial pairs'
 all-to-all waiting had every core of this host busy with other ranks):
 * calibration (serial trace): per pair kind (forward stage, backward stage) the two chains, op medians;
 * prediction: the F&B duration serial and overlapped, the all-to-all hidden %, overlapped two ways: "streams"
-  (costmodel.overlap: CUDA semantics, the halves' segments in a fixed alternating issue order on one compute
-  stream) and "turns" (costmodel.measured_pair.turns: the CPU runtime's hand-over policy, pipeline/runtime/overlap.py);
+  (costmodel.pricing.fb_overlap: CUDA semantics, the halves' segments in a fixed alternating issue order on one compute
+  stream) and "turns" (costmodel.fitting.measured_pair.turns: the CPU runtime's hand-over policy,
+  pipeline/runtime/overlap.py);
 * measured (both traces): the F&B span durations (median per kind), the all-to-all hidden % inside the pairs
   (traces.analysis.comm_overlap's definition), and the step time (slowest rank per step, median).
 The overlap gain is serial / overlapped: per kind (F&B medians), for the F&B time per step (all pairs of a rank,
@@ -35,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config
-from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,
+from costmodel.fitting.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,
                                      serial_samples, steady)
 from traces.trace import Trace
 
@@ -80,7 +81,7 @@ def fb_per_step_us(trace: Trace, per_kind: dict | None = None) -> float:
     return statistics.mean(total[r] / steps[r] for r in steps)
 
 
-MODES = ("streams", "turns")  # costmodel.overlap's CUDA issue order; the CPU runtime's hand-over policy
+MODES = ("streams", "turns")  # costmodel.pricing.fb_overlap's CUDA issue order; the CPU runtime's hand-over policy
 
 
 def compare(serial: Trace, overlapped: Trace, cores: int | None = None) -> dict:
@@ -150,7 +151,8 @@ def compare(serial: Trace, overlapped: Trace, cores: int | None = None) -> dict:
 
 def print_table(res: dict) -> None:
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    print("per pair kind: measured | predicted by costmodel.overlap 'streams' | by the runtime policy 'turns'")
+    print("per pair kind: measured | predicted by costmodel.pricing.fb_overlap 'streams' | by the runtime "
+          "policy 'turns'")
     print(f"{'pair kind':<14} {'n':>3} {'serial ms m/p':>14} {'F&B ms m | streams | turns':>27} "
           f"{'err % s|t':>12} {'a2a hidden % m | s | t':>23} {'gain m | s | t':>20} {'in-wait ms':>10}")
     for r in res["kinds"]:
@@ -233,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "config": args.config, "layout": {"pp": args.pp, "dp": args.dp, "ep": args.ep},
         "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup, **res,
-        "definitions": "calibrated on the serial run's pairs (costmodel.measured_pair); F&B = FB span duration, "
+        "definitions": "calibrated on the serial run's pairs (costmodel.fitting.measured_pair); F&B = FB span "
+                       "duration, "
                        "median per kind; a2a hidden = all-to-all time (post to completion) not covered by WAIT "
                        "spans, ops posted inside F&B pairs; gain = serial / overlapped",
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),

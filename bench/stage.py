@@ -22,7 +22,7 @@ stage benchmark.
 
 Measured: per-kind median action time (F, B, I, W, FB, RC, post+res on the hp stream; the F and B halves
 inside an FB are not counted as F or B), the stage step (median of the step spans) and the mHC stage
-overhead = step(n=4) / step(n=1) - 1. Predicted: the cost model prices the same actions (costmodel.predict
+overhead = step(n=4) / step(n=1) - 1. Predicted: the cost model prices the same actions (costmodel.answers.predict
 .Pricer.compute_time, hardware 'h200' by default) for the same config, with the recompute block pinned to the
 one the runtime uses, plus one device copy per received boundary tensor; the loopback removes P2P waits, so
 the predicted step is the sum over the rank's actions. Targets (issue, GPU only): measured overhead <= 10 %,
@@ -141,10 +141,10 @@ def write_run_config(args) -> Path:
 def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
     """Cost-model prices of rank `rank`'s compute actions for `cfg`, summed (no P2P waits with the loopback),
     plus one device copy (read + write) per received boundary tensor."""
-    from costmodel.hardware import get_hardware
-    from costmodel.predict import residual_spec_of
-    from costmodel.pricing import Pricer, resolve_layout
-    from costmodel.pricing_options import Options
+    from costmodel.physics.hardware import get_hardware
+    from costmodel.answers.predict import residual_spec_of
+    from costmodel.pricing.pricer import Pricer, resolve_layout
+    from costmodel.pricing.options import Options
     from schedules import build, lower_comms
     from schedules.ir import COMM_KINDS, Kind
 

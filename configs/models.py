@@ -42,7 +42,8 @@ class MoEConfig(BaseModel):
 class MLAConfig(BaseModel):
     """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank latents; a head's
     query/key is a no-position part plus a rotary part (model.head_dim = qk_nope_head_dim + qk_rope_head_dim), its
-    value v_head_dim wide. Priced by the cost model (costmodel/ops.py); the runtime's attention is multi-head."""
+    value v_head_dim wide. Priced by the cost model (costmodel/physics/ops.py); the runtime's attention is
+    multi-head."""
 
     model_config = ConfigDict(extra="forbid")
     q_lora_rank: int = Field(ge=1, description="query latent width (V3: 1536)")
@@ -186,7 +187,8 @@ class TrainConfig(BaseModel):
     distributed_optimizer: bool = Field(
         False, description="Adam's fp32 master weights and moments sharded over the data-parallel ranks (ZeRO-1, "
         "Megatron-LM's --use-distributed-optimizer; routed experts over the D / EP replicas holding them): the cost "
-        "model prices 6 + 12/D bytes per bf16 parameter instead of 18 (costmodel/memory.py). The runtime's AdamW "
+        "model prices 6 + 12/D bytes per bf16 parameter instead of 18 (costmodel/physics/memory.py). The "
+        "runtime's AdamW "
         "(pipeline.model.make_optimizer) keeps the whole state on every rank whatever this says")
     fp8: bool = Field(False, description="the linear layers' GEMMs in FP8 with fine-grained scaling and the MoE "
                       "dispatch in FP8 (DeepSeek-V3 §3.3: 1x128 activation tiles, 128x128 weight blocks, master "

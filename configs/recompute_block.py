@@ -1,5 +1,5 @@
 """The recompute block length L_r (mhc.md Eq. 20), shared by the runtime (pipeline.runtime.recompute) and the cost
-model (costmodel.memory) so both cut a stage into the same blocks.
+model (costmodel.physics.memory) so both cut a stage into the same blocks.
 
 Eq. 20, per token in units of C, for a stage of L sub-layers and n residual streams:
     L_r* = argmin_{1 <= L_r <= L} [ n ceil(L / L_r) + (n+2) L_r ]

@@ -3,7 +3,7 @@
 layers and the cost model both use (mhc.md §2).
 
 Everything else dispatches on these facts instead of listing variant names: kernels.config (MHCConfig's checks),
-costmodel.mhc_cost (ResidualSpec), the run flags (pipeline.launch.run_args) and a user model's wrapper
+costmodel.physics.mhc_cost (ResidualSpec), the run flags (pipeline.launch.run_args) and a user model's wrapper
 (pipeline.user_model).
 """
 from __future__ import annotations

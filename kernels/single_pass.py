@@ -27,7 +27,7 @@ C channels, [T, n, C + e] in the activation dtype (e = 1 for fp32 and fp64 activ
 fp32 value viewed as two bf16), and `unpack_state` reads them back bit-exactly. Per micro-batch the forward
 message is T n C d + 4 n T bytes (8 n T for fp64 activations), and the backward message the same: the gradient
 of a (fp32, bit-exact in the same slots) goes back with dX. `carry_bytes` is the 4 n per token
-(costmodel.mhc_cost.ResidualSpec('mhc-sp', n).carry_bytes).
+(costmodel.physics.mhc_cost.ResidualSpec('mhc-sp', n).carry_bytes).
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """`mhcpipe calibrate`: measure this machine with short micro-benchmarks and save the `local` hardware spec, or
 (`--from-trace`) fit a spec's efficiency curves and launch gap to a measured baseline run and save it as a profile
-for `mhcpipe predict --hardware FILE.json` (costmodel.calibrate, costmodel.trace_fit, costmodel.roofline_fit)."""
+for `mhcpipe predict --hardware FILE.json` (costmodel.fitting.calibrate, costmodel.fitting.trace_fit,
+costmodel.fitting.roofline_fit)."""
 from __future__ import annotations
 
 import argparse
 
-from costmodel.hardware import local_profile_path
+from costmodel.physics.hardware import local_profile_path
 
 
 def register(subparsers) -> None:
@@ -17,7 +18,7 @@ def register(subparsers) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("-o", "--output", default=None, help=f"profile path (default {local_profile_path()}; with "
                     "--from-trace runs/hardware/<hardware>-fitted.json)")
-    fit = ap.add_argument_group("fit a spec to a measured trace instead (costmodel.roofline_fit)")
+    fit = ap.add_argument_group("fit a spec to a measured trace instead (costmodel.fitting.roofline_fit)")
     fit.add_argument("--from-trace", metavar="TRACE", help="a measured baseline (n = 1) run of this runtime: "
                      "trace.json of `mhcpipe run --trace-dir`, a Kineto JSON or an Nsight Systems .sqlite")
     src = fit.add_mutually_exclusive_group()
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from costmodel.calibrate import calibrate_local
+    from costmodel.fitting.calibrate import calibrate_local
 
     if args.from_trace:
         return _fit_main(args)
@@ -42,9 +43,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _fit_main(args: argparse.Namespace) -> int:
-    from costmodel.hardware import PROFILE_DIR, get_hardware
-    from costmodel.roofline_fit import RooflineFit, at_bound
-    from costmodel.trace_fit import fit_trace
+    from costmodel.physics.hardware import PROFILE_DIR, get_hardware
+    from costmodel.fitting.roofline_fit import RooflineFit, at_bound
+    from costmodel.fitting.trace_fit import fit_trace
     from configs import load_config
     from traces.formats.io import load_trace
 

@@ -211,7 +211,7 @@ def predict_on_this_host(cfg, hw, base_trace, quick: bool):
     from costmodel.local.calibration import calibrate_local_for
     from costmodel.local.core_sharing import measure_core_sharing
     from costmodel.local.host_pricing import HostPricing
-    from costmodel.predict import predict, residual_spec_of
+    from costmodel.answers.predict import predict, residual_spec_of
     from pipeline.launch.host_measurements import block_round, time_stage_pieces
 
     res = cfg.model.residual
@@ -246,7 +246,7 @@ def draw(out: Path, cfg, predicted, measured, cmp) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.schedule_only:
         return schedule_picture(Path(args.out))
-    from costmodel.calibrate import calibrate_local
+    from costmodel.fitting.calibrate import calibrate_local
     from traces.analysis.compare import compare
     from traces.analysis.matching import drop_warmup_step
     from traces.trace import Trace

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from configs import presets
-from costmodel.hardware import hardware_names
+from costmodel.physics.hardware import hardware_names
 from costmodel.local.host_pricing import HostPricing
 from schedules.registry import names
 
@@ -207,9 +207,9 @@ def _check_output(flag: str, path: str | None, suffix: str) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from costmodel.hardware import get_hardware
-    from costmodel.predict import Options, predict, residual_spec_of
-    from costmodel.report import format_table, write_json
+    from costmodel.physics.hardware import get_hardware
+    from costmodel.answers.predict import Options, predict, residual_spec_of
+    from costmodel.answers.prediction_report import format_table, write_json
 
     if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma >= 0):
         raise ValueError(f"--sigma {args.sigma}: the compute slowdown under all-to-all must be a finite number >= 0 "
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     if reports and args.trace_out:
         raise ValueError(f"--trace-out writes a plain prediction's traces; drop it or drop {reports[0]}")
     if args.sensitivity is not None:
-        from costmodel.sensitivity import check_pct
+        from costmodel.answers.sensitivity import check_pct
 
         check_pct(args.sensitivity)
     _check_output("--json", args.json, ".json")
@@ -261,16 +261,16 @@ def _report(cfg, hw, spec, opts, args) -> int:
     """--explain (ladder + honest answer, waterfall) or --sensitivity (tornado): table, then -o and --json."""
     import json
 
-    from costmodel import charts
+    from costmodel.answers import charts as charts
 
     if args.explain:
-        from costmodel.explain import explain, format_explain, to_json
+        from costmodel.answers.explain import explain, format_explain, to_json
 
         result = explain(cfg, hw, spec, opts, profile_pricing=HostPricing())
         print(format_explain(result))
         draw = charts.waterfall
     else:
-        from costmodel.sensitivity import format_sensitivity, sensitivity, to_json
+        from costmodel.answers.sensitivity import format_sensitivity, sensitivity, to_json
 
         result = sensitivity(cfg, hw, spec, opts, args.sensitivity, profile_pricing=HostPricing())
         print(format_sensitivity(result))
@@ -309,8 +309,8 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     import matplotlib.pyplot as plt
 
     from traces.drawing.png import save_png
-    from costmodel.mhc_cost import ResidualSpec
-    from costmodel.predict import predict
+    from costmodel.physics.mhc_cost import ResidualSpec
+    from costmodel.answers.predict import predict
 
     key, values = _parse_sweep(args.sweep)
     points = []  # every point is checked before the first (slow) prediction

@@ -1,7 +1,7 @@
 """`mhcpipe tune`: search the parallel layout (PP, DP, EP, micro-batches, recompute, schedule, uneven stages, hp
 placement) under a per-GPU memory budget and a fixed global batch; print the Pareto front of step time against
 memory per GPU and write the fastest layout as a config that `mhcpipe run --config` and `mhcpipe predict
---config` accept (costmodel/tune.py says what is searched, priced and pruned).
+--config` accept (costmodel/answers/tune.py says what is searched, priced and pruned).
 
 Examples:
   mhcpipe tune --preset paper-27b --hardware h800 --gpus 48 --memory-gib 80 --global-batch 1280 -o best.yaml
@@ -19,7 +19,7 @@ import math
 import time
 from pathlib import Path
 
-from costmodel.hardware import hardware_names
+from costmodel.physics.hardware import hardware_names
 from schedules.registry import kind_of, names
 
 
@@ -91,7 +91,7 @@ def load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from costmodel.hardware import get_hardware
+    from costmodel.physics.hardware import get_hardware
 
     t0 = time.perf_counter()
     out = _check_output(args.output)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         distributed_optimizer=tuple(z == "on" for z in _list("--distributed-optimizer", args.distributed_optimizer,
                                                              allowed=["off", "on"])))
     check_inputs(cfg, args.gpus, G, space)
-    from costmodel.tune import tune
+    from costmodel.answers.tune import tune
 
     result = tune(cfg, data, hw, args.gpus, memory, G, **space)
     if result.best is None:
@@ -147,7 +147,7 @@ def _layout_exists(nb: int, gpus: int, G: int, space: dict) -> bool:
 def check_inputs(cfg, gpus: int, G: int, space: dict) -> None:
     """One line naming the flag and what would fit, before the search. Both fixes are given; the flag named
     first is the value with fewer divisors (a prime GPU count, or a global batch that splits no way)."""
-    from costmodel.tune import divisors
+    from costmodel.answers.tune import divisors
 
     nb = cfg.model.num_blocks
     if gpus < 1:
@@ -200,7 +200,7 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
     lines.append(f"best: {b.cand.label()}: step {b.step_us / 1e3:,.1f} ms = pipeline {b.pipeline_us / 1e3:,.1f} + "
                  f"exposed gradient all-reduce {b.sync.exposed_us / 1e3:,.1f} ms (of {b.sync.busiest_us / 1e3:,.1f} "
                  f"ms on the busiest rank); {b.memory_gib:.1f} GiB per GPU")
-    from costmodel.tune import TIE_PCT
+    from costmodel.answers.tune import TIE_PCT
 
     ties = [e for e in result.ties if e is not b]
     if ties:
@@ -255,7 +255,7 @@ def write_json(result, path: str, memory: float) -> Path:
     """The front (fastest first), the best runnable layout and the ties (tune.TIE_PCT, most headroom first)."""
     import json
 
-    from costmodel.tune import TIE_PCT
+    from costmodel.answers.tune import TIE_PCT
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +270,7 @@ def write_json(result, path: str, memory: float) -> Path:
 def write_best(result, out: Path, args: argparse.Namespace) -> None:
     import yaml
 
-    from costmodel.tune import merged
+    from costmodel.answers.tune import merged
 
     b = result.best
     data = merged(result.tuner.data, b.cand.overrides())

@@ -14,7 +14,8 @@ transfer starts when its tensor exists: the lower bound).
 
 F&B pairs: with `fb_timing(action, lag_f, lag_b) -> (duration, forward output ready, input gradient ready)` a
 pair starts when the rank is free and either half's input is there, its halves' inputs arriving lag_f / lag_b
-later, and publishes each output when it is ready rather than at the pair's end (costmodel.overlap prices that).
+later, and publishes each output when it is ready rather than at the pair's end (costmodel.pricing.fb_overlap prices
+that).
 Without it a pair waits for both inputs and publishes both outputs at its end.
 
 The engine walks every rank's program with a pointer and parks a rank on the first missing input, so each

@@ -160,7 +160,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_every_package_is_walked(graph):
     assert {name.split(".")[0] for name in graph} == set(PACKAGES)
-    assert "schedules.simulate" in graph["costmodel.pricing"]  # a module-level import
+    assert "schedules.simulate" in graph["costmodel.pricing.pricer"]  # a module-level import
     assert "schedules.build" in graph["schedules.torch_csv"]  # an import inside a function
 
 
@@ -226,3 +226,21 @@ def argv_parsers(root: Path = ROOT) -> set[str]:
 def test_the_command_line_is_parsed_in_the_app_layer():
     extra = argv_parsers() - ARGV_OUTSIDE_APP
     assert not extra, f"argparse outside mhcpipe/: {sorted(extra)} (put the command in the app layer)"
+
+
+COSTMODEL_ROOMS = ("physics", "pricing", "simulation", "answers", "fitting", "local")  # costmodel/__init__.py
+
+
+def test_costmodel_rooms_import_only_the_rooms_before_them(graph):
+    """costmodel by role: physics, pricing, simulation, answers, fitting, then the CPU-host emulation (local); a
+    room imports only rooms listed before it (local plugs in through the interfaces the core defines)."""
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "costmodel" and len(parts) > 2 and parts[1] in COSTMODEL_ROOMS else None
+
+    bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                 if room(src) and room(dst) and COSTMODEL_ROOMS.index(room(dst)) > COSTMODEL_ROOMS.index(room(src)))
+    assert not bad, bad
+    flat = [m for m in graph
+            if m.startswith("costmodel.") and m.count(".") == 1 and m.split(".")[1] not in COSTMODEL_ROOMS]
+    assert not flat, f"modules outside costmodel's rooms: {flat}"

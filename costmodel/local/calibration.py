@@ -1,5 +1,5 @@
 """Calibration of `local` for this runtime and one config (costmodel.md §3): calibrate_local_for(cfg, ...) ->
-the host's HardwareSpec `local` with a RuntimeProfile (costmodel.runtime_profile) for cfg's shape.
+the host's HardwareSpec `local` with a RuntimeProfile (costmodel.physics.runtime_profile) for cfg's shape.
 
 Its inputs, measured by the caller with the runtime's own code (pipeline.launch.host_measurements; the app layer
 connects the two, so the cost model never imports the runtime):
@@ -9,9 +9,9 @@ connects the two, so the cost model never imports the runtime):
   2. a measured BASELINE (n = 1) run of the config on its local ranks (never an mHC run: an mHC trace is
      refused);
   3. the workload whose concurrent rounds measure how the ranks share the cores (block_round).
-Measured here: the host micro-benchmarks (costmodel.calibrate.calibrate_local, unless a spec is given),
+Measured here: the host micro-benchmarks (costmodel.fitting.calibrate.calibrate_local, unless a spec is given),
 cores(k) for k = 1 .. ranks, the OS time slice among `ranks` busy processes and the protection after a wake-up
-(core_sharing.py). Fitted by runtime_fit.RuntimeProfileFit through costmodel.trace_fit.fit_trace: full-speed
+(core_sharing.py). Fitted by runtime_fit.RuntimeProfileFit through costmodel.fitting.trace_fit.fit_trace: full-speed
 work per action, executor gap, effective P2P latency, the residual's extra per kind.
 predict(..., profile_pricing=HostPricing()) then prices a baseline action as its fitted work (replay) and an
 mHC action as that plus sub-layers x the micro-benchmarked extra cost of its kind, and simulates them on ranks
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from costmodel.calibrate import calibrate_local
-from costmodel.hardware import HardwareSpec, get_hardware
+from costmodel.fitting.calibrate import calibrate_local
+from costmodel.physics.hardware import HardwareSpec, get_hardware
 from costmodel.local.core_sharing import measure_core_sharing, measure_protection, measure_time_slice
 from costmodel.local.runtime_fit import RuntimeProfileFit
-from costmodel.trace_fit import fit_trace
+from costmodel.fitting.trace_fit import fit_trace
 
 
 def calibrate_local_for(cfg, *, baseline_trace, stage_us: dict, workload: Callable[[dict], Callable[[], None]],

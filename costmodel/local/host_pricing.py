@@ -1,5 +1,5 @@
-"""Pricing from the runtime profile of a `local` spec (costmodel.runtime_profile): the ProfilePricing that
-costmodel.pricing.Pricer hands an action to when the hardware was calibrated for this runtime and config.
+"""Pricing from the runtime profile of a `local` spec (costmodel.physics.runtime_profile): the ProfilePricing that
+costmodel.pricing.pricer.Pricer hands an action to when the hardware was calibrated for this runtime and config.
 
 A baseline action is its fitted full-speed work (replay of the calibration run); a residual's action is that
 plus sub-layers x the residual's micro-benchmarked extra cost of the action's kind (and of the recompute
@@ -17,7 +17,8 @@ from schedules.simulate import SimResult
 
 
 class HostPricing:
-    """costmodel.pricing.ProfilePricing for a `local` spec calibrated for this runtime (see the module docstring).
+    """costmodel.pricing.pricer.ProfilePricing for a `local` spec calibrated for this runtime (see the module
+    docstring).
     Stateless: everything it reads is on the Pricer (`pricer.runtime` is the profile)."""
 
     def compute_us(self, pricer, a: Action) -> float:

@@ -1,5 +1,5 @@
 """RuntimeProfileFit: this runtime's `local` RuntimeProfile fitted on a measured BASELINE run (costmodel.md §3;
-a costmodel.trace_fit.TraceFitter, used through fit_trace).
+a costmodel.fitting.trace_fit.TraceFitter, used through fit_trace).
 
 Model (shared_cores.py): every compute action is full-speed *work*; the ranks that want to compute are
 scheduled on the host's cores in time slices (the slice measured) so that k busy ranks progress at cores(k)
@@ -32,13 +32,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from costmodel.hardware import HardwareSpec
+from costmodel.physics.hardware import HardwareSpec
 from costmodel.local.host_pricing import HostPricing
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.pricing import Pricer, resolve_layout
-from costmodel.pricing_options import Options
-from costmodel.runtime_profile import RuntimeProfile, runtime_key
-from costmodel.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.options import Options
+from costmodel.physics.runtime_profile import RuntimeProfile, runtime_key
+from costmodel.fitting.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb
 from schedules.build import build
 from traces.analysis.matching import step_index
 
@@ -194,7 +194,7 @@ def fit_work_and_latency(cfg, hw, targets: dict[str, float], target_us: float,
 
 @dataclass
 class RuntimeProfileFit:
-    """costmodel.trace_fit.TraceFitter for `local` (module docstring), built with the host measurements:
+    """costmodel.fitting.trace_fit.TraceFitter for `local` (module docstring), built with the host measurements:
     `stage_us` (pipeline.launch.host_measurements.time_stage_pieces: {"block": {F, I, W, B} of one baseline block,
     "residual": {"variant:n": pieces}}), `cores` (cores(k), core_sharing.measure_core_sharing), the OS time slice
     and the protection after a wake-up (core_sharing). The input spec's link prices the message bytes; the

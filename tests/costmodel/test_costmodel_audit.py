@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from configs import eq20_block_size, load_config, parse_config, presets, recompute_block_size
-from costmodel.hardware import BUILTIN, Curve, CurveLookups, curve_warnings
-from costmodel.memory import rank_memory, stage_memory
-from costmodel.mhc_cost import (ResidualSpec, recompute_kernel, recompute_kernels, recompute_transient_elems,
+from costmodel.physics.hardware import BUILTIN, Curve, CurveLookups, curve_warnings
+from costmodel.physics.memory import rank_memory, stage_memory
+from costmodel.physics.mhc_cost import (ResidualSpec, recompute_kernel, recompute_kernels, recompute_transient_elems,
                                 residual_activation_elems, residual_kernels, stack_ends, stage_entry)
-from costmodel.ops import Shape
-from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing import Pricer, resolve_layout
-from costmodel.pricing_options import Options
+from costmodel.physics.ops import Shape
+from costmodel.answers.predict import predict, residual_spec_of
+from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.options import Options
 from mhcpipe.cli import main
 from schedules.build import build
 

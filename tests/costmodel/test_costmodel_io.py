@@ -5,10 +5,10 @@ import statistics
 import pytest
 import yaml
 
-from costmodel.calibrate import calibrate_local, measure_p2p
-from costmodel.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardware_names
-from costmodel.overlap import TimedOp, overlap
-from costmodel.predict import Options, predict
+from costmodel.fitting.calibrate import calibrate_local, measure_p2p
+from costmodel.physics.hardware import BUILTIN, Curve, HardwareSpec, get_hardware, hardware_names
+from costmodel.pricing.fb_overlap import TimedOp, overlap
+from costmodel.answers.predict import Options, predict
 from mhcpipe.cli import main
 from configs import CONFIG_DIR, load_config, presets
 from traces.analysis.compare import compare

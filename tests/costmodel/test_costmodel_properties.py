@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.overlap import overlap
-from costmodel.predict import Options, predict, residual_spec_of
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.pricing.fb_overlap import overlap
+from costmodel.answers.predict import Options, predict, residual_spec_of
 from configs import eq20_block_size, eq20_objective, load_config, stage_blocks
 from schedules import Durations, build
 from schedules.formulas import bubble_formula

@@ -8,14 +8,14 @@ import random
 import pytest
 
 from configs import CONFIG_DIR, load_config
-from costmodel import comm
-from costmodel.hardware import get_hardware
-from costmodel.memory import stage_memory
-from costmodel.mhc_cost import ResidualSpec, mhc_params_per_sublayer
-from costmodel.ops import FP8_SCALE_BYTES, Shape, attention_params, block_params, linear, mtp_params
-from costmodel.predict import predict
-from costmodel.pricing import Pricer, resolve_layout
-from costmodel.pricing_options import Options
+from costmodel.physics import comm_cost as comm
+from costmodel.physics.hardware import get_hardware
+from costmodel.physics.memory import stage_memory
+from costmodel.physics.mhc_cost import ResidualSpec, mhc_params_per_sublayer
+from costmodel.physics.ops import FP8_SCALE_BYTES, Shape, attention_params, block_params, linear, mtp_params
+from costmodel.answers.predict import predict
+from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.options import Options
 from mhcpipe.cli import main
 from schedules.build import build
 

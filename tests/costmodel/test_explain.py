@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-from costmodel.explain import MECHANISMS, explain, format_explain, ladder_steps, pairs_by_rung, to_json
-from costmodel.honest import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, SPEC_GEMM, Variant,
-                              discriminators, honest_variants, honest_verdict)
-from costmodel.hardware import get_hardware
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing_options import Options
-from costmodel.step_anatomy import (RESIDUAL_GROUPS, _stage_residual_bytes, critical_path_summary, residual_bytes,
-                                    stage_residual_kernels)
+from costmodel.answers.explain import MECHANISMS, explain, format_explain, ladder_steps, pairs_by_rung, to_json
+from costmodel.answers.honest import (CALCULON_GEMM, CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, SPEC_GEMM,
+                                      Variant, discriminators, honest_variants, honest_verdict)
+from costmodel.physics.hardware import get_hardware
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import predict, residual_spec_of
+from costmodel.pricing.options import Options
+from costmodel.simulation.step_anatomy import (RESIDUAL_GROUPS, _stage_residual_bytes, critical_path_summary,
+                                               residual_bytes, stage_residual_kernels)
 from mhcpipe.cli import main
 
 H800 = get_hardware("h800")

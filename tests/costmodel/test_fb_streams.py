@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import load_config
-from costmodel.hardware import get_hardware
-from costmodel.overlap import TimedOp, overlap
-from costmodel.predict import predict
-from costmodel.pricing_options import Options
+from costmodel.physics.hardware import get_hardware
+from costmodel.pricing.fb_overlap import TimedOp, overlap
+from costmodel.answers.predict import predict
+from costmodel.pricing.options import Options
 from schedules import build
 from schedules.engine import run_engine
 from schedules.ir import Kind

@@ -1,10 +1,10 @@
-"""costmodel.measured_pair on hand-made traces: serial pairs cut into chains, predictions, measured pairs."""
+"""costmodel.fitting.measured_pair on hand-made traces: serial pairs cut into chains, predictions, measured pairs."""
 from __future__ import annotations
 
 import pytest
 
-from costmodel.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict, serial_samples,
-                                     steady)
+from costmodel.fitting.measured_pair import (chains, cores_taken_pct, hidden_pct, measure_pairs, predict,
+                                             serial_samples, steady)
 from traces.analysis.comm_overlap import comm_overlap, total
 from traces.trace import Span, Trace
 

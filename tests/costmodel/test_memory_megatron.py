@@ -1,7 +1,7 @@
-"""Memory as Megatron-LM counts it (costmodel/memory.py): model states against an independent implementation of
+"""Memory as Megatron-LM counts it (costmodel/physics/memory.py): model states against an independent implementation of
 Megatron's weight-and-optimizer formula (megatron/training/theoretical_memory_usage.py: 18 bytes per parameter,
 6 + 12/d with the distributed optimizer), what the distributed optimizer saves, the GPU reserve, `tune` under
-both optimizer choices and its ties (costmodel/tune.py TIE_PCT).
+both optimizer choices and its ties (costmodel/answers/tune.py TIE_PCT).
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import json
 import pytest
 
 from configs import CONFIG_DIR, load_config, load_config_data, stage_blocks
-from costmodel import memory as M
-from costmodel.data_parallel import GradSync
-from costmodel.hardware import get_hardware
-from costmodel.predict import predict
-from costmodel.tune import TIE_PCT, Candidate, Evaluated, Tuner, candidates, ties_of, tune
+from costmodel.physics import memory as M
+from costmodel.pricing.data_parallel import GradSync
+from costmodel.physics.hardware import get_hardware
+from costmodel.answers.predict import predict
+from costmodel.answers.tune import TIE_PCT, Candidate, Evaluated, Tuner, candidates, ties_of, tune
 from mhcpipe.cli import main
 from schedules.build import build
 

@@ -1,4 +1,4 @@
-"""The activation peak follows the schedule: each live chunk weighs its own stage's bytes (costmodel.memory
+"""The activation peak follows the schedule: each live chunk weighs its own stage's bytes (costmodel.physics.memory
 .activation_peak), checked against a count written independently (every prefix of the program recounted from
 scratch) on all five schedules, and on the paper's DualPipe PP6 EP8 layout, where the old count (live chunks x
 the largest chunk) said 85.6 GiB for rank 0 and "exceeds the h800's 80 GiB"."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from configs import load_config
-from costmodel.memory import activation_peak
-from costmodel.predict import predict
+from costmodel.physics.memory import activation_peak
+from costmodel.answers.predict import predict
 from schedules import build
 from schedules.ir import Kind
 from schedules.simulate import peak_live_activations

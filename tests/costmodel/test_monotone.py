@@ -4,7 +4,8 @@ For the presets tiny-moe, paper-3b and paper-27b on the h800, a pair of hardware
 resource only (the second has more of it): HBM bandwidth, intra-node (NVLink) bandwidth, inter-node bandwidth,
 more SMs left to compute (a smaller all-to-all carve-out `comm_sms`), or a shorter kernel launch gap. With more of
 the resource, no step makespan and no F&B pair priced alone (every pair kind, baseline and mHC) may rise; the
-only slack is float noise (1e-9 relative). Guards costmodel/overlap.py's fixed issue order (restoring the greedy
+only slack is float noise (1e-9 relative). Guards costmodel/pricing/fb_overlap.py's fixed issue order (restoring the
+greedy
 W back-filling fails the intra-node case and the cliff test; see overlap.py, "Monotone physics").
 """
 from __future__ import annotations
@@ -16,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import load_config
-from costmodel.hardware import get_hardware
-from costmodel.overlap import TimedOp, overlap
-from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing_options import Options
+from costmodel.physics.hardware import get_hardware
+from costmodel.pricing.fb_overlap import TimedOp, overlap
+from costmodel.answers.predict import predict, residual_spec_of
+from costmodel.pricing.options import Options
 
 REL = 1e-9
 PRESETS = ("tiny-moe", "paper-3b", "paper-27b")

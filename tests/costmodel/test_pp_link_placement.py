@@ -1,5 +1,6 @@
 """Stage boundaries are priced where the runtime's mesh puts pipeline neighbours (global rank = pp_rank x D +
-dp_rank): the cost model's placement (costmodel.comm.mesh_node) agrees with pipeline.distributed.layout's ranks, and
+dp_rank): the cost model's placement (costmodel.physics.comm_cost.mesh_node) agrees with
+pipeline.distributed.layout's ranks, and
 a layout whose neighbours sit D ranks apart on different nodes pays the network, whatever its EP."""
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import itertools
 
 import pytest
 
-from costmodel.comm import mesh_node, pp_link
-from costmodel.hardware import get_hardware
+from costmodel.physics.comm_cost import mesh_node, pp_link
+from costmodel.physics.hardware import get_hardware
 from pipeline.distributed.layout import Layout
 
 HW = get_hardware("h800")  # 8 GPUs per node

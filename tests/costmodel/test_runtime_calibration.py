@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 
-from costmodel.hardware import BUILTIN
+from costmodel.physics.hardware import BUILTIN
 from costmodel.local.host_pricing import HostPricing
 from costmodel.local.runtime_fit import RuntimeProfileFit, baseline_action_stats, scale_residual
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict as predict_roofline
-from costmodel.runtime_profile import RESIDUAL_PIECES, RuntimeProfile, runtime_key
-from costmodel.trace_fit import fit_trace
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import predict as predict_roofline
+from costmodel.physics.runtime_profile import RESIDUAL_PIECES, RuntimeProfile, runtime_key
+from costmodel.fitting.trace_fit import fit_trace
 from configs import load_config
 from pipeline.launch.host_measurements import time_stage_pieces
 from traces.trace import Trace

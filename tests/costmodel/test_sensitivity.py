@@ -6,11 +6,13 @@ import math
 
 import pytest
 
-from costmodel.hardware import Curve, get_hardware
-from costmodel.predict import predict, residual_spec_of
-from costmodel.pricing import MHC_GROUPS
-from costmodel.pricing_options import Options
-from costmodel.sensitivity import ASSUMED, CHOICES, MEASURED, check_pct, format_sensitivity, moves, sensitivity, to_json
+from costmodel.physics.hardware import Curve, get_hardware
+from costmodel.answers.predict import predict, residual_spec_of
+from costmodel.pricing.pricer import MHC_GROUPS
+from costmodel.pricing.options import Options
+from costmodel.answers.sensitivity import (
+    ASSUMED, CHOICES, MEASURED, check_pct, format_sensitivity, moves, sensitivity, to_json
+)
 from configs import load_config
 from mhcpipe.cli import main
 

@@ -1,14 +1,15 @@
-"""Fitting a hardware spec's efficiencies to a measured trace (costmodel.roofline_fit through trace_fit.fit_trace,
+"""Fitting a hardware spec's efficiencies to a measured trace (costmodel.fitting.roofline_fit through
+trace_fit.fit_trace,
 `mhcpipe calibrate --from-trace`)."""
 import json
 
 import yaml
 
-from costmodel.hardware import HardwareSpec, get_hardware
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict
-from costmodel.roofline_fit import priced_action_us, scaled_hardware
-from costmodel.trace_fit import measured_action_us
+from costmodel.physics.hardware import HardwareSpec, get_hardware
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import predict
+from costmodel.fitting.roofline_fit import priced_action_us, scaled_hardware
+from costmodel.fitting.trace_fit import measured_action_us
 from mhcpipe.cli import main as mhcpipe_main
 
 

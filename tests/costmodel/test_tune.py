@@ -1,5 +1,5 @@
-"""`mhcpipe tune` (costmodel/tune.py, mhcpipe/tune_cli.py) and the data-parallel step terms it adds
-(costmodel/data_parallel.py). Properties, never predicted numbers: the pruned search finds the front that
+"""`mhcpipe tune` (costmodel/answers/tune.py, mhcpipe/tune_cli.py) and the data-parallel step terms it adds
+(costmodel/pricing/data_parallel.py). Properties, never predicted numbers: the pruned search finds the front that
 simulating everything finds, its bounds are lower bounds, its shared pricing equals predict's, the best layout
 fits and is no slower than the preset's own, the written YAML loads, passes the runtime's layout rules and
 predicts the reported time, and bad input is one line naming the flag.
@@ -12,10 +12,10 @@ import math
 import pytest
 
 from configs import load_config, load_config_data
-from costmodel.data_parallel import ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
-from costmodel.hardware import Link, get_hardware
-from costmodel.predict import predict
-from costmodel.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, tune
+from costmodel.pricing.data_parallel import ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
+from costmodel.physics.hardware import Link, get_hardware
+from costmodel.answers.predict import predict
+from costmodel.answers.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, tune
 from mhcpipe.cli import main
 
 HW = get_hardware("h800")

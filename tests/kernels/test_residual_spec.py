@@ -9,7 +9,7 @@ from kernels.config import VARIANTS, MHCConfig
 
 
 def test_one_list_of_variants_everywhere():
-    from costmodel.mhc_cost import VARIANTS as COST_VARIANTS
+    from costmodel.physics.mhc_cost import VARIANTS as COST_VARIANTS
 
     assert rs.NAMES == VARIANTS == COST_VARIANTS == ("residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc")
 
@@ -34,7 +34,7 @@ def test_bad_spellings_say_what_is_wrong(text, needle):
 def test_the_layers_and_the_cost_model_count_the_same_coefficients():
     """The cost model prices per-token coefficients of one sub-layer: the layer's projection width (hc: per stream,
     n of them); mhc-lite's n! and xhc's k^2 come from the same facts."""
-    from costmodel.mhc_cost import ResidualSpec
+    from costmodel.physics.mhc_cost import ResidualSpec
 
     for variant, n, k in (("mhc", 4, None), ("hc", 4, None), ("mhc-lite", 4, None), ("mhc-sp", 4, None),
                           ("xhc", 16, 4)):

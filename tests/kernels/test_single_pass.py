@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.mhc_cost import ResidualSpec
+from costmodel.physics.mhc_cost import ResidualSpec
 from kernels import reference
 from kernels.config import MHCConfig
 from kernels.single_pass import (SinglePassSublayer, boundary_width, carry_bytes, carry_dtype, contract,

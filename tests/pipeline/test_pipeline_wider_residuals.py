@@ -71,8 +71,8 @@ def test_boundary_message_is_what_the_cost_model_prices(residual, dtype):
     model sends: T x width x C x d plus mhc-sp's carried coefficient (ResidualSpec.carry_bytes per token)."""
     import torch
 
-    from costmodel import comm
-    from costmodel.predict import residual_spec_of
+    from costmodel.physics import comm_cost as comm
+    from costmodel.answers.predict import residual_spec_of
     from pipeline.model import activation_dtype
     from pipeline.runtime.train import boundary_width
 
@@ -89,7 +89,7 @@ def test_boundary_message_is_what_the_cost_model_prices(residual, dtype):
 def test_predict_prices_the_configs_own_residual():
     """`mhcpipe predict --config` of an xHC config prices that xHC: its k, and xHC-Flash only when the config
     runs Flash (the cost model's fused xHC form); mhc-sp keeps its single pass."""
-    from costmodel.predict import residual_spec_of
+    from costmodel.answers.predict import residual_spec_of
 
     def spec(residual):
         cfg_dict = tiny_config("1f1b", 4)

@@ -19,7 +19,7 @@ saved as JSON (default runs/hardware/local.json, or $MHCPIPE_LOCAL_PROFILE).
 `mhcpipe calibrate --from-trace TRACE --preset NAME|--config FILE [--hardware h200] [-o FILE.json]`
 instead fits a spec's efficiency curves and launch gap to a measured baseline run of that config on the target
 machine and saves the result as a hardware profile for `mhcpipe predict --hardware FILE.json`
-(costmodel.trace_fit.fit_trace with costmodel.roofline_fit.RooflineFit).
+(costmodel.fitting.trace_fit.fit_trace with costmodel.fitting.roofline_fit.RooflineFit).
 
 Calibrating `local` for this project's own runtime and one config (micro-benchmarks of its stage and mHC
 wrapper plus a baseline run) is `costmodel.local.calibration.calibrate_local_for`.
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from costmodel.hardware import Curve, HardwareSpec, Link
+from costmodel.physics.hardware import Curve, HardwareSpec, Link
 
 
 def _median_time(fn, repeats: int, warmup: int = 2) -> float:

@@ -4,7 +4,7 @@ The trace is a run of this runtime (`mhcpipe run --trace-dir`, bench/stage.py, o
 F, I, W, B and F&B action, named as in traces.md §5. It must be a BASELINE (n = 1) run of `cfg`'s model and
 layout: the mHC run is what the fitted spec then predicts, never an input (costmodel.md §3). A fitter turns the
 measured action times into a fitted spec:
-* costmodel.roofline_fit.RooflineFit scales a spec's efficiency curves and launch gap (any hardware,
+* costmodel.fitting.roofline_fit.RooflineFit scales a spec's efficiency curves and launch gap (any hardware,
   `mhcpipe calibrate --from-trace`);
 * costmodel.local.runtime_fit.RuntimeProfileFit fits a runtime profile for `local` (full-speed work per
   action on ranks sharing the host's cores), from the host measurements it is built with.
@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Protocol
 
-from costmodel.hardware import HardwareSpec
+from costmodel.physics.hardware import HardwareSpec
 from traces.analysis.matching import schedule_descriptor
 
 RUNTIME_KINDS = ("F", "I", "W", "B", "FB")

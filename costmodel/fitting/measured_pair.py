@@ -18,8 +18,9 @@ From one serial pair (`FB/s<f>/mb<i>+s<b>/mb<j>` span on a rank, with its `F/...
   median pair, and op times are right-skewed (host noise), so the sum of the op medians falls short of it
   (by 10-17% in the tiny-moe run of bench/predict_overlap_cpu.py).
 
-Prediction (`predict`), the pair serial (`costmodel.overlap` "serial") and overlapped two ways:
-* "streams": `costmodel.overlap.overlap(chains, "streams")`, the cost model as it prices GPU pairs (compute on
+Prediction (`predict`), the pair serial (`costmodel.pricing.fb_overlap` "serial") and overlapped two ways:
+* "streams": `costmodel.pricing.fb_overlap.overlap(chains, "streams")`, the cost model as it prices GPU pairs
+(compute on
   one "compute" stream with sm=1, hbm=0: a CPU rank has one host thread and no bandwidth model; all-to-alls on
   the one "comm" stream; the halves' segments in their fixed alternating issue order);
 * "turns": `turns`, the CPU runtime's own hand-over policy (pipeline/runtime/overlap.py, `dynamic` on CPU): the thread
@@ -46,7 +47,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from costmodel.overlap import TimedOp, overlap
+from costmodel.pricing.fb_overlap import TimedOp, overlap
 from traces.names import A2A_KINDS, WAIT_KIND
 from traces.trace import Span, Trace
 
@@ -202,7 +203,8 @@ class PairPrediction:
 
 
 def predict(pair_chains: list[list[TimedOp]], mode: str = "streams") -> PairPrediction:
-    """`mode` "streams": costmodel.overlap (CUDA semantics: the compute stream runs the halves' segments in their
+    """`mode` "streams": costmodel.pricing.fb_overlap (CUDA semantics: the compute stream runs the halves' segments
+    in their
     fixed alternating issue order, all-to-alls one at a time on the comm stream); "turns": `turns`, the CPU
     runtime's hand-over policy."""
     serial = overlap(pair_chains, "serial")

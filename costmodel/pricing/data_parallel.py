@@ -33,8 +33,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from costmodel.hardware import HardwareSpec, Link
-from costmodel.ops import block_params
+from costmodel.physics.hardware import HardwareSpec, Link
+from costmodel.physics.ops import block_params
 from configs import RunConfig
 from schedules.ir import Schedule
 from schedules.simulate import SimResult

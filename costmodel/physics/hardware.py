@@ -63,7 +63,7 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.runtime_profile import RuntimeProfile
+from costmodel.physics.runtime_profile import RuntimeProfile
 
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "runs" / "hardware"
 GB = 1e9
@@ -136,7 +136,7 @@ class Link(BaseModel):
 
 
 class MemoryReserve(BaseModel):
-    """What a GPU holds besides model states, activations and buffers (costmodel/memory.py states each term's
+    """What a GPU holds besides model states, activations and buffers (costmodel/physics/memory.py states each term's
     source): stated assumptions, not measured here, so `--sensitivity` moves them."""
 
     model_config = ConfigDict(extra="forbid")
@@ -177,9 +177,9 @@ class HardwareSpec(BaseModel):
     bandwidth_sm_share: float = Field(0.35, gt=0, le=1, description="share of the SMs a memory-bound kernel needs "
                                       "to draw its full HBM bandwidth (what it takes from a co-running GEMM)")
     attention_bwd_factor: float = Field(2.5, gt=0, description="attention core backward FLOPs over its forward "
-                                        "(FlashAttention-2: five matmuls against two; costmodel/ops.py)")
+                                        "(FlashAttention-2: five matmuls against two; costmodel/physics/ops.py)")
     reserve: MemoryReserve = Field(default_factory=MemoryReserve, description="memory a GPU holds besides the "
-                                   "run's tensors (costmodel/memory.py); unused on a CPU spec")
+                                   "run's tensors (costmodel/physics/memory.py); unused on a CPU spec")
     host_cores: int | None = Field(None, description="`local` only: ranks share this many CPU cores")
     runtime: RuntimeProfile | None = Field(None, description="`local` only: this runtime's per-action calibration "
                                                              "for one shape (costmodel.local)")

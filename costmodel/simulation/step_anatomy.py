@@ -18,9 +18,9 @@ stage, L_r sub-layers per recompute block, P pipeline ranks.
 """
 from __future__ import annotations
 
-from costmodel.mhc_cost import recompute_kernels, residual_kernels, stack_ends, stage_entry
-from costmodel.ops import Kernel
-from costmodel.pricing import Pricer
+from costmodel.physics.mhc_cost import recompute_kernels, residual_kernels, stack_ends, stage_entry
+from costmodel.physics.ops import Kernel
+from costmodel.pricing.pricer import Pricer
 from schedules.ir import Kind, Schedule
 from schedules.simulate import SimResult
 from traces.analysis.critical_path import COMM_NODE_KINDS, critical_path

@@ -82,7 +82,7 @@ import math
 from dataclasses import dataclass, replace
 
 from configs import residual_spec as rs
-from costmodel.ops import Kernel, vec
+from costmodel.physics.ops import Kernel, vec
 
 VARIANTS = rs.NAMES  # kernels.residual_spec: the one list
 XHC_DENSE, XHC_SPARSE = 39.5 / 12, 8 - 39.5 / 12  # derived above

@@ -22,7 +22,7 @@ all-to-alls, join their network part (the bytes are conserved; the P2P keeps its
 """
 from __future__ import annotations
 
-from costmodel.hardware import HardwareSpec, Link
+from costmodel.physics.hardware import HardwareSpec, Link
 
 
 def boundary_bytes(tokens: int, width: int, hidden: int, dtype_bytes: int) -> float:

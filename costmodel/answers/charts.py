@@ -13,9 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from costmodel.explain import Explanation
-from costmodel.honest import PAPER_PCT
-from costmodel.sensitivity import Sensitivity
+from costmodel.answers.explain import Explanation
+from costmodel.answers.honest import PAPER_PCT
+from costmodel.answers.sensitivity import Sensitivity
 from traces.drawing.png import save_png
 
 UP, DOWN, TOTAL = "#d62728", "#2ca02c", "#4c72b0"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from costmodel.hardware import CALCULON_MATRIX, Curve, HardwareSpec, get_hardware
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict
-from costmodel.pricing import ProfilePricing
-from costmodel.pricing_options import Options
+from costmodel.physics.hardware import CALCULON_MATRIX, Curve, HardwareSpec, get_hardware
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import predict
+from costmodel.pricing.pricer import ProfilePricing
+from costmodel.pricing.options import Options
 from configs import RunConfig
 
 PAPER_PCT = 6.7

@@ -37,11 +37,11 @@ from typing import Any
 
 import pydantic
 
-from costmodel.hardware import Curve, HardwareSpec
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import predict
-from costmodel.pricing import ProfilePricing
-from costmodel.pricing_options import Options
+from costmodel.physics.hardware import Curve, HardwareSpec
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import predict
+from costmodel.pricing.pricer import ProfilePricing
+from costmodel.pricing.options import Options
 from configs import RunConfig
 
 DEFAULT_PCT = 20.0
@@ -253,7 +253,7 @@ def assumed(out: list, cfg: RunConfig, hw: HardwareSpec, f: float, pct: float) -
                 return hw.model_copy(update={"reserve": r.model_copy(update={term: v})})
         sides = [(f"{value * k / unit:.3g}", cfg, make(value * k)) for k in (1 - f, 1 + f)]
         out.append((name, f"{value / unit:.3g} -+{pct:g}% ({source}; memory only)", sides))
-    from costmodel.honest import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
+    from costmodel.answers.honest import CUTILE_MHC_EFF, SIGMA_ALT  # the honest answer's two readings
 
     if hw.interference != SIGMA_ALT:
         out.append(("sigma (compute under A2A)", f"{hw.interference:g} -> {SIGMA_ALT:g} (DeepSeek-V3 §3.2.2 "

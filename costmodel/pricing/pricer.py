@@ -9,7 +9,7 @@ stage-boundary messages, for one residual variant.
   (comm.py). F, I, W, B and the overlapped F&B step are priced separately, per stage (stages differ at the
   ends). A stage-boundary message costs alpha + T n C d / (bw eta) on the PP link (comm.py).
 * A hardware spec that carries a runtime profile for the config (`local` calibrated for this runtime,
-  costmodel.runtime_profile) is priced by a ProfilePricing instead, which the caller passes in
+  costmodel.physics.runtime_profile) is priced by a ProfilePricing instead, which the caller passes in
   (costmodel.local.host_pricing.HostPricing); this module never imports it.
 * `local` without a profile (roofline): compute is stretched by max(1, busy ranks / cores), the mean
   concurrency of a first simulation.
@@ -20,14 +20,14 @@ import math
 from dataclasses import replace
 from typing import Protocol
 
-from costmodel import comm
-from costmodel.hardware import CurveLookups, HardwareSpec
-from costmodel.memory import StageMemory, stage_memory
-from costmodel.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
-from costmodel.ops import Kernel, Shape, block_work, embedding, head, mtp_prelude
-from costmodel.overlap import OverlapResult, TimedOp, overlap
-from costmodel.pricing_options import Options
-from costmodel.runtime_profile import profile_for
+from costmodel.physics import comm_cost as comm
+from costmodel.physics.hardware import CurveLookups, HardwareSpec
+from costmodel.physics.memory import StageMemory, stage_memory
+from costmodel.physics.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
+from costmodel.physics.ops import Kernel, Shape, block_work, embedding, head, mtp_prelude
+from costmodel.pricing.fb_overlap import OverlapResult, TimedOp, overlap
+from costmodel.pricing.options import Options
+from costmodel.physics.runtime_profile import profile_for
 from configs import RunConfig, stage_blocks
 from schedules.ir import Action, Kind, Schedule
 from schedules.simulate import SimResult, simulate

@@ -3,7 +3,7 @@ config, and the rule that says which configs it applies to.
 
 This is data only. costmodel.local measures and fits it (calibration.py, runtime_fit.py) and prices actions
 from it (host_pricing.py); the analytic core reads it to decide whether the roofline or the profile prices a
-prediction (costmodel.pricing).
+prediction (costmodel.pricing.pricer).
 """
 from __future__ import annotations
 

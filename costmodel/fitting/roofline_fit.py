@@ -1,8 +1,8 @@
 """RooflineFit: a hardware spec's efficiencies fitted to a measured baseline run's action times (costmodel.md §3;
-the fitter behind `mhcpipe calibrate --from-trace`, used through costmodel.trace_fit.fit_trace).
+the fitter behind `mhcpipe calibrate --from-trace`, used through costmodel.fitting.trace_fit.fit_trace).
 
 The cost model prices the trace's actions from kernels whose times are a roofline of three efficiency curves
-(matrix, vector, memory) plus a per-kernel launch gap (costmodel.hardware). The fit scales those four - each
+(matrix, vector, memory) plus a per-kernel launch gap (costmodel.physics.hardware). The fit scales those four - each
 curve as a whole, its shape kept and its efficiencies capped at 1, and the launch gap - so that the priced
 actions match the measured ones: it minimises the mean squared log error over the action keys ('F/s3',
 'FB/s3+s4'; measured = median over the trace's spans of that key) plus a weak pull of every log-scale towards
@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 import statistics
 
-from costmodel.hardware import Curve, HardwareSpec
-from costmodel.pricing import Pricer, resolve_layout
-from costmodel.pricing_options import Options
-from costmodel.predict import residual_spec_of
-from costmodel.trace_fit import TraceFit, measured_action_us
+from costmodel.physics.hardware import Curve, HardwareSpec
+from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.options import Options
+from costmodel.answers.predict import residual_spec_of
+from costmodel.fitting.trace_fit import TraceFit, measured_action_us
 from schedules.build import build
 from schedules.ir import Action, Kind
 
@@ -32,7 +32,8 @@ ROUNDS = 4  # each round searches a third of the previous width: the last one, +
 
 
 class RooflineFit:
-    """costmodel.trace_fit.TraceFitter that scales `hw`'s efficiency curves and launch gap (module docstring)."""
+    """costmodel.fitting.trace_fit.TraceFitter that scales `hw`'s efficiency curves and launch gap (module
+    docstring)."""
 
     def fit(self, trace, cfg, hw: HardwareSpec) -> TraceFit:
         cfg = cfg.with_residual("residual", 1)  # the trace is a baseline run, whatever residual the config names

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from costmodel.predict import Prediction
+from costmodel.answers.predict import Prediction
 
 KIND_ORDER = ("F", "I", "W", "B", "FB")
 

@@ -32,7 +32,7 @@ of the pair's own baseline), so a reader sees where each one pays. The last rung
 ladder): its split of the step overhead (kernel traffic, recompute, n-fold boundary traffic, gradient sync) is
 the one `predict` prints, the same numbers.
 
-The honest answer after the ladder (costmodel/honest.py): the paper's setting under stated assumption sets, its
+The honest answer after the ladder (costmodel/answers/honest.py): the paper's setting under stated assumption sets, its
 span, and what would tell the sets apart.
 """
 from __future__ import annotations
@@ -41,14 +41,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.hardware import HardwareSpec
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.predict import Prediction, predict
-from costmodel.pricing import ProfilePricing
-from costmodel.pricing_options import Options
-from costmodel.honest import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, Variant, discriminators,
+from costmodel.physics.hardware import HardwareSpec
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.answers.predict import Prediction, predict
+from costmodel.pricing.pricer import ProfilePricing
+from costmodel.pricing.options import Options
+from costmodel.answers.honest import (CUTILE, CUTILE_MHC_EFF, MEMORY_CURVE, PAPER_PCT, Variant, discriminators,
                               ep_placements, honest_variants, honest_verdict)
-from costmodel.step_anatomy import anatomy
+from costmodel.simulation.step_anatomy import anatomy
 from configs import RunConfig
 
 

@@ -65,11 +65,11 @@ from dataclasses import dataclass, field
 
 import math
 
-from costmodel.comm import ep_ranks_per_node
-from costmodel.hardware import HardwareSpec, MemoryReserve
-from costmodel.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
+from costmodel.physics.comm_cost import ep_ranks_per_node
+from costmodel.physics.hardware import HardwareSpec, MemoryReserve
+from costmodel.physics.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
-from costmodel.ops import FP8_SCALE_BYTES, block_params, mtp_params
+from costmodel.physics.ops import FP8_SCALE_BYTES, block_params, mtp_params
 from configs import RunConfig, recompute_block_size
 
 GIB = 2 ** 30
@@ -181,7 +181,7 @@ class RankMemory:
 def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, first: bool, last: bool,
                  recompute: bool = True) -> StageMemory:
     m, p = cfg.model, cfg.parallel
-    from costmodel.ops import DTYPE_BYTES
+    from costmodel.physics.ops import DTYPE_BYTES
 
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = p.tokens_per_microbatch, m.hidden
@@ -252,7 +252,7 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
     optimizer state (default the config's); `ep_per_node`: pricing_options.Options.ep_per_node (whether DeepEP needs its
     RDMA buffer)."""
     mine = [stages[s] for s in stages_of_rank]
-    from costmodel.ops import DTYPE_BYTES
+    from costmodel.physics.ops import DTYPE_BYTES
 
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden

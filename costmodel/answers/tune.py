@@ -41,12 +41,12 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from costmodel.data_parallel import GradSync, ep_ranks_per_node, grad_sync, reductions, sync_floor
-from costmodel.hardware import HardwareSpec
-from costmodel.memory import rank_memory
-from costmodel.pricing import Pricer, resolve_layout
-from costmodel.pricing_options import Options
-from costmodel.predict import residual_spec_of
+from costmodel.pricing.data_parallel import GradSync, ep_ranks_per_node, grad_sync, reductions, sync_floor
+from costmodel.physics.hardware import HardwareSpec
+from costmodel.physics.memory import rank_memory
+from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.options import Options
+from costmodel.answers.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
 from schedules.registry import kind_of, names

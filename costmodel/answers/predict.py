@@ -19,15 +19,15 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.fb_stage import fb_stage_us, overhead_pct, pair_table
-from costmodel.hardware import HardwareSpec, curve_warnings, get_hardware
-from costmodel.data_parallel import GradSync, grad_sync
-from costmodel.memory import RankMemory, rank_memory, stage_memory
-from costmodel.mhc_cost import ResidualSpec
-from costmodel.ops import forward_flops_per_token
-from costmodel.pricing import Pricer, ProfilePricing, resolve_layout
-from costmodel.pricing_options import Options
-from costmodel.runtime_profile import runtime_key
+from costmodel.simulation.fb_stage import fb_stage_us, overhead_pct, pair_table
+from costmodel.physics.hardware import HardwareSpec, curve_warnings, get_hardware
+from costmodel.pricing.data_parallel import GradSync, grad_sync
+from costmodel.physics.memory import RankMemory, rank_memory, stage_memory
+from costmodel.physics.mhc_cost import ResidualSpec
+from costmodel.physics.ops import forward_flops_per_token
+from costmodel.pricing.pricer import Pricer, ProfilePricing, resolve_layout
+from costmodel.pricing.options import Options
+from costmodel.physics.runtime_profile import runtime_key
 from configs import RunConfig
 from schedules.build import build
 from schedules.ir import Schedule

@@ -1,10 +1,10 @@
 """The cost model's modelling switches (`Options`): what `mhcpipe predict` flags, `--explain` rungs and
-`--sensitivity` move, checked once here; the Pricer (costmodel.pricing) reads them."""
+`--sensitivity` move, checked once here; the Pricer (costmodel.pricing.pricer) reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.overlap import MODES
+from costmodel.pricing.fb_overlap import MODES
 from schedules.engine import P2P_MODES
 
 DISPATCHERS = ("deepep", "alltoall")
