@@ -30,7 +30,7 @@
 #                   torch.distributed.checkpoint save + resume whose next loss must equal an uninterrupted run's
 #   kernel_parity   fused kernels vs float64 reference at full size, T=4096, C=2560/4096/7168 (bench/kernel_parity.py)
 #   stage           one DualPipeV rank's action list at the paper-27B block shape, n=1 vs n=4, loopback
-#                   hand-offs, CUDA-event spans, and the cost model's H200 prediction (bench/stage.py)
+#                   hand-offs, CUDA-event spans, and the cost model's H200 prediction (bench/stage_bench.py)
 #   kernel_bench    kernel GB/s vs copy bandwidth, block overhead plain / mHC fused / eager (bench/kernel_bench.py)
 #   pipeline_2rank  a real 2-rank torchrun pipeline with the host-staged transport at the 27B block shape,
 #                   2 steps, traced; then a check that the trace has hp-stream spans. Two processes on one GPU
@@ -241,7 +241,7 @@ run_step world1_nccl "$(lim world1_nccl)" bash -c '
 
 if [ "$MODE" = cpu ]; then PARITY=(--launch gpu --num-sms 11); else PARITY=(); fi  # CPU: the GPU's tiles and splits
 run_step kernel_parity "$(lim kernel_parity)" "$PY" bench/kernel_parity.py "${SMALL[@]}" "${PARITY[@]}" --out "$OUT/parity.json"
-run_step stage "$(lim stage)" "$PY" bench/stage.py "${SMALL[@]}" --out "$OUT/stage.json"
+run_step stage "$(lim stage)" "$PY" bench/stage_bench.py "${SMALL[@]}" --out "$OUT/stage.json"
 run_step kernel_bench "$(lim kernel_bench)" "$PY" bench/kernel_bench.py "${KB[@]}" --out "$OUT/kernels.json"
 # pipeline_2rank: the 27B block shape as a 2-rank DualPipeV config (1 block per stage), torchrun, trace check.
 CFG="$OUT/pipeline_2rank.yaml"
@@ -249,7 +249,7 @@ TRACE_DIR="$OUT/pipeline_2rank_trace"
 rm -rf "$TRACE_DIR"
 run_step pipeline_2rank "$(lim pipeline_2rank)" bash -c '
     set -e
-    "$0" bench/stage.py "${@:4}" --write-config "$1" --config-ranks 2 --config-blocks-per-stage 1 --config-steps 2
+    "$0" bench/stage_bench.py "${@:4}" --write-config "$1" --config-ranks 2 --config-blocks-per-stage 1 --config-steps 2
     "$0" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeline --config "$1" \
         --device "$3" --transport host --steps 2 --trace-dir "$2"
     "$0" bench/gpu_report.py trace-check "$2/trace.json" --ranks 2 --device "$3" --out "$(dirname "$1")/trace_check.json"

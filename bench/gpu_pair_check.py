@@ -10,7 +10,8 @@ embedding and the head, 2 MoE-carrying blocks each; M = 8, so 11 of its actions 
 with a process group of one rank (NCCL on CUDA, gloo with --device cpu; MASTER_ADDR 127.0.0.1, a free port) as
 the world group and two 1-rank expert-parallel groups (`dist.new_group([0])` twice: "F" for the forward's
 all-to-alls, "B" for the backward's) handed in through `pipeline.distributed.layout.ParallelGroups`. The pipeline P2P
-transport is swapped for `pipeline.distributed.loopback.LoopbackTransport` (as bench/stage.py does): every RECV is a
+transport is swapped for `pipeline.distributed.loopback.LoopbackTransport` (as bench/stage_bench.py does): every RECV
+is a
 device copy of a pre-made random tensor, every SEND completes at once.
 
 On a 1-rank EP group the runtime runs the experts locally (`ExpertComm.exchanging` is False for one rank), so

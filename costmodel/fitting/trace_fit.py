@@ -1,6 +1,6 @@
 """Fitting a hardware spec to a measured trace: the one entry point, `fit_trace(trace, cfg, hw, fitter)`.
 
-The trace is a run of this runtime (`mhcpipe run --trace-dir`, bench/stage.py, or the demo's runs) holding every
+The trace is a run of this runtime (`mhcpipe run --trace-dir`, bench/stage_bench.py, or the demo's runs) holding every
 F, I, W, B and F&B action, named as in traces.md §5. It must be a BASELINE (n = 1) run of `cfg`'s model and
 layout: the mHC run is what the fitted spec then predicts, never an input (costmodel.md §3). A fitter turns the
 measured action times into a fitted spec:
@@ -88,7 +88,7 @@ def measured_action_us(trace) -> dict[str, float]:
             by_key.setdefault(action_key(s), []).append(s.duration)
     if not by_key:
         raise ValueError("the trace has no F/I/W/B/FB action spans with a stage (named as in traces.md §5, e.g. "
-                         "F/s3/mb7); record the run with `mhcpipe run --trace-dir` or bench/stage.py")
+                         "F/s3/mb7); record the run with `mhcpipe run --trace-dir` or bench/stage_bench.py")
     return {k: statistics.median(v) for k, v in by_key.items()}
 
 

@@ -7,7 +7,7 @@ exact lowered action list unchanged. A SEND completes at once (its tensor is dro
 it). A RECV is filled, when it is posted, with a device copy of a pre-made random tensor of the boundary
 shape: the activation [T, n, C] for RECV_F, the output-grad for RECV_B. The copy lands in the executor's own
 receive buffer, so every micro-batch gets its own storage, as a real receive gives it. No process group is
-needed. Used by bench/stage.py to time a rank's compute without P2P waits (a stage-level benchmark on one GPU).
+needed. Used by bench/stage_bench.py to time a rank's compute without P2P waits (a stage-level benchmark on one GPU).
 """
 from __future__ import annotations
 

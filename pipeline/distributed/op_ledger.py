@@ -4,7 +4,7 @@ Flight Recorder (torch.distributed) numbers each process group's collectives (co
 (p2p_seq_id) but cannot know that "nccl:send 0->1, p2p seq 12" was `SEND_F/s0/mb3`. Every post of the runtime
 goes through `note` (Comms.launch for channels, all-to-alls and gradient reductions; `collective` for the
 blocking ones; the start-up warm-up), so the k-th entry of a kind on a group here is the k-th there.
-pipeline/observability/flight_recorder.py writes it next to the dumps; traces/formats/flight_recorder.py joins the two.
+pipeline/observability/fr_setup.py writes it next to the dumps; traces/formats/flight_recorder.py joins the two.
 """
 from __future__ import annotations
 

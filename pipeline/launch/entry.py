@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None, build=None) -> int:
 
     from pipeline.distributed.errors import PipelineError
     from pipeline.distributed.p2p import init_distributed
-    from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
+    from pipeline.observability.fr_setup import flight_recorder_dir, flight_recorder_env
     from pipeline.launch.gpu_sharing import choose_backend
     from pipeline.runtime.train import pick_device, train, train_interleaved
 
@@ -168,7 +168,7 @@ def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float,
     post); the rank waits that long for its own (MHCPIPE_FR_WAIT_S overrides; 0 = do not wait), so that torchrun
     does not stop the job before every rank has written."""
     from pipeline.distributed.p2p import process_group_timeout_s
-    from pipeline.observability.flight_recorder import dump_prefix, wait_for_dump, write_ledger
+    from pipeline.observability.fr_setup import dump_prefix, wait_for_dump, write_ledger
 
     try:
         write_ledger(folder, rank)
@@ -195,13 +195,13 @@ def report_flight_recorder(folder, rank: int, backend: str, timeout_s: float,
 
 def gather_to_rank0(folder: Path, prefix: str, rank: int, wait_s: float) -> None:
     """Ranks on other nodes keep their dumps and ledgers on their own disks: each publishes them through torchrun's
-    store and rank 0 writes every rank's into its folder (pipeline.observability.flight_recorder.share_files). Only
+    store and rank 0 writes every rank's into its folder (pipeline.observability.fr_setup.share_files). Only
     under torchrun's agent store (a store that exists apart from the hung process group)."""
     import datetime
 
     import torch.distributed as dist
 
-    from pipeline.observability.flight_recorder import STORE_PREFIX, share_files
+    from pipeline.observability.fr_setup import STORE_PREFIX, share_files
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return

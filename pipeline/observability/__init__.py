@@ -4,5 +4,5 @@ the per-layer residual-stream diagnostics, probed in the stage (diagnostics_prob
 
 May import: pipeline.distributed (the recorder's clock alignment is a collective) and pipeline.device (its events).
 
-Also: `flight_recorder` (Flight Recorder's settings and the op ledgers).
+Also: `fr_setup` (Flight Recorder's settings, the op ledgers and their way to rank 0).
 """

@@ -1,4 +1,4 @@
-"""CPU smoke tests of the stage benchmark (bench/stage.py), its loopback transport and the GPU-check report.
+"""CPU smoke tests of the stage benchmark (bench/stage_bench.py), its loopback transport and the GPU-check report.
 
 The benchmark itself targets an H200; here it runs its exact code path at a tiny shape: a DualPipeV middle
 rank's lowered action list with every boundary replaced by a local hand-off, n = 1 and n = 4 (recompute),
@@ -25,7 +25,7 @@ _load = load_bench
 
 @pytest.fixture(scope="module")
 def stage_mod():
-    return _load("stage")
+    return _load("stage_bench")
 
 
 @pytest.fixture(scope="module")

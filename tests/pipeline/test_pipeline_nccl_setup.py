@@ -129,7 +129,7 @@ def test_dumps_and_ledgers_of_other_nodes_reach_rank_0_through_the_store():
     ledger, rank 0 gets all of them (a rank that never publishes is waited for only up to the limit)."""
     import time
 
-    from pipeline.observability.flight_recorder import share_files
+    from pipeline.observability.fr_setup import share_files
 
     store = dist.HashStore()
     world = 3

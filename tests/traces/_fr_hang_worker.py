@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pipeline.distributed.collective import collective
 from pipeline.distributed.errors import PipelineError
-from pipeline.observability.flight_recorder import write_ledger
+from pipeline.observability.fr_setup import write_ledger
 
 folder = sys.argv[1]
 dist.init_process_group("gloo")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.observability.flight_recorder import flight_recorder_dir, flight_recorder_env
+from pipeline.observability.fr_setup import flight_recorder_dir, flight_recorder_env
 from traces.formats.flight_recorder import FlightRecorderError, analyse, load_dump
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Read a folder of torch Flight Recorder dumps (one pickle per rank) and name the ops a hang stopped at.
 
 A dump (torch.distributed's Flight Recorder, written by NCCL's watchdog on a timeout, see
-pipeline/observability/flight_recorder.py) holds, per rank, the newest entries of every process group: op
+pipeline/observability/fr_setup.py) holds, per rank, the newest entries of every process group: op
 (`profiling_name`, e.g. `nccl:send 0->1`), the group (`process_group` = (torch's name, description)), its
 sequence number (`collective_seq_id` or `p2p_seq_id`), sizes and state. The pickle is read as data only:
 `_DataUnpickler` allows no class or function at all (a dump is built of dicts, lists, tuples, strings, numbers,

@@ -1,10 +1,10 @@
 """Stage benchmark: one DualPipeV rank's exact action list at the paper-27B block shape, n = 1 vs mHC n = 4,
 measured with the runtime's recorder and predicted by the cost model.
 
-    python bench/stage.py                         # GPU: C=2560, 32 x 128 heads, SwiGLU 12288, T=4096, bf16
-    python bench/stage.py --device cpu --small    # smoke test of the same code path at a tiny shape
-    python bench/stage.py --predict-only          # the cost model's prediction alone (runs anywhere)
-    python bench/stage.py --write-config F.yaml --config-ranks 2   # the same shape as a run config (torchrun)
+    python bench/stage_bench.py                         # GPU: C=2560, 32 x 128 heads, SwiGLU 12288, T=4096, bf16
+    python bench/stage_bench.py --device cpu --small    # smoke test of the same code path at a tiny shape
+    python bench/stage_bench.py --predict-only          # the cost model's prediction alone (runs anywhere)
+    python bench/stage_bench.py --write-config F.yaml --config-ranks 2   # the same shape as a run config (torchrun)
 
 Shape letters: T tokens per micro-batch, n residual streams, C hidden, P ranks, M micro-batches.
 
@@ -122,7 +122,7 @@ def bench_config(args, n: int):
     from configs import parse_config
 
     return parse_config(config_dict(args, n=n, ranks=args.ranks, blocks_per_stage=args.blocks_per_stage,
-                                    microbatches=args.microbatches), "bench/stage.py")
+                                    microbatches=args.microbatches), "bench/stage_bench.py")
 
 
 def write_run_config(args) -> Path:
@@ -350,8 +350,8 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not args.predict_only and not torch.cuda.is_available():
-        print("bench/stage.py: error: no CUDA device; use --device cpu --small for a smoke test, or --predict-only",
-              file=sys.stderr)
+        print("bench/stage_bench.py: error: no CUDA device; use --device cpu --small for a smoke test, or "
+              "--predict-only", file=sys.stderr)
         return 2
     variants = {"n1": bench_config(args, 1), f"n{args.n}": bench_config(args, args.n)}
     out: dict = {"n": args.n, "hardware": args.hardware,
