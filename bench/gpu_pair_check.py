@@ -11,8 +11,7 @@ with a process group of one rank (NCCL on CUDA, gloo with --device cpu; MASTER_A
 the world group and two 1-rank expert-parallel groups (`dist.new_group([0])` twice: "F" for the forward's
 all-to-alls, "B" for the backward's) handed in through `pipeline.distributed.layout.ParallelGroups`. The pipeline P2P
 transport is swapped for `pipeline.distributed.loopback.LoopbackTransport` (as bench/stage_bench.py does): every RECV
-is a
-device copy of a pre-made random tensor, every SEND completes at once.
+is a device copy of a pre-made random tensor, every SEND completes at once.
 
 On a 1-rank EP group the runtime runs the experts locally (`ExpertComm.exchanging` is False for one rank), so
 nothing would run on the pair's helper thread. This script sets `rt.expert.exchanging = True`: then the counts,
