@@ -110,7 +110,7 @@ def run_once(rt, batch, shape, seed) -> dict:
     import torch
 
     loop = capturing_loopback(rt.groups.pp_rank, rt.device, shape, rt.dtype, seed)
-    rt.transport = rt.executor.transport = loop
+    rt.use_transport(loop)
     rt.optimizer.zero_grad(set_to_none=True)
     cuda = rt.device.type == "cuda"
     if cuda:

@@ -154,7 +154,7 @@ class Side:
         self.rt = RankRuntime(cfg, args.rank, device, groups=groups, record=True)
         shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, boundary_width(cfg))
         self.loop = LoopbackTransport(args.rank, device, shape, self.rt.dtype, seed=cfg.train.seed + 1)
-        self.rt.transport = self.rt.executor.transport = self.loop
+        self.rt.use_transport(self.loop)
         self.exchanging = force_exchanges(self.rt)
         self.rt.recorder.align()
         self.losses: list[float] = []

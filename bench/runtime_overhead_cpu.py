@@ -47,7 +47,7 @@ def rank_costs(cfg, rank: int, reps: int) -> dict:
     rt = RankRuntime(cfg, rank, torch.device("cpu"), record=False)
     t, n, c = cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden
     loop = LoopbackTransport(rank, torch.device("cpu"), (t, n, c), rt.dtype, seed=cfg.train.seed)
-    rt.transport = rt.executor.transport = loop
+    rt.use_transport(loop)
     batch = make_batch(cfg, 0)
     gen = torch.Generator().manual_seed(rank)
     m = cfg.parallel.microbatches

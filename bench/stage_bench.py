@@ -215,7 +215,7 @@ class RankBench:
         self.rt = RankRuntime(cfg, args.rank, device, record=True)
         shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden)
         self.loop = LoopbackTransport(args.rank, device, shape, self.rt.dtype, seed=cfg.train.seed)
-        self.rt.transport = self.rt.executor.transport = self.loop
+        self.rt.use_transport(self.loop)
         self.inner = fb_halves(self.rt.plan.schedule, args.rank)
         self.batch = make_batch(cfg, 0)
         self.rt.recorder.align()

@@ -6,6 +6,11 @@ every rank, the single-process reference and a resumed run see the same tokens.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +52,7 @@ def load_tokens(path: str | Path) -> np.ndarray:
     return tokens
 
 
-def make_batch(cfg, step: int, tokens: np.ndarray | None = None) -> Batch:
+def make_batch(cfg: RunConfig, step: int, tokens: np.ndarray | None = None) -> Batch:
     """The batch of optimizer step `step` (0-based) for RunConfig `cfg`."""
     par, vocab = cfg.parallel, cfg.model.vocab_size
     m, b, s = par.microbatches, par.microbatch_size, par.seq_len

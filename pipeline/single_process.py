@@ -9,6 +9,11 @@ uses for its stage parameters, so gradients can be compared name by name.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import torch
 from torch import nn
 
@@ -17,7 +22,7 @@ from pipeline.model import activation_dtype, build_block, build_embedding, build
 
 
 class SingleProcessModel(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed
         self.embed = build_embedding(mc, seed, activation_dtype(cfg.train.dtype))
@@ -38,7 +43,7 @@ class SingleProcessModel(nn.Module):
         return self.head(x, batch.labels.reshape(-1), batch.num_tokens, a)
 
 
-def train_single_process(cfg, steps: int = 1, device: str | torch.device = "cpu"):
+def train_single_process(cfg: RunConfig, steps: int = 1, device: str | torch.device = "cpu"):
     """Train `steps` optimizer steps on one process. Returns (losses, grads of step 0 by name, final params)."""
     model = SingleProcessModel(cfg).to(device=device, dtype=param_dtype(cfg.train.dtype))
     opt = make_optimizer(model.parameters(), cfg.train)

@@ -12,6 +12,11 @@ batching a different number of tokens through a kernel.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +39,7 @@ class UnsplitRun:
         return float(sum(self.losses.values()))
 
 
-def unsplit_run(model: UserModel, cfg, step: int = 0) -> UnsplitRun:
+def unsplit_run(model: UserModel, cfg: RunConfig, step: int = 0) -> UnsplitRun:
     """One step's forward and backward of the unsplit model on `cfg`'s batch (no optimizer step). The model is
     moved to the run's dtype; contract violations raise pipeline.user_model.ContractError."""
     dtype = activation_dtype(cfg.train.dtype)

@@ -36,6 +36,11 @@ before the rename.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import hashlib
 import json
 import os
@@ -157,7 +162,7 @@ def save(directory: Path, rt, step: int) -> None:
     _barrier(rt, "the checkpoint barrier (published)")
 
 
-def _manifest(step_dir: Path, step: int, cfg) -> dict:
+def _manifest(step_dir: Path, step: int, cfg: RunConfig) -> dict:
     par = cfg.parallel
     model = _model_dict(cfg.model)
     files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)}
@@ -167,7 +172,7 @@ def _manifest(step_dir: Path, step: int, cfg) -> dict:
             "dtype": cfg.train.dtype, "model": model, "model_digest": _digest(model), "files": files}
 
 
-def _publish(directory: Path, tmp: Path, step: int, cfg, die_before_rename: bool = False) -> None:
+def _publish(directory: Path, tmp: Path, step: int, cfg: RunConfig, die_before_rename: bool = False) -> None:
     """Rank 0, all shards written: manifest, rename, `latest`, prune (keep this and the previous checkpoint)."""
     atomic_write_text(tmp / MANIFEST, json.dumps(_manifest(tmp, step, cfg), indent=1, sort_keys=True))
     fsync_dir(tmp)
@@ -192,7 +197,7 @@ def _publish(directory: Path, tmp: Path, step: int, cfg, die_before_rename: bool
 _VERIFIED: dict[tuple[str, str], dict] = {}  # (step dir, manifest digest) -> manifest, verified in this process
 
 
-def resume_meta(directory: Path, cfg) -> dict:
+def resume_meta(directory: Path, cfg: RunConfig) -> dict:
     """The manifest of the checkpoint a run of `cfg` resumes from, checked before any process group exists:
     `latest`, the manifest and every file (size, sha256) intact, the same model config, steps left to train
     (train.steps counts from step 0). Adds "path": the checkpoint folder. One-line ValueError otherwise."""
@@ -260,7 +265,7 @@ def load(directory: Path, rt) -> int:
 
 
 # -- converting old checkpoints ---------------------------------------------------------------------------------
-def model_shapes(cfg) -> dict[str, torch.Size]:
+def model_shapes(cfg: RunConfig) -> dict[str, torch.Size]:
     """Every parameter of the single-process model and its shape (built on the meta device: no memory)."""
     from pipeline.model import build_block, build_embedding, build_head, param_dtype
 
@@ -271,7 +276,7 @@ def model_shapes(cfg) -> dict[str, torch.Size]:
     return {f"{prefix}.{n}": p.shape for prefix, mod in parts.items() for n, p in mod.named_parameters()}
 
 
-def convert(old_dir: Path, new_dir: Path, cfg) -> Path:
+def convert(old_dir: Path, new_dir: Path, cfg: RunConfig) -> Path:
     """An old-format checkpoint (stage<s>[.ep<e>].pt + latest.json) -> NEW_DIR/step_<k> in this format. `cfg`:
     the run's config (the old format does not record the model); names and shapes are checked against it."""
     import torch.distributed.checkpoint as dcp

@@ -6,7 +6,8 @@ collectives (collective), the data- and expert-parallel gradient reduction (grad
 May import: device (the CUDA device layer below it) and nothing else of pipeline (runtime, checkpoint, observability
 and launch build on it).
 
-Also: `group_plan` (the groups a layout makes, without making them), `warmup` (the start-up connection walk),
+Also: `p2p_protocol` (the P2P transport and gradient sink the executor is given), `group_plan` (the groups a layout
+makes, without making them), `warmup` (the start-up connection walk),
 `strict_transport` (gloo P2P under NCCL's rules), `op_ledger` (the action each posted op carried), `nccl_memory`
 (NCCL buffers per rank).
 """

@@ -28,6 +28,11 @@ Multi-node is torchrun's rendezvous: every node runs the same command with --nno
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import enum
 from typing import TYPE_CHECKING
 
@@ -80,11 +85,11 @@ class Layout:
         return divmod(rank, self.dp)
 
     @classmethod
-    def of(cls, cfg) -> "Layout":
+    def of(cls, cfg: RunConfig) -> "Layout":
         par = cfg.parallel
         return cls(par.ranks, par.data_parallel, par.expert_parallel, par.schedule)
 
-    def check(self, cfg, world: int | None = None) -> None:
+    def check(self, cfg: RunConfig, world: int | None = None) -> None:
         """One-line errors naming the field and flag, before any process group exists."""
         if world is not None and world != self.world:
             raise ValueError(f"parallel.ranks (--pp {self.pp}) x parallel.data_parallel (--dp {self.dp}) = "

@@ -25,6 +25,11 @@ load the measured traces (the baseline run a `local` calibration is fitted on).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import statistics
 import time
 from pathlib import Path
@@ -67,7 +72,7 @@ class _Rounds:
         return {k: statistics.median(v[skip:] if len(v) > skip else v) for k, v in self.times.items()}
 
 
-def _stage_round(cfg, R: _Rounds, tag: str, evict):
+def _stage_round(cfg: RunConfig, R: _Rounds, tag: str, evict):
     """One round of F, I (+ flush), W and F, B of a one-block middle stage of `cfg`'s residual."""
     dt = activation_dtype(cfg.train.dtype)
     T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
@@ -117,7 +122,7 @@ def _stage_round(cfg, R: _Rounds, tag: str, evict):
     return one_round
 
 
-def _ends_round(cfg, R: _Rounds, tag: str, evict):
+def _ends_round(cfg: RunConfig, R: _Rounds, tag: str, evict):
     """One round of the recompute rebuild and the stack ends of `cfg`'s residual on its CPU backend."""
     dt = activation_dtype(cfg.train.dtype)
     T, C, n = cfg.parallel.tokens_per_microbatch, cfg.model.hidden, cfg.model.residual.n
@@ -161,7 +166,7 @@ def _ends_round(cfg, R: _Rounds, tag: str, evict):
     return one_round
 
 
-def time_stage_pieces(cfg, variants: list[tuple[str, int]], rounds: int = 40, warmup: int = 5,
+def time_stage_pieces(cfg: RunConfig, variants: list[tuple[str, int]], rounds: int = 40, warmup: int = 5,
                       threads: int = 1) -> dict:
     """Micro-benchmark (us, one process), see the module docstring. Returns
     {"block": {F, I, W, B} of one baseline block in a middle stage,
@@ -240,7 +245,7 @@ def run_runtime_interleaved(cfgs: list, trace_dirs: list[str | Path], steps: int
     return [(Trace.load(d / "trace.json"), [s["step_time_s"] for s in stats]) for d, stats in zip(dirs, res[0].value)]
 
 
-def run_runtime(cfg, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
+def run_runtime(cfg: RunConfig, trace_dir: str | Path, steps: int | None = None, timeout_s: float = 300.0):
     """Run cfg on its local gloo ranks and load the measured trace (run_runtime_interleaved with one config).
     Returns (Trace, per-step step times in seconds as the runtime reports them)."""
     return run_runtime_interleaved([cfg], [trace_dir], steps, timeout_s)[0]

@@ -10,6 +10,11 @@ flag or field.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 from pathlib import Path
 from typing import Protocol
 
@@ -123,7 +128,7 @@ def config_from_args(args: RunFlags, world: int | None, model: dict | None = Non
     return cfg
 
 
-def refuse_cost_model_only(cfg) -> None:
+def refuse_cost_model_only(cfg: RunConfig) -> None:
     """The fields the cost model prices but this runtime does not build (its attention is multi-head, its GEMMs run
     in the activation dtype, its router has no node limit): a run would silently train another model."""
     moe = cfg.model.moe
@@ -137,7 +142,7 @@ def refuse_cost_model_only(cfg) -> None:
                          f"{'them' if len(given) > 1 else 'it'} from the config to run it")
 
 
-def with_residual_flag(cfg, flag: str, value: str):
+def with_residual_flag(cfg: RunConfig, flag: str, value: str):
     """cfg with the residual a VARIANT:N (xHC: xhc:N:K) flag names, validated like a config file."""
     from configs import parse_config
 
@@ -159,7 +164,7 @@ def diagnostics_dir(args: RunFlags) -> Path | None:
     return getattr(args, "diagnostics_dir", None) or getattr(args, "trace_dir", None)
 
 
-def interleaved_configs(cfg, args: RunFlags) -> list:
+def interleaved_configs(cfg: RunConfig, args: RunFlags) -> list:
     """[cfg] or, with --interleave, [cfg, the same with the other residual]; refuses what cannot be interleaved."""
     if not args.interleave:
         return [cfg]
@@ -173,7 +178,7 @@ def interleaved_configs(cfg, args: RunFlags) -> list:
     return [cfg, other]
 
 
-def check_resume(cfg, args: RunFlags) -> None:
+def check_resume(cfg: RunConfig, args: RunFlags) -> None:
     """--resume needs --checkpoint-dir holding a checkpoint of this run with steps left (checked before launch)."""
     if not args.resume:
         return
@@ -184,6 +189,6 @@ def check_resume(cfg, args: RunFlags) -> None:
     resume_meta(Path(args.checkpoint_dir), cfg)
 
 
-def variant_dir(trace_dir: Path, cfg) -> Path:
+def variant_dir(trace_dir: Path, cfg: RunConfig) -> Path:
     """TRACE_DIR/<variant>_<n> (xHC: xhc_<N>_<k>): where an interleaved variant's trace goes."""
     return Path(trace_dir) / cfg.model.residual.label.replace(":", "_")

@@ -13,6 +13,11 @@ num_heads, head_dim and mlp_hidden are the built-in block's fields and say nothi
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import hashlib
 import importlib
 import importlib.util
@@ -93,7 +98,7 @@ def model_section(model: UserModel) -> dict:
             "residual": residual}
 
 
-def user_config(cfg, model: UserModel):
+def user_config(cfg: RunConfig, model: UserModel):
     """`cfg` (the run's parallel/train/recompute settings) with `model` describing the user's model."""
     from configs import parse_config
 
@@ -102,7 +107,7 @@ def user_config(cfg, model: UserModel):
     return parse_config(data)
 
 
-def refuse_for_user_model(cfg, args) -> None:
+def refuse_for_user_model(cfg: RunConfig, args) -> None:
     """What the runtime does for its own model only (one line each)."""
     refused = [("--interleave", getattr(args, "interleave", None)),
                ("--expand (give UserModel.expand)", getattr(args, "expand", None)),

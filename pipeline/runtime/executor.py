@@ -39,18 +39,23 @@ from traces.trace import span_name
 
 from pipeline.data import Batch
 from pipeline.distributed.errors import PipelineError
+from pipeline.distributed.expert import ExpertComm
 from pipeline.distributed.p2p import Pending
+from pipeline.distributed.p2p_protocol import GradSink, P2PTransport
+from pipeline.observability.recorder import Recorder
+from pipeline.runtime.overlap import PairRunner
 from pipeline.partition import RankPlan, global_microbatch
 from pipeline.runtime.stage import ChunkRun, Stage, StageEnv
 from pipeline.weight_grad import WeightGradStore
 
 
 class Executor:
-    def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport, recorder, env: StageEnv,
-                 store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, pair=None, expert=None, grads=None, on_action=None, who: str | None = None):
-        """`who`: how errors name this rank (the global rank; default: the pipeline rank, which is the same
-        without data parallelism)."""
+    def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport: P2PTransport, recorder: Recorder,
+                 env: StageEnv, store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device, pair: PairRunner | None = None, expert: ExpertComm | None = None,
+                 grads: GradSink | None = None, on_action=None, who: str | None = None):
+        """Every collaborator is given here (typed: pipeline.distributed.p2p_protocol). `who`: how errors name this
+        rank (the global rank; default: the pipeline rank, which is the same without data parallelism)."""
         self.plan = plan
         self.rank = plan.rank
         self.who = who or f"rank {plan.rank}"

@@ -23,6 +23,11 @@ On CPU the placement is only recorded (`~hp` spans).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -69,7 +74,7 @@ class ChunkRun:
 class Stage(nn.Module):
     wants_ids = False  # the embedding stage reads the ids; no block of the built-in model does
 
-    def __init__(self, spec: StageSpec, cfg, *, store: WeightGradStore | None, dtype: torch.dtype,
+    def __init__(self, spec: StageSpec, cfg: RunConfig, *, store: WeightGradStore | None, dtype: torch.dtype,
                  rc_block: int | None, expert=None, dev=None):
         super().__init__()
         mc, seed = cfg.model, cfg.train.seed

@@ -12,6 +12,11 @@ AdamW. Rank 0 prints one progress line per step: loss, step time (max over ranks
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import resource
 import socket
 import zlib
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from configs import recompute_block_size
-from schedules import build
+from schedules import build, lower_comms
 from schedules.registry import trace_meta
 from traces.nccl_rules import VIEW_OF_RULES
 from kernels import single_pass
@@ -45,6 +50,7 @@ from pipeline.distributed.warmup import warm_up
 from pipeline.observability.diagnostics_log import DiagnosticsLog
 from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
 from pipeline.distributed.p2p import Transport, process_group_timeout_s
+from pipeline.distributed.p2p_protocol import P2PTransport
 from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
@@ -70,7 +76,7 @@ class StepStats:
                 f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB")
 
 
-def first_step_deadline(cfg, device: torch.device) -> float:
+def first_step_deadline(cfg: RunConfig, device: torch.device) -> float:
     """The first step's deadline: on a GPU every rank JIT-compiles its Triton kernels and NCCL connects what the
     warm-up did not in it, so it is train.first_step_timeout_s when that is longer; elsewhere train.timeout_s."""
     if device.type == "cuda":
@@ -78,7 +84,7 @@ def first_step_deadline(cfg, device: torch.device) -> float:
     return cfg.train.timeout_s
 
 
-def pick_device(cfg, local_rank: int) -> torch.device:
+def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
     want = cfg.train.device
     if cfg.train.emulate_cuda:
         if want == "cuda":
@@ -99,7 +105,7 @@ class RankRuntime:
     `parallel.overlap` is false. `record`: keep a trace of spans; `count_activations` (default: as `record`):
     count saved activation bytes per step (instrumentation with a per-tensor cost; peak_act is 0 without it)."""
 
-    def __init__(self, cfg, rank: int, device: torch.device, *, groups: ParallelGroups | None = None,
+    def __init__(self, cfg: RunConfig, rank: int, device: torch.device, *, groups: ParallelGroups | None = None,
                  staged: bool = False, on_action=None, record: bool = True, count_activations: bool | None = None,
                  model: UserModel | None = None, probe=None):
         """`model`: a user's model (pipeline.user_model) instead of the built-in one; `cfg.model` then describes
@@ -171,16 +177,17 @@ class RankRuntime:
         self.comms.strict = self.strict
         self.transport = Transport(groups.pp_rank, device, self.comms, staged=staged,
                                    groups=groups if groups.world_group is not None else None, strict=self.strict)
+        # the gradient reduction follows the rank's lowered actions (the executor runs the same list)
+        actions = lower_comms(self.plan.schedule).actions[self.plan.rank]
+        self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, actions)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
                                  boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
+                                 grads=self.grads_reducer if self.grads_reducer.active else None,
                                  on_action=on_action, who=f"rank {groups.rank}")
         # every communicator connected once, in one global order, before any step posts (NCCL connects lazily)
         self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict, self.dev)
-        self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, self.executor.actions)
-        if self.grads_reducer.active:
-            self.executor.grads = self.grads_reducer
         self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
         self.start_step = 0
         self._stepped = False  # has a step run (the first has its own deadline)
@@ -240,6 +247,10 @@ class RankRuntime:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
 
     # -- whole run -----------------------------------------------------------------------------------------
+    def use_transport(self, transport: P2PTransport) -> None:
+        """Run the pipeline's P2P over `transport` instead (a loopback for one rank alone: benchmarks, tests)."""
+        self.transport = self.executor.transport = transport
+
     def close(self, program_dir: Path | None = None, complete: bool = True) -> None:
         """Stop this runtime's helper threads (the F&B pair's backward half, the strict transport's queues and
         heads publisher, gloo P2P waiters): a process that runs several runtimes in turn (variants, the tests'
@@ -324,7 +335,7 @@ def gather_files(path: Path, world, device: torch.device, rank: int, timeout_s: 
     return [bytes(t[:int(s.item())].cpu().numpy().tobytes()) for t, s in zip(every, sizes)]
 
 
-def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: bool):
+def strict_transport(cfg: RunConfig, groups: ParallelGroups, device: torch.device, staged: bool):
     """The NCCL-rules transport of train.comm_rules 'nccl' / 'nccl-pair' (None for 'backend'), for a run with a
     process group on gloo: a CPU run, or a host-staged one."""
     rules = cfg.train.comm_rules
@@ -339,7 +350,7 @@ def strict_transport(cfg, groups: ParallelGroups, device: torch.device, staged: 
                            view=VIEW_OF_RULES[rules])
 
 
-def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
+def make_groups(cfg: RunConfig, rank: int, world: int, device: torch.device, staged: bool = False) -> ParallelGroups:
     """Check the layout against the world and create its meshes and groups (collective: every rank calls it);
     with train.cpu_bind on a CPU run, bind this process to its cores first."""
     layout = Layout.of(cfg)
@@ -364,7 +375,7 @@ def make_groups(cfg, rank: int, world: int, device: torch.device, staged: bool =
                                                           cfg.train.first_step_timeout_s))
 
 
-def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
+def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_dir: Path | None = None,
           diagnostics_dir: Path | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
           staged: bool = False, log=print, on_action=None, model: UserModel | None = None,
           probe=None) -> list[StepStats]:
@@ -416,7 +427,7 @@ def train(cfg, rank: int, world: int, device: torch.device, *, trace_dir: Path |
     return history
 
 
-def diagnostics_log(cfg, rank: int) -> DiagnosticsLog | None:
+def diagnostics_log(cfg: RunConfig, rank: int) -> DiagnosticsLog | None:
     """The run's stream-collapse diagnostics collector (train.diagnostics_every), or None when off."""
     every = cfg.train.diagnostics_every
     if not every:
@@ -426,7 +437,7 @@ def diagnostics_log(cfg, rank: int) -> DiagnosticsLog | None:
     return log
 
 
-def boundary_width(cfg) -> int:
+def boundary_width(cfg: RunConfig) -> int:
     """Last dim of what crosses a stage boundary: C, or C + the packed coefficient for mhc-sp (kernels.single_pass)."""
     if cfg.model.residual.variant == "mhc-sp":
         return single_pass.boundary_width(cfg.model.hidden, activation_dtype(cfg.train.dtype))

@@ -22,6 +22,11 @@ gradient it sends) - so a difference from the unsplit model is named by stage an
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type of every `cfg` here; configs is imported where it is used
+    from configs import RunConfig
+
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
@@ -151,7 +156,7 @@ def _leaf_grads(leaf):
     return tuple(one(v) for v in leaf) if type(leaf) is tuple else one(leaf)
 
 
-def agreed_block_costs(model: UserModel, cfg, device: torch.device, groups, dev=None) -> list[int] | None:
+def agreed_block_costs(model: UserModel, cfg: RunConfig, device: torch.device, groups, dev=None) -> list[int] | None:
     """The costs every rank balances its stages by: None for parameter counts; `balance` 'measured': rank 0 times
     every block on one micro-batch (pipeline.user_model.UserModel.measure_block_costs) and broadcasts the numbers,
     so every rank cuts the model at the same blocks (timings differ from rank to rank)."""

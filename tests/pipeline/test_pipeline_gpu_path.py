@@ -74,7 +74,7 @@ def test_a_sent_output_is_freed_once_its_send_is_done(monkeypatch):
 
     cfg, rt = _runtime(rank=0)
     shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden)
-    rt.transport = rt.executor.transport = LoopbackTransport(0, torch.device("cpu"), shape, rt.dtype)
+    rt.use_transport(LoopbackTransport(0, torch.device("cpu"), shape, rt.dtype))
     sent: dict[tuple[int, int], weakref.ref] = {}
     real_release, real_backward = ChunkRun.release_output, Stage.backward_steps
 

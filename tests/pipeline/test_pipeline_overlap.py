@@ -159,7 +159,7 @@ def test_each_half_waits_only_for_its_own_receive():
 
         st.forward_steps = marked
     shape = (cfg.parallel.tokens_per_microbatch, cfg.model.residual.n, cfg.model.hidden)
-    rt.transport = rt.executor.transport = _LateGradients(1, shape, gates)
+    rt.use_transport(_LateGradients(1, shape, gates))
     rt.executor.run_step(make_batch(cfg, 0))
     assert all(g.is_set() for g in gates.values())
 
