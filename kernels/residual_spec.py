@@ -26,6 +26,7 @@ class Variant:
     wraps_user_sublayers: bool = False  # a user model's [T, C] sub-layers can be wrapped in it (MHCSublayer)
     res_logits: str = "n^2"  # H_res logits: "n^2" (Sinkhorn or tanh), "n!" (mhc-lite), "k^2" (xhc: active streams)
     per_stream_mix: bool = False  # hc: pre (1) | post (1) | res (n) per stream
+    layer: str = "sublayer"  # the module that runs it: kernels.module.MHCSublayer, "single_pass", "xhc"
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -36,8 +37,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("mhc-lite", "convex mix of the n! permutation matrices", max_n=4, fused_kernels=True,
             wraps_user_sublayers=True, res_logits="n!"),
     Variant("mhc-sp", "single-pass mHC (DeepSeek-V4.1): the coefficient predicted by the previous sub-layer",
-            fused_kernels=True, always_fused=True, carries_coefficient=True),
-    Variant("xhc", "N streams, k active per token (xHC)", takes_k=True, res_logits="k^2"),
+            fused_kernels=True, always_fused=True, carries_coefficient=True, layer="single_pass"),
+    Variant("xhc", "N streams, k active per token (xHC)", takes_k=True, res_logits="k^2", layer="xhc"),
 )}
 NAMES: tuple[str, ...] = tuple(VARIANTS)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F_
 from torch import nn
 
 from kernels import MHCSublayer, StreamExpand, contract
+from kernels import residual_spec as rs
 from kernels import single_pass
 from kernels.xhc import XHCSublayer
 
@@ -216,10 +217,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, a: torch.Tensor | None = None):
         """Both sub-layers as one module call (the single-process path). mhc-sp carries the input-mixing
         coefficient a and returns (x, a); xHC-Flash hands the attention's routing to the MLP."""
-        if self.variant == "mhc-sp":
+        if rs.variant(self.variant).carries_coefficient:
             x, a = self.attn(x, a)
             return self.mlp(x, a)
-        if self.variant == "xhc" and self.attn.config.flash:
+        if rs.variant(self.variant).takes_k and self.attn.config.flash:
             routing = self.attn.coefficients(x)
             x = self.attn.apply_post_res(x, self.attn.sublayer(self.attn.apply_pre(x, routing)), routing)
             return self.mlp(x, routing=routing)
@@ -227,10 +228,12 @@ class Block(nn.Module):
 
 
 def wrap_sublayer(res, f: nn.Module, hidden: int, layer: int, seq_len: int, *, mlp: bool) -> nn.Module:
-    """F in the configured residual: MHCSublayer (residual, hc, mhc, mhc-lite), single-pass mHC or xHC."""
-    if res.variant == "mhc-sp":
+    """F in the configured residual, in the module its variant names (kernels.residual_spec: MHCSublayer for
+    residual, hc, mhc, mhc-lite; single-pass mHC; xHC)."""
+    kind = rs.variant(res.variant).layer
+    if kind == "single_pass":
         return single_pass.SinglePassSublayer(res, f, hidden, layer_index=layer)
-    if res.variant == "xhc":
+    if kind == "xhc":
         return XHCSublayer(res, f, hidden, layer_index=layer, seq_len=seq_len, mlp=mlp)
     return MHCSublayer(res, f, hidden, layer_index=layer)
 
@@ -246,7 +249,7 @@ class Embedding(nn.Module):
         self.dtype = dtype
         # mhc-sp: the static input-mixing coefficient A_{-1} of the model's first sub-layer (logits, 0 = 0.5 each)
         self.entry = nn.Parameter(torch.zeros(model_cfg.residual.n)) \
-            if model_cfg.residual.variant == "mhc-sp" else None
+            if rs.variant(model_cfg.residual.variant).carries_coefficient else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.expand(self.tok(ids).to(self.dtype))

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from kernels import residual_spec as rs
 from kernels import single_pass
 from traces.trace import span_name
 
@@ -96,9 +97,10 @@ class Stage(nn.Module):
         self.labels = ([f"L{first}.embed"] if self.embed is not None else []) + \
             [f"L{g[0][0]}.block" for g in self.groups] + ([f"L{end}.head"] if self.head is not None else [])
         self.recompute = rc_block is not None
-        self.residual = mc.residual.variant == "residual"
-        self.single_pass = mc.residual.variant == "mhc-sp"  # carries (x, a) between sub-layers, packed at boundaries
-        self.flash = mc.residual.variant == "xhc" and mc.residual.flash  # the MLP reuses its attention's routing
+        spec = rs.variant(mc.residual.variant)
+        self.residual = spec.one_stream
+        self.single_pass = spec.carries_coefficient  # carries (x, a) between sub-layers, packed at boundaries
+        self.flash = spec.takes_k and mc.residual.flash  # xHC-Flash: the MLP reuses its attention's routing
         if self.flash and rc_block is not None and rc_block % 2:
             raise ValueError(f"recompute block of {rc_block} sub-layers with xHC-Flash: the MLP sub-layer reuses its "
                              "attention's routing, so a block must hold whole Transformer blocks; use an even "

@@ -31,6 +31,7 @@ from configs import recompute_block_size
 from schedules import build, lower_comms
 from schedules.registry import trace_meta
 from traces.nccl_rules import VIEW_OF_RULES
+from kernels import residual_spec as rs
 from kernels import single_pass
 
 from pipeline.device.layer import device_layer
@@ -439,7 +440,7 @@ def diagnostics_log(cfg: RunConfig, rank: int) -> DiagnosticsLog | None:
 
 def boundary_width(cfg: RunConfig) -> int:
     """Last dim of what crosses a stage boundary: C, or C + the packed coefficient for mhc-sp (kernels.single_pass)."""
-    if cfg.model.residual.variant == "mhc-sp":
+    if rs.variant(cfg.model.residual.variant).carries_coefficient:
         return single_pass.boundary_width(cfg.model.hidden, activation_dtype(cfg.train.dtype))
     return cfg.model.hidden
 
