@@ -1,16 +1,17 @@
 """`mhcpipe check-comm`: replay a measured trace's communication under NCCL's rules (per-group FIFO order,
 rendezvous sends, positional matching, host waits) and report deadlocks, order mismatches and unmatched ops.
 
-    mhcpipe check-comm TRACE [--view group|pair|both] [--json OUT]
+    mhcpipe check-comm TRACE [--comm-rules nccl|nccl-pair|both] [--json OUT]
     mhcpipe check-comm FR_DIR [--json OUT]
     mhcpipe check-comm --cuda DIR [--blocking-wait] [--json OUT]
 
-example: mhcpipe check-comm runs/x/trace.json --view both
+example: mhcpipe check-comm runs/x/trace.json --comm-rules both
 
-TRACE is a trace of ours recorded by `mhcpipe run ... --trace-dir DIR` (or that folder). Views: `group` queues
-everything a rank posts on one process group in one FIFO; `pair` gives P2P ops one queue per peer (two-rank
-communicators). Prints `ok: N ops in B batches on G groups (V view)` per view and exits 0, or the problems (first
-line a summary per view) and exits 1; bad input exits 2.
+TRACE is a trace of ours recorded by `mhcpipe run ... --trace-dir DIR` (or that folder). `--comm-rules` takes the
+values of the run's switch (train.comm_rules, traces/nccl_rules.py): `nccl` (the group view) queues everything a
+rank posts on one process group in one FIFO; `nccl-pair` (the pair view) gives P2P ops one queue per peer
+(two-rank communicators). Prints `ok: N ops in B batches on G groups (V view)` per view and exits 0, or the
+problems (first line a summary per view) and exits 1; bad input exits 2.
 
 FR_DIR is a folder of torch Flight Recorder dumps (`rank_<r>` pickles, written by NCCL's watchdog on a timeout into
 the run's flight_recorder folder, which the error line names) and our op ledgers (`actions_rank<r>.json`): it
@@ -32,6 +33,7 @@ import sys
 from pathlib import Path
 
 from traces.analysis.comm_replay import VIEWS, ReplayResult, replay
+from traces.nccl_rules import VIEW_OF_RULES
 from traces.analysis.cuda_replay import Rules, replay_programs
 from traces.formats.cuda_program import load_programs
 from traces.formats.flight_recorder import analyse, is_dump_folder
@@ -39,7 +41,7 @@ from traces.formats.io import load_trace
 
 MAX_LINES = 20
 HELP = "replay a measured trace's communication under NCCL's rules: deadlocks, order mismatches, unmatched ops"
-EXAMPLE = "mhcpipe check-comm runs/x/trace.json --view both --json runs/x/comm.json"
+EXAMPLE = "mhcpipe check-comm runs/x/trace.json --comm-rules both --json runs/x/comm.json"
 
 
 def register(subparsers) -> None:
@@ -47,8 +49,8 @@ def register(subparsers) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", metavar="TRACE", help="trace file of ours, the run's trace folder, or a folder of "
                    "Flight Recorder dumps")
-    p.add_argument("--view", choices=(*VIEWS, "both"), default="both",
-                   help="queue per (rank, group), per (rank, group, peer) for P2P, or both (default)")
+    p.add_argument("--comm-rules", choices=(*VIEW_OF_RULES, "both"), default="both",
+                   help="nccl: a queue per (rank, group); nccl-pair: per (rank, group, peer) for P2P; both (default)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON here")
     p.add_argument("--cuda", action="store_true",
                    help="TRACE is a folder of CUDA programs (--emulate-cuda): replay streams, events and NCCL "
@@ -78,7 +80,7 @@ def run_check_comm(args: argparse.Namespace) -> int:
     if is_dump_folder(path):
         return _check_flight_recorder(path, args.json_out)
     trace = load_trace(path)
-    views = VIEWS if args.view == "both" else (args.view,)
+    views = VIEWS if args.comm_rules == "both" else (VIEW_OF_RULES[args.comm_rules],)
     results = [replay(trace, v, source=str(path)) for v in views]
     for res in results:
         sys.stdout.write("\n".join(format_result(res)) + "\n")

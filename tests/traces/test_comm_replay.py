@@ -205,7 +205,7 @@ def test_cli_ok_and_deadlock(tmp_path, capsys):
                                "ok: 4 ops in 4 batches on 2 groups (pair view)"]
     assert [r["ok"] for r in json.loads((tmp_path / "r.json").read_text())] == [True, True]
     bad = one_f_one_b("pp:0,1", "pp:0,1").save(tmp_path / "bad.json")
-    rc, out, _ = cli(capsys, str(bad), "--view", "group")
+    rc, out, _ = cli(capsys, str(bad), "--comm-rules", "nccl")
     assert rc == 1 and out[0] == "deadlock (group view): 2 ranks blocked" and len(out) == 3
     assert "RECV_B/s1/mb0 waits for rank 1's SEND_B/s1/mb0" in out[1]
 
@@ -218,7 +218,7 @@ def test_cli_caps_the_listing(tmp_path, capsys):
         spans += [op(a, f"RECV_B/s{b}/mb0", g, 0, 0.0, peer=b), op(a, f"SEND_F/s{a}/mb1", g, 1, 1.0, peer=b),
                   op(b, f"RECV_F/s{a}/mb1", g, 0, 0.0, peer=a), op(b, f"SEND_B/s{b}/mb0", g, 1, 1.0, peer=a)]
     path = Trace(spans).save(tmp_path / "t.json")
-    rc, out, _ = cli(capsys, str(path), "--view", "pair")
+    rc, out, _ = cli(capsys, str(path), "--comm-rules", "nccl-pair")
     assert rc == 1 and out[0] == "deadlock (pair view): 30 ranks blocked"
     assert len(out) == 22 and out[-1].strip() == "... and 10 more"
 
