@@ -98,15 +98,18 @@ def run_check_split(args) -> int:
                         timeout_s=args.timeout, p2p_timeout_s=args.p2p_timeout,
                         log=lambda line: print(line, flush=True), emulate_cuda=args.emulate_cuda)
     for r in results:
-        if not r.ok and r.message.startswith("rank "):
+        if not r.ok and not r.skipped and r.message.startswith("rank "):
             print(r.line(), flush=True)  # a failed launch: not logged per case
-    bad = [r for r in results if not r.ok]
-    worst = max((r.worst for r in results if r.ok), default=float("nan"))
-    print(f"{'ok' if not bad else 'FAIL'}: {len(results) - len(bad)}/{len(results)} cases agree; worst relative error "
+    ran = [r for r in results if not r.skipped]
+    bad = [r for r in ran if not r.ok]
+    worst = max((r.worst for r in ran if r.ok), default=float("nan"))
+    skipped = len(results) - len(ran)
+    print(f"{'ok' if not bad else 'FAIL'}: {len(ran) - len(bad)}/{len(ran)} cases agree"
+          f"{f' ({skipped} skipped: the model cannot fill them)' if skipped else ''}; worst relative error "
           f"{worst:.1e} ({time.perf_counter() - started:.1f} s)")
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({"model": args.model, "rtol": rtol, "cases": [
-            {"schedule": r.schedule, "pp": r.pp, "dp": r.dp, "ok": r.ok, "message": r.message,
+            {"schedule": r.schedule, "pp": r.pp, "dp": r.dp, "ok": r.ok, "skipped": r.skipped, "message": r.message,
              "worst_relative_error": r.worst, "loss": r.loss} for r in results]}, indent=1))
     return 0 if not bad else 1

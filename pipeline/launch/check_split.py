@@ -32,6 +32,10 @@ from pipeline.user_model import ContractError
 DEFAULT_RTOL = 1e-9
 
 
+class NoRunnableCase(ValueError):
+    """No case of the request fits the model: check-split exits 2 with this one line."""
+
+
 @dataclass
 class CaseResult:
     schedule: str
@@ -41,12 +45,30 @@ class CaseResult:
     message: str  # the first difference, or a rank's error
     worst: float  # worst relative error over every compared tensor (ok cases)
     loss: float | None = None
+    skipped: bool = False  # the model cannot run this case (message: why); neither agreement nor failure
 
     def line(self) -> str:
         where = f"{self.schedule:<10} pp{self.pp} x dp{self.dp}"
+        if self.skipped:
+            return f"{where}  skipped: {self.message}"
         if self.ok:
             return f"{where}  ok    worst relative error {self.worst:.1e}  (loss {self.loss:.6f})"
         return f"{where}  FAIL  {self.message}"
+
+
+def case_problem(cfg, model) -> str | None:
+    """Why the model cannot run this case's layout (one short line), or None: each case is validated under its own
+    schedule and layout, e.g. a 6-block model cannot fill DualPipeV's 2P = 8 stages on 4 ranks."""
+    from pipeline.launch.user_config import user_config
+
+    stages = cfg.parallel.num_stages
+    if len(model.blocks) < stages:
+        return f"{len(model.blocks)} blocks cannot fill {stages} stages"
+    try:
+        user_config(cfg, model)
+    except ValueError as err:
+        return str(err).split(": ", 1)[-1]
+    return None
 
 
 def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl", p2p_timeout_s: float | None = None,
@@ -201,8 +223,12 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
     scratch = tempfile.TemporaryDirectory(prefix="check-split-cuda-") if emulate_cuda else None
     dirs = {case: str(Path(scratch.name) / "-".join(map(str, case))) if scratch else None for case in cases}
     model = build_model(builder, base.train.seed, residual, base.parallel.seq_len)
-    ref_cfg = user_config(cfgs[cases[0]], model)
-    model.chunks(max(1, min(pp for _, pp, _ in cases)))  # a split the model cannot take: one line, before launching
+    fits = [c for c in cases if case_problem(cfgs[c], model) is None]
+    if not fits:
+        why = "; ".join(f"{s} pp{pp} x dp{dp}: {case_problem(cfgs[(s, pp, dp)], model)}" for s, pp, dp in cases)
+        raise NoRunnableCase(f"no case can run this model ({why})")
+    ref_cfg = user_config(cfgs[fits[0]], model)
+    model.chunks(max(1, min(pp for _, pp, _ in fits)))  # a split the model cannot take: one line, before launching
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (pipeline.launch.local): the same kernels, the same sums
     try:
@@ -215,8 +241,15 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
     finally:
         torch.set_num_threads(threads)
     results: list[CaseResult] = []
-    for world in sorted({pp * dp for _, pp, dp in cases}):
-        group = [c for c in cases if c[1] * c[2] == world]
+    skipped = {case: why for case in cases if (why := case_problem(cfgs[case], model)) is not None}
+    for (s, pp, dp), why in skipped.items():
+        res = CaseResult(s, pp, dp, False, why, float("nan"), skipped=True)
+        results.append(res)
+        if log is not None:
+            log(res.line())
+    runnable = [c for c in cases if c not in skipped]
+    for world in sorted({pp * dp for _, pp, dp in runnable}):
+        group = [c for c in runnable if c[1] * c[2] == world]
         args = (spec, residual, [cfgs[c].model_dump() for c in group]) + ((
             [dirs[c] for c in group],) if emulate_cuda else ())
         got = launcher(worker, world, args, timeout_s=timeout_s)

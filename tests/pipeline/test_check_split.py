@@ -236,3 +236,32 @@ def test_stages_balanced_by_measured_block_times_agree_and_every_rank_cuts_at_th
     blocks = sorted((first, last) for first, last, _ in plans[0].values())
     # the two slow blocks get a stage each (by parameter count every stage would hold two blocks)
     assert blocks[:2] == [(0, 0), (1, 1)] and blocks[-1][1] == 7 and len(blocks) == 4, blocks
+
+
+SIX = '''import sys
+sys.path.insert(0, {examples!r})
+import hc_model
+
+
+def build(seq_len: int = 32):
+    hc_model.BLOCKS = 6
+    return hc_model.build(seq_len)
+'''
+
+
+def test_a_six_block_model_runs_every_case_it_can_fill_and_skips_the_others_in_one_line(tmp_path):
+    """Each case is validated under its own schedule and layout: DualPipeV on 4 ranks needs 8 stages, which 6 blocks
+    cannot fill (skipped, one line); every other case runs and agrees. A request no case of which fits is one line,
+    exit 2."""
+    spec = tmp_path / "six.py"
+    spec.write_text(SIX.format(examples=str(ROOT / "examples")))
+    results = check(f"{spec}:build", cases(names(), [(4, 1)]))
+    lines = {r.schedule: r for r in results}
+    assert lines["dualpipev"].skipped and lines["dualpipev"].line().endswith("skipped: 6 blocks cannot fill 8 stages")
+    assert all(r.ok for s, r in lines.items() if s != "dualpipev"), [r.line() for r in results]
+    from _pipeline_helpers import mhcpipe_in_process
+
+    none = mhcpipe_in_process("check-split", f"{spec}:build", "--schedule", "dualpipev", "--layouts", "pp4")
+    assert none.returncode == 2, none.stdout + none.stderr
+    assert "no case can run this model" in none.stderr and "6 blocks cannot fill 8 stages" in none.stderr
+    assert "Traceback" not in none.stderr and len(none.stderr.strip().splitlines()) == 1
