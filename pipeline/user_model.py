@@ -130,6 +130,27 @@ class UserModel:
             raise ContractError("UserModel.loss is not callable: give loss(logits [T, V], labels [T]) -> scalar")
         if self.expand is None:
             self.expand = CopyExpand(self.n)
+        tied = self.tied_parameters()
+        if tied:
+            where = " and ".join(tied[0])
+            raise ContractError(f"a parameter is shared by {where} (tied weights): pieces on different pipeline stages "
+                                "would each train their own copy, and this runtime does not yet sum a tied "
+                                "parameter's gradient over its holders; untie it (give each piece its own "
+                                "nn.Parameter, e.g. a copy of the embedding) or train the model unsplit")
+
+    def tied_parameters(self) -> list[tuple[str, ...]]:
+        """Parameters that several pieces (embed, expand, a block, head) hold, as the names each piece gives them;
+        a tie inside one piece is that piece's own business."""
+        holders: dict[int, list[str]] = {}
+        pieces = [("embed", self.embed), ("expand", self.expand),
+                  *((f"blocks.{b}", m) for b, m in enumerate(self.blocks)), ("head", self.head)]
+        for piece, module in pieces:
+            seen: set[int] = set()
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    holders.setdefault(id(p), []).append(f"{piece}.{name}")
+        return [tuple(names) for names in holders.values() if len(names) > 1]
 
     @classmethod
     def from_sublayers(cls, *, embed: nn.Module, sublayers: list[nn.Module], head: nn.Module, loss, hidden: int,

@@ -218,3 +218,23 @@ def test_phases_are_checked_against_the_blocks_forward_and_their_contract():
         small(blocks=[Lin(8), Phased(8, "math")]).dry_run(4)
     with pytest.raises(ContractError, match=r"returned shape \[4, 8\]"):
         small(blocks=[Lin(8), Phased(8, "shape")]).dry_run(4)
+
+
+def test_weights_tied_across_pieces_are_refused_in_one_line_before_any_rank_computes():
+    """An output projection tied to the token embedding (GPT-2 style) sits on the first and the last stage: each
+    rank would train its own copy (the silent divergence torch only warns about). Until the gradient is summed over
+    the holders, the model is refused in one line naming both holders; a tie inside one piece is the piece's own."""
+    import dataclasses
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import hc_model
+
+    m = hc_model.build(8)
+    assert m.tied_parameters() == []
+    m.head.lm.out.weight = m.embed.weight
+    with pytest.raises(ContractError, match=r"^a parameter is shared by embed\.weight and head\.lm\.out\.weight "
+                                            r"\(tied weights\).*untie it"):
+        dataclasses.replace(m)
+    inner = hc_model.build(8)
+    inner.blocks[0].register_parameter("again", next(inner.blocks[0].parameters()))  # tied inside one block
+    assert dataclasses.replace(inner).tied_parameters() == []
