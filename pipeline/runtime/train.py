@@ -141,6 +141,9 @@ class RankRuntime:
         phased = model is not None and model.has_phases()
         self.comms = Comms(groups.rank, self.recorder, self.timeout_s, watch_p2p=groups.ep_groups is not None or phased,
                            stream_ordered=nccl, dev=self.dev, names=groups.name_of)
+        # the device layer posts and waits the runtime's own collectives only where works are NCCL's (or the
+        # emulated device's): a host-staged CUDA run's gloo works are waited on the host, as on CPU
+        self.posting_dev = self.dev if nccl else None
         self.pair = (PairRunner(self.recorder, device, self.comms, filler=self.store.take_one, dev=self.dev)
                      if par.overlap else None)
         self.expert = None
@@ -188,7 +191,7 @@ class RankRuntime:
                                  grads=self.grads_reducer if self.grads_reducer.active else None,
                                  on_action=on_action, who=f"rank {groups.rank}")
         # every communicator connected once, in one global order, before any step posts (NCCL connects lazily)
-        self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict, self.dev)
+        self.warmed_up = warm_up(groups, device, self.timeout_s, self.strict, self.posting_dev)
         self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
         self.start_step = 0
         self._stepped = False  # has a step run (the first has its own deadline)
@@ -237,7 +240,7 @@ class RankRuntime:
         mine = torch.cat([loss_sum.detach().reshape(1).to(where, torch.float64), host.to(where)])
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, every, mine, what="the step statistics all-gather", rank=self.rank,
-                   timeout_s=limit, group=world, dev=self.dev)
+                   timeout_s=limit, group=world, dev=self.posting_dev)
         rows = torch.stack(every).tolist()  # one host read: [rank][loss, seconds, activation bytes, peak bytes]
         # the loss: summed on the host in rank order (the same on every backend); the rest: the slowest rank's
         loss = sum(r[0] for r in rows)
@@ -273,13 +276,13 @@ class RankRuntime:
         Returns that zero (a `time.perf_counter_ns` value), for other recorders of this rank to share."""
         world = self.groups.world_group
         collective(dist.barrier, what="the start barrier", rank=self.rank, timeout_s=self.timeout_s, group=world,
-                   dev=self.dev)
+                   dev=self.posting_dev)
         now = time.perf_counter_ns()
         mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), now], dtype=torch.int64,
                             device=group_device(world, self.device))
         seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(world))]
         collective(dist.all_gather, seen, mine, what="the clock exchange", rank=self.rank, timeout_s=self.timeout_s,
-                   group=world, dev=self.dev)
+                   group=world, dev=self.posting_dev)
         one_host = len({int(t[0]) for t in seen}) == 1
         zero = min(int(t[1]) for t in seen) if one_host else now
         self.recorder.align(zero)
@@ -304,7 +307,8 @@ class RankRuntime:
                 "comm_groups": self.groups.comm_groups() if self.groups.world_group is not None else {},
                 "comm_rules": self.cfg.train.comm_rules}
         mine = self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
-        files = gather_files(mine, self.groups.world_group, self.device, self.rank, self.timeout_s, self.dev)
+        files = gather_files(mine, self.groups.world_group, self.device, self.rank, self.timeout_s,
+                            self.posting_dev)
         if self.rank == 0:
             for r, data in enumerate(files):
                 if r != 0:
