@@ -125,7 +125,10 @@ class EmulatedCuda:
         self._nccl_ids = itertools.count(0)
         self._storage_ids = itertools.count(1)
         self.legacy = EmuStream(self, LEGACY, "compute")
-        self._works: dict[int, tuple[object, _Done]] = {}  # id(work) -> (work, its completion)
+        # id(work) -> its completion. Only the watcher thread holds the work itself, until it completed: an emulated run
+        # keeps no tensor alive past its op (gloo's work holds them). A later work may reuse a freed one's id: every
+        # work is registered by post() before anyone looks it up, which replaces the stale entry.
+        self._works: dict[int, _Done] = {}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="emu-cuda-wait")
         self._views: dict[int, int] = {}  # id(backend alias) -> storage id
         self.stream_flags: dict[int, str] = {}
@@ -201,7 +204,7 @@ class EmulatedCuda:
         works = post()  # a list (a P2P batch) or one work (a collective)
         for work in {id(w): w for w in (works if isinstance(works, list) else [works])}.values():
             done = _Done(k)
-            self._works[id(work)] = (work, done)
+            self._works[id(work)] = done
             self._pool.submit(self._watch, work, done)
         return works
 
@@ -218,10 +221,10 @@ class EmulatedCuda:
             done.flag.set()
 
     def _done(self, work) -> _Done:
-        entry = self._works.get(id(work))
-        if entry is None or entry[0] is not work:
+        done = self._works.get(id(work))
+        if done is None:
             raise RuntimeError("emulated CUDA: a work that was not posted through the device layer")
-        return entry[1]
+        return done
 
     def wait_work(self, work, stream: EmuStream | None = None) -> None:
         stream = stream or self.current_stream()
