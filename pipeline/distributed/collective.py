@@ -1,5 +1,5 @@
-"""Blocking collectives of the runtime (barriers, the loss and step-statistics all-reduces, the clock exchange)
-through one helper, and bounded host waits for the GPU.
+"""Blocking collectives of the runtime (barriers, the loss and step-statistics all-reduces, the clock exchange,
+rank 0's gather of every rank's trace file: `gather_files`) through one helper, and bounded host waits for the GPU.
 
 Device against backend: a process group's backend serves some device types only (NCCL: cuda; gloo: cpu and
 cuda; a group created as "cpu:gloo,cuda:nccl" serves each through its own backend). `collective` checks every
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ def group_device(group, device: torch.device) -> torch.device:
                      f"not this run's device {device}")
 
 
-def _tensors(args) -> Iterable[torch.Tensor]:
+def tensor_args(args) -> Iterable[torch.Tensor]:
+    """The tensors among a collective's arguments (one level of lists, as all_gather's output list)."""
     for a in args:
         if torch.is_tensor(a):
             yield a
@@ -63,7 +65,7 @@ def check_devices(args, group, what: str, rank: int) -> str | None:
     returns the backend that will run the collective (None when no tensor decides it)."""
     served = group_backends(group)
     backend = None
-    for t in _tensors(args):
+    for t in tensor_args(args):
         be = served.get(t.device.type)
         if be is None:
             name = dist.get_backend(group)
@@ -141,3 +143,25 @@ def wait_events(events, timeout_s: float, what: str, rank: int, dev=None) -> Non
     if not done:
         raise PipelineError(f"rank {rank}: timed out after {timeout_s:g} s in {what} (the GPU did not finish the "
                             "work queued before it: a hung kernel or a collective a peer never joined)")
+
+
+def gather_files(path: Path, world, device: torch.device, rank: int, timeout_s: float, dev=None) -> list[bytes]:
+    """Every rank's file at `path` (its own copy), gathered to rank 0 over `world` as bytes (rank order); other
+    ranks get []. Two collectives: the sizes (all-gather), then the padded bytes (gather to rank 0)."""
+    data = Path(path).read_bytes()
+    where = group_device(world, device)
+    n = dist.get_world_size(world)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=where)
+    sizes = [torch.empty_like(size) for _ in range(n)]
+    collective(dist.all_gather, sizes, size, what="the trace file sizes all-gather", rank=rank, timeout_s=timeout_s,
+               group=world, dev=dev)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf = buf.to(where)
+    every = [torch.empty_like(buf) for _ in range(n)] if rank == 0 else None
+    collective(dist.gather, buf, gather_list=every, dst=0, what="the trace files gather", rank=rank,
+               timeout_s=timeout_s, group=world, dev=dev)
+    if rank != 0:
+        return []
+    return [bytes(t[:int(s.item())].cpu().numpy().tobytes()) for t, s in zip(every, sizes)]

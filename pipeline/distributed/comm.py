@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.distributed.collective import check_devices, wait_work
+from pipeline.distributed.collective import check_devices, tensor_args, wait_work
 from pipeline.distributed import op_ledger
 from pipeline.distributed.errors import PipelineError, describe, poll
 
@@ -276,18 +276,18 @@ class Comms:
         referenced by the Handle until the op's end (an input made for the call, e.g. `x.contiguous()`, would
         otherwise go back to the allocator while NCCL still reads it)."""
         check_devices(args, kwargs.get("group"), name, self.rank)
-        keep = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if torch.is_tensor(t)]
+        keep = list(tensor_args(args))
         if self.dev is not None:
-            args = tuple([self.dev.backend_view(t) if torch.is_tensor(t) else t for t in a]
-                         if isinstance(a, (list, tuple)) else (self.dev.backend_view(a) if torch.is_tensor(a) else a)
-                         for a in args)
+            view = self.dev.backend_view
+            args = tuple([view(t) if torch.is_tensor(t) else t for t in a] if isinstance(a, (list, tuple))
+                         else view(a) if torch.is_tensor(a) else a for a in args)
         if self.strict is not None:
             import torch.distributed as dist
 
             self.strict.note_collective(group_name, dist.get_process_group_ranks(kwargs.get("group")), fn.__name__,
                                         name, args)
         try:
-            views = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if torch.is_tensor(t)]
+            views = list(tensor_args(args))
             work, (token,) = self.launch(lambda: fn(*args, async_op=True, **kwargs),
                                          [(kind, stage, mb, peer if isinstance(peer, int) else None, f"{name}~comm")],
                                          group=group_name, pg=kwargs.get("group"),

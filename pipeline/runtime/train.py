@@ -46,7 +46,7 @@ from pipeline.runtime.gc_control import manual_gc
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import activation_dtype, make_optimizer, param_dtype
 from pipeline.runtime.overlap import PairRunner
-from pipeline.distributed.collective import collective, group_device, synchronize
+from pipeline.distributed.collective import collective, gather_files, group_device, synchronize
 from pipeline.distributed.warmup import warm_up
 from pipeline.observability.diagnostics_log import DiagnosticsLog
 from pipeline.observability.diagnostics_probe import StepProbe, first_microbatches
@@ -316,28 +316,6 @@ class RankRuntime:
             return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
                                      trace_dir / "trace.json", meta)
         return None
-
-
-def gather_files(path: Path, world, device: torch.device, rank: int, timeout_s: float, dev=None) -> list[bytes]:
-    """Every rank's file at `path` (its own copy), gathered to rank 0 over `world` as bytes (rank order); other
-    ranks get []. Two collectives: the sizes (all-gather), then the padded bytes (gather to rank 0)."""
-    data = Path(path).read_bytes()
-    where = group_device(world, device)
-    n = dist.get_world_size(world)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=where)
-    sizes = [torch.empty_like(size) for _ in range(n)]
-    collective(dist.all_gather, sizes, size, what="the trace file sizes all-gather", rank=rank, timeout_s=timeout_s,
-               group=world, dev=dev)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    buf = buf.to(where)
-    every = [torch.empty_like(buf) for _ in range(n)] if rank == 0 else None
-    collective(dist.gather, buf, gather_list=every, dst=0, what="the trace files gather", rank=rank,
-               timeout_s=timeout_s, group=world, dev=dev)
-    if rank != 0:
-        return []
-    return [bytes(t[:int(s.item())].cpu().numpy().tobytes()) for t, s in zip(every, sizes)]
 
 
 def strict_transport(cfg: RunConfig, groups: ParallelGroups, device: torch.device, staged: bool):

@@ -262,7 +262,7 @@ def _nccl_semantics_worker(rank, world, cfg_dict, mimic):
 
             def check(args, group, what, r):
                 seen.append(what)
-                for t in pipeline.distributed.collective._tensors(args):
+                for t in pipeline.distributed.collective.tensor_args(args):
                     if getattr(t, "_made_on_host", False):
                         raise PipelineError(f"rank {r}: {what}: a host tensor on an NCCL process group")
                 return real_check(args, group, what, r)

@@ -5,5 +5,6 @@ replays (`whatif`), communication under compute (`overlap_stats`, `comm_overlap`
 under NCCL's rules (`comm_replay`), predicted against measured (`compare`, `path_overhead`) and the text of these
 reports (`report`, `path_report`).
 
-`cuda_replay`: the emulated CUDA device's programs under CUDA's and NCCL's rules (`check-comm --cuda`).
+`cuda_replay`: the emulated CUDA device's programs under CUDA's and NCCL's rules (`check-comm --cuda`), with
+`cuda_hazards` (rule 8: storages released before their NCCL launch was known done).
 """
