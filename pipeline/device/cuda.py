@@ -3,22 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import time
 
 import torch
 
+from pipeline.device.poll import poll
+
 CUDA_STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking (CUDA runtime API, cudaStreamCreateWithFlags)
-
-
-def _poll(ready, limit_s: float) -> bool:
-    """Poll `ready()` with a sleeping back-off (0.05 ms up to 2 ms) until true or `limit_s` passed."""
-    deadline, pause = time.monotonic() + limit_s, 5e-5
-    while not ready():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-    return True
 
 
 def _cudart():
@@ -83,7 +73,7 @@ class CudaDevice:
         return work.is_completed()
 
     def host_wait_work(self, work, limit_s: float) -> bool:
-        if not _poll(work.is_completed, limit_s):
+        if not poll(work.is_completed, limit_s):
             return False
         work.wait()
         return True
@@ -121,7 +111,7 @@ class CudaDevice:
         pass
 
     def host_wait_events(self, events, limit_s: float) -> bool:
-        return _poll(lambda: all(ev.query() for ev in events), limit_s)
+        return poll(lambda: all(ev.query() for ev in events), limit_s)
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed import op_ledger
-from pipeline.distributed.errors import PipelineError, describe, poll
+from pipeline.device.poll import poll
+from pipeline.distributed.errors import PipelineError, describe
 
 # backend name -> device types it serves (NCCL: cuda only); tests may replace an entry to mimic another backend
 BACKEND_DEVICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in dist.Backend.backend_capability.items()}

@@ -47,7 +47,8 @@ import torch
 
 from pipeline.distributed.collective import check_devices, tensor_args, wait_work
 from pipeline.distributed import op_ledger
-from pipeline.distributed.errors import PipelineError, describe, poll
+from pipeline.device.poll import poll
+from pipeline.distributed.errors import PipelineError, describe
 
 __all__ = ["Comms", "Handle", "P2PWaiter", "wait_work"]
 

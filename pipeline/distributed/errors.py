@@ -2,7 +2,6 @@
 wait uses."""
 from __future__ import annotations
 
-import time
 
 
 class PipelineError(RuntimeError):
@@ -16,16 +15,3 @@ def describe(err: BaseException) -> str:
     if "timed out" in text.lower() or "timeout" in text.lower():
         return "the backend timed out"
     return text.splitlines()[0][:200] if text else type(err).__name__
-
-
-def poll(done, timeout_s: float) -> bool:
-    """True once `done()` is; False after `timeout_s`. Sleeps between polls (10 µs doubling to 1 ms), so a
-    waiting host costs no core."""
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-5
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    return True

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.distributed.errors import poll
+from pipeline.device.poll import poll
 from pipeline.distributed.op_ledger import LEDGER
 
 BUFFER_ENTRIES = 2000  # per rank: a few steps of a pp16 DualPipeV rank's ops
