@@ -31,6 +31,12 @@ A builder (`def build() -> UserModel`) runs on every rank under the same seed, s
 parameters and keeps only its stages' modules; the parameter names are `embed.*`, `expand.*`, `blocks.<b>.*`,
 `head.*` on every layout (checkpoints and gradient comparisons go by them).
 
+Tied parameters: one nn.Parameter held by several pieces (an output projection tied to the token embedding, GPT-2
+style) is found when the model is built (`ties()`) and goes by its first holder's name (embed, expand, blocks,
+head in that order: `embed.weight`, as the unsplit model names it). Every rank holding a piece keeps a copy, and
+the copies' gradients are summed over the ranks that hold them before the optimizer (as Megatron sums its shared
+embedding's over the first and last stage: pipeline.distributed.tied), so the copies stay bitwise equal.
+
 Bad pieces are refused in one line naming the piece and the fix (`ContractError`, a ValueError): a block whose
 output breaks [T, n, C], a head that returns per-stream logits (no stream reduction), an embedding that does not
 return [T, C], a loss that is not a scalar.
@@ -130,27 +136,28 @@ class UserModel:
             raise ContractError("UserModel.loss is not callable: give loss(logits [T, V], labels [T]) -> scalar")
         if self.expand is None:
             self.expand = CopyExpand(self.n)
-        tied = self.tied_parameters()
-        if tied:
-            where = " and ".join(tied[0])
-            raise ContractError(f"a parameter is shared by {where} (tied weights): pieces on different pipeline stages "
-                                "would each train their own copy, and this runtime does not yet sum a tied "
-                                "parameter's gradient over its holders; untie it (give each piece its own "
-                                "nn.Parameter, e.g. a copy of the embedding) or train the model unsplit")
+
+    def pieces(self) -> list[tuple[str, nn.Module]]:
+        """(piece, module) in model order: embed, expand, blocks.<b>, head (the order names are given in)."""
+        return [("embed", self.embed), ("expand", self.expand),
+                *((f"blocks.{b}", m) for b, m in enumerate(self.blocks)), ("head", self.head)]
 
     def tied_parameters(self) -> list[tuple[str, ...]]:
-        """Parameters that several pieces (embed, expand, a block, head) hold, as the names each piece gives them;
-        a tie inside one piece is that piece's own business."""
+        """Parameters that several pieces (embed, expand, a block, head) hold, as the names each piece gives them
+        (the first is the name it goes by); a tie inside one piece is that piece's own business."""
         holders: dict[int, list[str]] = {}
-        pieces = [("embed", self.embed), ("expand", self.expand),
-                  *((f"blocks.{b}", m) for b, m in enumerate(self.blocks)), ("head", self.head)]
-        for piece, module in pieces:
+        for piece, module in self.pieces():
             seen: set[int] = set()
             for name, p in module.named_parameters(remove_duplicate=False):
                 if id(p) not in seen:
                     seen.add(id(p))
                     holders.setdefault(id(p), []).append(f"{piece}.{name}")
         return [tuple(names) for names in holders.values() if len(names) > 1]
+
+    def ties(self) -> list[Tie]:
+        """The tied parameters (module docstring), each with the name it goes by and the pieces holding it."""
+        return [Tie(names[0], tuple(names[1:]), tuple(dict.fromkeys(piece_of(n) for n in names)))
+                for names in self.tied_parameters()]
 
     @classmethod
     def from_sublayers(cls, *, embed: nn.Module, sublayers: list[nn.Module], head: nn.Module, loss, hidden: int,
@@ -317,6 +324,22 @@ class UserModel:
         return Parts(self, range(len(self.blocks)), embed=True, head=True)
 
 
+@dataclass(frozen=True)
+class Tie:
+    """A parameter several pieces hold: `name` (its first holder's, what it goes by), the other holders' names
+    (`aliases`) and every holding piece (`pieces`: 'embed', 'expand', 'blocks.<b>', 'head')."""
+
+    name: str
+    aliases: tuple[str, ...]
+    pieces: tuple[str, ...]
+
+
+def piece_of(name: str) -> str:
+    """'blocks.3.attn.w' -> 'blocks.3'; 'head.lm.out.weight' -> 'head'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
 class Parts(nn.Module):
     """The pieces of a user model one stage (or the unsplit reference) holds, under their global names."""
 
@@ -326,6 +349,12 @@ class Parts(nn.Module):
         self.expand = model.expand if embed else None
         self.blocks = nn.ModuleDict({str(b): model.blocks[b] for b in blocks})
         self.head = model.head if head else None
+        # a tied parameter goes by its first holder's name on every stage, also where that holder is elsewhere
+        self._aliases = {alias: tie.name for tie in model.ties() for alias in tie.aliases}
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield self._aliases.get(name, name), p
 
 
 def needs_token_ids(m: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """How ranks talk: the DeviceMesh layout and its process groups (layout), point-to-point channels (p2p, with the
 host-staged loopback and the NCCL-rules strict transport), posted async work and its waits (comm), blocking
-collectives (collective), the data- and expert-parallel gradient reduction (grad_reduce), the MoE all-to-all
+collectives (collective), the data- and expert-parallel gradient reduction (grad_reduce) with the sums of a user
+model's tied parameters over their holders (tied), the MoE all-to-all
 (expert), and the one-line errors every bounded wait raises (errors).
 
 May import: device (the CUDA device layer below it) and nothing else of pipeline (runtime, checkpoint, observability

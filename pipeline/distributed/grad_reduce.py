@@ -6,7 +6,8 @@ and an all-reduce (sum) over the dense gradient group is posted, and its expert 
 (pipeline.distributed.layout); nothing waits for them until `finish()`, before the optimizer, so the reductions run
 under the rest of the step (the pipeline's drain, the other stage's work). The loss is the sum over the global batch
 divided by its token count, so the sum over the copies is the gradient. DualPipe's two copies of a chunk are
-two more copies in the same all-reduce, which also leaves them bitwise identical.
+two more copies in the same all-reduce, which also leaves them bitwise identical. A user model's tied parameters
+(pipeline.distributed.tied) are in no stage's bucket: their copies' sums go over their holders, after the rest.
 
 Collectives on one group must be posted in the same order by every member. Replicas of a pipeline rank run the
 same schedule; DualPipe's mirrored ranks r and P-1-r run mirror images, in which each chunk finishes at the same
@@ -44,12 +45,19 @@ class _Bucket:
 
 
 class GradReducer:
-    def __init__(self, plan, stages: dict, groups, comms: Comms, actions):
+    def __init__(self, plan, stages: dict, groups, comms: Comms, actions, ties=()):
+        """`ties`: the tied parameters' holder sets (pipeline.distributed.tied.TieSet); this rank's groups for those
+        it is in are `groups.tie_groups`."""
         self.comms = comms
         self.buckets: dict[int, list[_Bucket]] = {}
         self.chunk = {sp.stage: sp.chunk for sp in plan.stages}
+        tied = {name for s in ties for name in s.names}
+        held = {name: p for stage in stages.values() for name, p in stage.named_parameters()}
+        self.tie_buckets = [_Bucket(f"RG/{s.label}", [held[name] for name in s.names], groups.tie_groups[s.label],
+                                    groups.name_of(groups.tie_groups[s.label]))
+                            for s in ties if s.label in groups.tie_groups]
         for s, stage in sorted(stages.items()):
-            named = sorted(stage.named_parameters())
+            named = sorted((n, p) for n, p in stage.named_parameters() if n not in tied)
             dense = [p for n, p in named if ".experts." not in n]
             expert = [p for n, p in named if ".experts." in n]
             bs = []
@@ -62,6 +70,7 @@ class GradReducer:
             if bs:
                 self.buckets[s] = bs
         self.after: dict[int, list[int]] = {}
+        self.eager = False
         if not self.buckets:
             return
         last = last_grad_actions(actions, set(stages))
@@ -88,12 +97,12 @@ class GradReducer:
 
     @property
     def active(self) -> bool:
-        return bool(self.buckets)
+        return bool(self.buckets or self.tie_buckets)
 
     def action_done(self, index: int) -> None:
         """Called after action `index` of the step: post the reductions of the stages it finished."""
         for s in self.after.get(index, ()):
-            for b in self.buckets[s]:
+            for b in self.buckets.get(s, ()):
                 self._post(b)
 
     def _post(self, b: _Bucket) -> None:
@@ -103,17 +112,16 @@ class GradReducer:
                                    kind="RG", stage=None, mb=None, peer=b.peers)
 
     def finish(self) -> None:
-        """Post what is left (chunk order), wait for every reduction, put the sums back as the gradients."""
-        in_order = sorted(self.buckets, key=self.chunk.get)
-        for s in in_order:
-            for b in self.buckets[s]:
-                if b.handle is None:
-                    self._post(b)
-        for s in in_order:
-            for b in self.buckets[s]:
-                self.comms.wait(b.handle)
-                off = 0
-                for p in b.params:
-                    p.grad = b.flat[off:off + p.numel()].view_as(p)
-                    off += p.numel()
-                b.flat, b.handle = None, None
+        """Post what is left (chunk order, then the tied parameters' sums), wait for every reduction, put the sums
+        back as the gradients."""
+        in_order = [b for s in sorted(self.buckets, key=self.chunk.get) for b in self.buckets[s]] + self.tie_buckets
+        for b in in_order:
+            if b.handle is None:
+                self._post(b)
+        for b in in_order:
+            self.comms.wait(b.handle)
+            off = 0
+            for p in b.params:
+                p.grad = b.flat[off:off + p.numel()].view_as(p)
+                off += p.numel()
+            b.flat, b.handle = None, None

@@ -145,6 +145,8 @@ class ParallelGroups:
     meshes: tuple = ()
     p2p_channels: dict | None = None  # (src pp rank, dst pp rank) -> its one-direction group, this rank's row
     names: dict = field(default_factory=dict)
+    tie_groups: dict = field(default_factory=dict)  # tie label -> group: a user model's tied parameters' holders
+    timeout_s: float | None = None  # every group's timeout (as the world's), for groups made later (tie groups)
 
     def comm_groups(self) -> dict[str, list[int]]:
         """{name: global ranks} of this rank's named groups (trace meta `comm_groups`, traces.analysis.comm_replay)."""
@@ -152,7 +154,7 @@ class ParallelGroups:
 
         out = {}
         for g in (self.world_group, self.pp_group, self.dense_grad_group, self.expert_grad_group,
-                  *(self.ep_groups or {}).values(), *(self.p2p_channels or {}).values()):
+                  *(self.ep_groups or {}).values(), *(self.p2p_channels or {}).values(), *self.tie_groups.values()):
             if g is not None and id(g) in self.names:
                 out[self.names[id(g)]] = dist.get_process_group_ranks(g)
         return out
@@ -303,7 +305,7 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
     pp_rank, dp_rank = layout.coords(rank)
     ep_rank = dp_rank % layout.ep
     meshes: list = []
-    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, world_group=dist.group.WORLD)
+    g = ParallelGroups(layout, rank, pp_rank, dp_rank, ep_rank, world_group=dist.group.WORLD, timeout_s=timeout_s)
     g.names[id(dist.group.WORLD)] = "world"
     P, D = layout.pp, layout.dp
     split = use_split()

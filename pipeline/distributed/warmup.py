@@ -44,7 +44,7 @@ def warmup_plan(groups) -> list[tuple[str, object]]:
     """(name, group) of every group this rank's runtime uses, in the walk's order."""
     used = {}
     for g in (*(groups.p2p_channels or {}).values(), *(groups.ep_groups or {}).values(), groups.dense_grad_group,
-              groups.expert_grad_group, groups.world_group):
+              groups.expert_grad_group, *groups.tie_groups.values(), groups.world_group):
         if g is not None:
             used[groups.name_of(g)] = g
     return warmup_order(list(used.items()), name=lambda item: item[0])

@@ -41,6 +41,7 @@ from pipeline.data import Batch, load_tokens, make_batch
 from pipeline.runtime.executor import Executor
 from pipeline.distributed.expert import ExpertComm
 from pipeline.distributed.grad_reduce import GradReducer
+from pipeline.distributed.tied import make_tie_groups, tie_sets
 from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
 from pipeline.runtime.gc_control import manual_gc
 from pipeline.runtime.saved_tensors import SavedTensors
@@ -166,7 +167,8 @@ class RankRuntime:
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in self.stages.values():
             for name, p in st.named_parameters():
-                if name in self.params:
+                # a user model's tied parameter is one object in every local stage that holds it: one copy here
+                if name in self.params and self.params[name] is not p:
                     raise RuntimeError(f"rank {rank}: parameter {name} held by two local stages")
                 self.params[name] = p
         self.optimizer = make_optimizer(self.params.values(), cfg.train)
@@ -183,7 +185,16 @@ class RankRuntime:
                                    groups=groups if groups.world_group is not None else None, strict=self.strict)
         # the gradient reduction follows the rank's lowered actions (the executor runs the same list)
         actions = lower_comms(self.plan.schedule).actions[self.plan.rank]
-        self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, actions)
+        ties = tie_sets(model.ties(), self.plan.stages, layout) if model is not None else []
+        if ties:  # a user model's parameters held on several ranks: the groups that sum their gradients
+            if groups.world_group is None:
+                raise ValueError(f"tied parameters {', '.join(n for s in ties for n in s.names)} are held by "
+                                 "several ranks: a run without a process group cannot sum their gradients")
+            made = make_tie_groups(ties, layout, groups.rank, groups.dense_grad_group, groups.timeout_s)
+            groups.tie_groups.update(made)
+            for label, g in made.items():
+                groups.names.setdefault(id(g), label)
+        self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, actions, ties)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
                                  boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),

@@ -244,8 +244,11 @@ import hc_model
 
 
 def build(seq_len: int = 32):
-    hc_model.BLOCKS = 6
-    return hc_model.build(seq_len)
+    blocks, hc_model.BLOCKS = hc_model.BLOCKS, 6  # the rank processes are reused: leave the module as it was
+    try:
+        return hc_model.build(seq_len)
+    finally:
+        hc_model.BLOCKS = blocks
 '''
 
 
@@ -265,3 +268,21 @@ def test_a_six_block_model_runs_every_case_it_can_fill_and_skips_the_others_in_o
     assert none.returncode == 2, none.stdout + none.stderr
     assert "no case can run this model" in none.stderr and "6 blocks cannot fill 8 stages" in none.stderr
     assert "Traceback" not in none.stderr and len(none.stderr.strip().splitlines()) == 1
+
+
+def no_tie_sum(rank, world, *args):
+    """A runtime that lets each holder of a tied parameter train its own copy (no sum over the holders)."""
+    import pipeline.runtime.train as train_mod
+
+    return _patched(train_mod, "tie_sets", lambda orig: (lambda *a: []), rank, world, *args)
+
+
+def test_a_tied_model_agrees_on_every_case_and_a_missing_sum_over_the_holders_is_named():
+    """examples/tied_model.py: the output projection is the embedding's parameter (first and last stage; both on
+    DualPipe's and DualPipeV's end ranks). Every case agrees; without the sum the first wrong gradient is the tied
+    parameter's, named as the unsplit model names it."""
+    tied = f"{ROOT}/examples/tied_model.py:build"
+    results = check(tied, cases(names(), [(4, 1), (2, 2)]))
+    assert [r.line() for r in results if not r.ok] == [] and len(results) == 10
+    (bad,) = check(tied, worker=no_tie_sum)
+    assert not bad.ok and bad.message.startswith("parameter embed.weight"), bad.line()
