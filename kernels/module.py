@@ -40,17 +40,32 @@ class MHCSublayer(nn.Module):
         n, c = config.n, hidden
         if config.variant == "residual":
             return
+        self.layer_index = layer_index
         # Parameters stay fp32 whatever dtype the streams use (mhc.md §2.2).
         k = c if config.variant == "hc" else n * c
         self.phi = nn.Parameter(torch.randn(k, config.num_mix) / k**0.5)
         self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init)))
-        bias = torch.zeros(2 * n + config.num_res_logits)
-        if config.variant == "hc":
+        self.bias = nn.Parameter(self._bias_init(self.phi.device))
+
+    def _bias_init(self, device) -> torch.Tensor:
+        n = self.config.n
+        bias = torch.zeros(2 * n + self.config.num_res_logits, device=device)
+        if self.config.variant == "hc":
             # HC's static init: read stream (layer mod n), write every stream, identity residual mixing.
-            bias[layer_index % n] = 1.0
+            bias[self.layer_index % n] = 1.0
             bias[n : 2 * n] = 1.0
-            bias[2 * n :] = torch.eye(n).flatten()
-        self.bias = nn.Parameter(bias)
+            bias[2 * n :] = torch.eye(n, device=device).flatten()
+        return bias
+
+    def reset_parameters(self) -> None:
+        """The init of __init__, in place (a model built on the meta device is initialised by it)."""
+        if self.config.variant == "residual":
+            return
+        with torch.no_grad():
+            k = self.phi.shape[0]
+            self.phi.copy_(torch.randn(self.phi.shape, device=self.phi.device) / k**0.5)
+            self.alpha.fill_(float(self.config.alpha_init))
+            self.bias.copy_(self._bias_init(self.bias.device))
 
     def _check(self, x: torch.Tensor) -> None:
         n, c = self.config.n, self.hidden
@@ -110,10 +125,15 @@ class StreamExpand(nn.Module):
         self.hidden = hidden
         self.scale: nn.Parameter | None = None
         if config.expand == "lss":
-            # LSS init (hc-stream-collapse `lss_init`): Xavier-uniform + 0.6, different per stream.
-            s = torch.empty(config.n, hidden)
-            nn.init.xavier_uniform_(s)
-            self.scale = nn.Parameter(s + 0.6)
+            self.scale = nn.Parameter(torch.empty(config.n, hidden))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """LSS init (hc-stream-collapse `lss_init`): Xavier-uniform + 0.6, different per stream."""
+        if self.scale is not None:
+            with torch.no_grad():
+                nn.init.xavier_uniform_(self.scale)
+                self.scale.add_(0.6)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if h.dim() != 2 or h.shape[1] != self.hidden:

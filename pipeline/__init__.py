@@ -7,5 +7,6 @@ observability (trace recorder, diagnostics), checkpoint (DCP save/resume), runti
 rank), launch (run flags, local rank processes, host measurements). Each sub-package's docstring says what it may
 import (tests/test_imports.py checks it).
 
-A user's model: `user_model` (its pieces' contract), `user_reference` (its unsplit run).
+A user's model: `user_model` (its pieces' contract), `user_reference` (its unsplit run), `user_materialise` (a
+model built on the meta device, materialised per stage).
 """

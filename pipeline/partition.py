@@ -42,6 +42,16 @@ class StageSpec:
     def has_head(self) -> bool:
         return self.next is None
 
+    @property
+    def pieces(self) -> set[str]:
+        """The user-model pieces (pipeline.user_model) this stage holds: 'embed', 'expand', 'blocks.<b>', 'head'."""
+        out = {f"blocks.{b}" for b in self.blocks}
+        if self.has_embed:
+            out |= {"embed", "expand"}
+        if self.has_head:
+            out.add("head")
+        return out
+
 
 @dataclass(frozen=True)
 class RankPlan:

@@ -31,6 +31,9 @@ A builder (`def build() -> UserModel`) runs on every rank under the same seed, s
 parameters and keeps only its stages' modules; the parameter names are `embed.*`, `expand.*`, `blocks.<b>.*`,
 `head.*` on every layout (checkpoints and gradient comparisons go by them).
 
+A builder may build on the meta device (`with torch.device("meta"):`): each rank then materialises only its own
+pieces (pipeline.user_materialise), and the one-sequence dry run checks shapes on meta tensors.
+
 Tied parameters: one nn.Parameter held by several pieces (an output projection tied to the token embedding, GPT-2
 style) is found when the model is built (`ties()`) and goes by its first holder's name (embed, expand, blocks,
 head in that order: `embed.weight`, as the unsplit model names it). Every rank holding a piece keeps a copy, and
@@ -222,7 +225,9 @@ class UserModel:
         any rank computes (in a step it would stop one rank while its peers wait for it until the timeout)."""
         param = next(self.named_parts().parameters(), None)
         dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-        ids = torch.zeros(seq_len, dtype=torch.long)
+        # a model built on the meta device is checked on meta tensors: shapes only, no memory, no numbers
+        meta = param is not None and param.is_meta
+        ids = torch.zeros(seq_len, dtype=torch.long, device="meta" if meta else "cpu")
         with torch.no_grad():
             x = self.embed_tokens(ids, dtype)
             for b in range(len(self.blocks)):
@@ -232,7 +237,7 @@ class UserModel:
                     z = x
                     for k, (name, fn) in enumerate(phases):
                         z = self.run_phase(b, name, fn, z, ids, k == len(phases) - 1, seq_len)
-                    diff = float((z - y).norm() / y.norm().clamp_min(1e-30))
+                    diff = 0.0 if meta else float((z - y).norm() / y.norm().clamp_min(1e-30))
                     if diff > 1e-6:
                         raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}): its phases chained do not "
                                             f"compute its forward (relative difference {diff:.1e}); the pipeline "

@@ -23,6 +23,7 @@ import torch
 
 from pipeline.data import make_batch
 from pipeline.model import activation_dtype, param_dtype
+from pipeline.user_materialise import materialise_all, on_meta
 from pipeline.user_model import UserModel
 
 
@@ -43,6 +44,8 @@ def unsplit_run(model: UserModel, cfg: RunConfig, step: int = 0) -> UnsplitRun:
     """One step's forward and backward of the unsplit model on `cfg`'s batch (no optimizer step). The model is
     moved to the run's dtype; contract violations raise pipeline.user_model.ContractError."""
     dtype = activation_dtype(cfg.train.dtype)
+    if on_meta(model):  # built on the meta device: every piece, initialised as each stage initialises its own
+        materialise_all(model, torch.device("cpu"), cfg.train.seed)
     parts = model.named_parts().to(dtype=param_dtype(cfg.train.dtype))
     batch = make_batch(cfg, step)
     m = cfg.parallel.microbatches

@@ -115,8 +115,12 @@ class DeferLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default init
+        self.reset_parameters()
         self.store = store
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init (also what a model built on the meta device is initialised with)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self)

@@ -34,23 +34,13 @@ class TieSet:
         return "tie:" + ",".join(map(str, self.ranks))
 
 
-def pieces_of_stage(spec) -> set[str]:
-    """The pieces a stage (pipeline.partition.StageSpec) holds."""
-    out = {f"blocks.{b}" for b in spec.blocks}
-    if spec.has_embed:
-        out |= {"embed", "expand"}
-    if spec.has_head:
-        out.add("head")
-    return out
-
-
 def tie_sets(ties, stages, layout: Layout) -> list[TieSet]:
     """Holder sets of `ties` (pipeline.user_model.Tie) over every stage of the plan (`stages`: StageSpec, each with
     its pipeline rank) and every data-parallel replica, in the order of the ties' names; sets of one rank left
     out (nothing to sum)."""
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for tie in sorted(ties, key=lambda t: t.name):
-        pp = sorted({sp.rank for sp in stages if pieces_of_stage(sp) & set(tie.pieces)})
+        pp = sorted({sp.rank for sp in stages if sp.pieces & set(tie.pieces)})
         ranks = tuple(sorted(layout.rank(p, d) for p in pp for d in range(layout.dp)))
         if len(ranks) > 1:
             by_ranks.setdefault(ranks, []).append(tie.name)

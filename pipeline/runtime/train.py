@@ -57,6 +57,7 @@ from pipeline.partition import chunk_count, plan_rank
 from pipeline.observability.recorder import Recorder, merge_rank_traces, rank_trace_path
 from pipeline.runtime.stage import Stage, StageEnv
 from pipeline.runtime.user_stage import UserStage, agreed_block_costs, run_note
+from pipeline.user_materialise import materialise, on_meta
 from pipeline.user_model import UserModel
 from pipeline.weight_grad import WeightGradStore
 
@@ -152,6 +153,9 @@ class RankRuntime:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair,
                                      names={side: groups.name_of(g) for side, g in groups.ep_groups.items()})
         if model is not None:  # a user model: no recompute blocks (refused in its config)
+            if on_meta(model):  # built on the meta device: this rank's pieces only, on the host, then moved
+                materialise(model, {p for sp in self.plan.local() for p in sp.pieces}, torch.device("cpu"),
+                            cfg.train.seed)
             self.rc_block = None
             stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches, probe=probe,
                                           store=self.store) for sp in self.plan.local()}

@@ -162,6 +162,11 @@ def agreed_block_costs(model: UserModel, cfg: RunConfig, device: torch.device, g
     so every rank cuts the model at the same blocks (timings differ from rank to rank)."""
     if model.balance != "measured":
         return None
+    from pipeline.user_materialise import on_meta
+
+    if on_meta(model):  # every rank decides this alike, before rank 0 would time anything
+        raise ValueError("UserModel.balance 'measured' times blocks on real tensors: a model built on the meta device "
+                         "is balanced by 'params' (or give split_points)")
     import torch.distributed as dist
 
     from pipeline.distributed.collective import collective, group_device, synchronize

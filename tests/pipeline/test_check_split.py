@@ -286,3 +286,32 @@ def test_a_tied_model_agrees_on_every_case_and_a_missing_sum_over_the_holders_is
     assert [r.line() for r in results if not r.ok] == [] and len(results) == 10
     (bad,) = check(tied, worker=no_tie_sum)
     assert not bad.ok and bad.message.startswith("parameter embed.weight"), bad.line()
+
+
+META_TIED = '''import sys
+sys.path.insert(0, {examples!r})
+import plain_transformer
+
+
+def build(residual: str = "mhc:4", seq_len: int = 32):
+    model = plain_transformer.build_meta(residual, seq_len)
+    model.head.inner.out.weight = model.embed.weight
+    return model
+'''
+
+
+def test_a_model_built_on_the_meta_device_and_tied_agrees_each_rank_holding_only_its_pieces(tmp_path):
+    """Built on meta, each rank materialises its own pieces (pipeline.user_materialise) to the values of the whole
+    model materialised at once (the unsplit reference), the tied projection on the last stage included."""
+    from pipeline.launch.check_split import case_config
+
+    spec = tmp_path / "meta_tied.py"
+    spec.write_text(META_TIED.format(examples=str(ROOT / "examples")))
+    results = check(f"{spec}:build", cases(["1f1b", "dualpipe", "dualpipev"], [(4, 1), (2, 2)]))
+    assert [r.line() for r in results if not r.ok] == [] and len(results) == 6
+    cfg = case_config(load_config("tiny"), "1f1b", 4, 1)
+    got = launch(split_worker, 4, (f"{spec}:build", None, [cfg.model_dump()]), timeout_s=240)
+    held = [sorted({n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "")
+                    for n in r.value[0]["grads"]}) for r in got]
+    assert held == [["blocks.0", "blocks.1", "embed"], ["blocks.2", "blocks.3"], ["blocks.4", "blocks.5"],
+                    ["blocks.6", "blocks.7", "embed", "head"]], held  # the tie by its first holder's name
