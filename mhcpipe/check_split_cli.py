@@ -46,6 +46,11 @@ def register(subparsers) -> None:
     p.add_argument("--p2p-timeout", type=float, help="seconds any wait inside a step may take (train.timeout_s; "
                                                      "default the config's)")
     p.add_argument("--json", dest="json_out", type=Path, help="write every case's result here")
+    p.add_argument("--dtype", choices=("float64", "bfloat16"), default="float64",
+                   help="every case's and the unsplit model's train.dtype (default float64; bfloat16: autocast, "
+                        "fp32 parameters, compared norm-wise with rtol 1e-3 unless --rtol)")
+    p.add_argument("--recompute", choices=("off", "auto"), default="off",
+                   help="'auto': each stage's blocks recomputed as one unit in its backward (the mHC recipe)")
     p.add_argument("--emulate-cuda", action="store_true",
                    help="run each case on the runtime's CUDA path under the emulated CUDA device and replay its "
                         "programs under CUDA's and NCCL's rules (docs/cuda_program.md)")
@@ -78,10 +83,10 @@ def parse_schedules(text: str) -> list[str]:
 
 def run_check_split(args) -> int:
     from configs import load_config
-    from pipeline.launch.check_split import DEFAULT_RTOL, run_cases
+    from pipeline.launch.check_split import BF16_RTOL, DEFAULT_RTOL, run_cases
 
     layouts, schedules = parse_layouts(args.layouts), parse_schedules(args.schedule)
-    rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
+    rtol = (BF16_RTOL if args.dtype == "bfloat16" else DEFAULT_RTOL) if args.rtol is None else args.rtol
     if rtol <= 0:
         raise ValueError(f"--rtol {rtol:g}: must be > 0")
     for flag, value in (("--timeout", args.timeout), ("--p2p-timeout", args.p2p_timeout)):
@@ -91,12 +96,14 @@ def run_check_split(args) -> int:
         raise ValueError(f"--microbatches {args.microbatches}: must be >= 1")
     base = load_config(args.config, {"parallel": {"microbatches": args.microbatches}} if args.microbatches else None)
     cases = [(s, pp, dp) for pp, dp in layouts for s in schedules]
-    print(f"check-split {args.model}: {len(cases)} cases against the unsplit model (float64, rtol {rtol:g})",
+    what = args.dtype + (", recompute auto" if args.recompute != "off" else "")
+    print(f"check-split {args.model}: {len(cases)} cases against the unsplit model ({what}, rtol {rtol:g})",
           flush=True)
     started = time.perf_counter()
     results = run_cases(args.model, base, cases, residual=args.residual, rtol=rtol, rules=args.comm_rules,
                         timeout_s=args.timeout, p2p_timeout_s=args.p2p_timeout,
-                        log=lambda line: print(line, flush=True), emulate_cuda=args.emulate_cuda)
+                        log=lambda line: print(line, flush=True), emulate_cuda=args.emulate_cuda,
+                        dtype=args.dtype, recompute=args.recompute)
     for r in results:
         if not r.ok and not r.skipped and r.message.startswith("rank "):
             print(r.line(), flush=True)  # a failed launch: not logged per case

@@ -33,8 +33,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
            "--config", str(args.config), "--transport", args.transport]
     if args.comm_rules:
         cmd += ["--comm-rules", args.comm_rules]
-    for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "timeout",
-                 "interleave", "diagnostics_every", "expand", "p2p_groups"):
+    for flag in ("schedule", "microbatches", "pp", "dp", "ep", "steps", "residual", "recompute", "device", "dtype",
+                 "timeout", "interleave", "diagnostics_every", "expand", "p2p_groups"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -31,6 +31,10 @@ A builder (`def build() -> UserModel`) runs on every rank under the same seed, s
 parameters and keeps only its stages' modules; the parameter names are `embed.*`, `expand.*`, `blocks.<b>.*`,
 `head.*` on every layout (checkpoints and gradient comparisons go by them).
 
+bf16 (train.dtype bfloat16): every piece runs under autocast to bf16 with fp32 parameters, and the stream state
+between blocks is cast to bf16 (`amp`). Recompute (recompute.mode auto / block): a stage's blocks are rerun as
+one unit in its backward (pipeline.runtime.user_stage).
+
 A builder may build on the meta device (`with torch.device("meta"):`): each rank then materialises only its own
 pieces (pipeline.user_materialise), and the one-sequence dry run checks shapes on meta tensors.
 
@@ -46,6 +50,7 @@ return [T, C], a loss that is not a scalar.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -182,11 +187,14 @@ class UserModel:
     # -- the contract ----------------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [T] -> x_0 [T, n, C]: the embedding, then the stream entry (a pipeline's first stage only)."""
-        h = self.embed(ids)
+        with amp(dtype, ids.device):
+            h = self.embed(ids)
         t, c = ids.shape[0], self.hidden
         if not torch.is_tensor(h) or tuple(h.shape) != (t, c):
             raise ContractError(f"embed returned {_shape(h)} for {t} token ids; it must return [T, C] = [{t}, {c}]")
-        x = self.expand(h.to(dtype))
+        with amp(dtype, ids.device):
+            x = self.expand(h.to(dtype))
+        x = _as(x, dtype)
         if not torch.is_tensor(x) or tuple(x.shape) != (t, self.n, c):
             raise ContractError(f"expand returned {_shape(x)}; it must turn [T, C] into [T, n, C] = "
                                 f"[{t}, {self.n}, {c}]")
@@ -195,7 +203,8 @@ class UserModel:
     def run_block(self, b: int, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """Block b on the stream state x [T, n, C], with the token ids if it asks for them."""
         m = self.blocks[b]
-        y = m(x, token_ids=ids) if needs_token_ids(m) else m(x)
+        with amp(x.dtype, x.device):
+            y = _as(m(x, token_ids=ids) if needs_token_ids(m) else m(x), x.dtype)
         if not torch.is_tensor(y) or y.shape != x.shape:
             raise ContractError(f"block {b} ({type(m).__name__}) returned {_shape(y)}; a block maps [T, n, C] -> "
                                 f"[T, n, C] = {list(x.shape)} (return all n={self.n} streams)")
@@ -214,7 +223,8 @@ class UserModel:
     def micro_loss(self, x: torch.Tensor, labels: torch.Tensor, microbatches: int) -> torch.Tensor:
         """This micro-batch's share of the step's loss: the user's mean token loss / M (micro-batches hold equal
         token counts, so the sum over micro-batches is the mean over the step's tokens)."""
-        loss = self.loss(self.logits(x), labels)
+        with amp(x.dtype, x.device):
+            loss = self.loss(self.logits(x), labels)
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ContractError(f"loss returned {_shape(loss)}; it must return a scalar (the mean token loss of the "
                                 "micro-batch)")
@@ -265,7 +275,13 @@ class UserModel:
 
     def run_phase(self, b: int, name: str, fn, state, ids: torch.Tensor | None, last: bool, t: int):
         """One phase of block b; the last must give back [T, n, C]."""
-        y = fn(state, token_ids=ids) if needs_token_ids(self.blocks[b]) else fn(state)
+        floats = [v for v in (state if type(state) is tuple else (state,))
+                  if torch.is_tensor(v) and v.is_floating_point()]
+        dtype = torch.bfloat16 if any(v.dtype == torch.bfloat16 for v in floats) else None
+        with amp(dtype, floats[0].device if floats else torch.device("cpu")):
+            y = fn(state, token_ids=ids) if needs_token_ids(self.blocks[b]) else fn(state)
+        if last and dtype is not None:
+            y = _as(y, dtype)
         if last and (not torch.is_tensor(y) or tuple(y.shape) != (t, self.n, self.hidden)):
             raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}) phase {name!r}, its last, returned "
                                 f"{_shape(y)}; the last phase gives back [T, n, C] = [{t}, {self.n}, {self.hidden}]")
@@ -360,6 +376,21 @@ class Parts(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
             yield self._aliases.get(name, name), p
+
+
+def amp(dtype: torch.dtype | None, device: torch.device):
+    """bf16 runs of a user model: its pieces under autocast to bf16 (fp32 parameters, their gradients fp32 and
+    reduced in fp32, as torch.amp and torchtitan's mixed precision do), and the stream state between blocks cast
+    to bf16, as the built-in model keeps its activations; other dtypes run as they are."""
+    if dtype == torch.bfloat16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _as(y, dtype: torch.dtype):
+    """The block's (or stream entry's) output in the run's activation dtype; anything else as it is (the contract
+    checks name it)."""
+    return y.to(dtype) if torch.is_tensor(y) and y.is_floating_point() and y.dtype != dtype else y
 
 
 def needs_token_ids(m: nn.Module) -> bool:

@@ -119,5 +119,12 @@ class CudaDevice:
     def peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state, self.device)
+
     def close(self, program_dir=None, complete: bool = True) -> None:
         pass

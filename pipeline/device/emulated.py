@@ -276,6 +276,12 @@ class EmulatedCuda:
     def peak_memory(self) -> int | None:
         return None
 
+    def rng_state(self) -> torch.Tensor | None:
+        return None  # tensors live on the CPU: its generator is the one a recompute replays
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        pass
+
     def close(self, program_dir: Path | None = None, complete: bool = True) -> Path | None:
         """Stop the waiter threads; write the program into `program_dir` (a run's trace folder) when given.
         `complete=False`: the run failed (a timeout, a dead peer) and the program ends where this rank stopped."""

@@ -16,6 +16,12 @@ a library computes parts in float32 whatever the input (hyper-connections' width
 differs by more, often by O(1), but not always: streams expanded again on a later stage change its input by only
 ~4e-8 at initialisation (the copies are still nearly equal) and some gradients by O(1).
 
+`dtype` 'bfloat16' (the user model's bf16 run: pipeline.user_model.amp) compares with the unsplit model in bf16:
+the same bf16 kernels on the same micro-batches, so only the fp32 gradient sums differ in order (8.6e-7 measured
+on the plain Transformer example); default rtol 1e-3 (BF16_RTOL) leaves room for another CPU's kernels, well under
+what a boundary bug in bf16 changes. `recompute` 'auto' reruns each stage's blocks in its backward
+(pipeline.runtime.user_stage.recompute_units): the same numbers as without.
+
 All cases of one world size run in one launch (`launcher`: pipeline.launch.local.launch, or the tests' rank pool);
 `worker` is what each rank runs (tests wrap `split_worker` to inject a bug into a rank and watch the check fail).
 """
@@ -30,6 +36,7 @@ import torch
 from pipeline.user_model import ContractError
 
 DEFAULT_RTOL = 1e-9
+BF16_RTOL = 1e-3  # --dtype bfloat16: see the module docstring
 
 
 class NoRunnableCase(ValueError):
@@ -72,19 +79,20 @@ def case_problem(cfg, model) -> str | None:
 
 
 def case_config(base, schedule: str, pp: int, dp: int, rules: str = "nccl", p2p_timeout_s: float | None = None,
-                emulate_cuda: bool = False):
-    """The check's config of one case: float64 on CPU, one step, the layout and schedule asked; P2P under NCCL's
-    rules by default (the strict transport: a posting order NCCL would hang on or mismatch fails with every rank's
-    queue heads), or `rules` 'backend' (plain gloo: a mismatched order then shows as wrong numbers);
-    `emulate_cuda`: on the runtime's CUDA path under the emulated device (docs/cuda_program.md)."""
+                emulate_cuda: bool = False, dtype: str = "float64", recompute: str = "off"):
+    """The check's config of one case: `dtype` (float64 by default; bfloat16: the user model's bf16 run) on CPU,
+    one step, the layout and schedule asked; P2P under NCCL's rules by default (the strict transport: a posting
+    order NCCL would hang on or mismatch fails with every rank's queue heads), or `rules` 'backend' (plain gloo: a
+    mismatched order then shows as wrong numbers); `emulate_cuda`: on the runtime's CUDA path under the emulated
+    device (docs/cuda_program.md); `recompute`: 'off' or 'auto' (each stage's blocks recomputed as one unit)."""
     from configs import parse_config
 
     data = base.model_dump()
     data["parallel"].update(schedule=schedule, ranks=pp, data_parallel=dp, expert_parallel=1)
-    data["train"].update(dtype="float64", device="cpu", steps=1, comm_rules=rules, emulate_cuda=emulate_cuda)
+    data["train"].update(dtype=dtype, device="cpu", steps=1, comm_rules=rules, emulate_cuda=emulate_cuda)
     if p2p_timeout_s is not None:
         data["train"]["timeout_s"] = p2p_timeout_s
-    data["recompute"] = {"mode": "off"}
+    data["recompute"] = {"mode": recompute}
     return parse_config(data, f"{schedule} pp{pp} x dp{dp}")
 
 
@@ -206,7 +214,7 @@ def _stage_of(name: str, stages: dict, num_blocks: int) -> str:
 def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: str | None = None,
               rtol: float = DEFAULT_RTOL, rules: str = "nccl", launcher=None, worker=split_worker,
               timeout_s: float = 600.0, p2p_timeout_s: float | None = None, log=None,
-              emulate_cuda: bool = False) -> list[CaseResult]:
+              emulate_cuda: bool = False, dtype: str = "float64", recompute: str = "off") -> list[CaseResult]:
     """Every (schedule, pp, dp) case against the unsplit model; one launch per world size. `timeout_s`: the
     launch's deadline; `p2p_timeout_s`: every wait inside a step (train.timeout_s; default the config's).
     `emulate_cuda`: each case also runs the CUDA path under the emulated device, and its programs are replayed
@@ -218,8 +226,8 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
     if launcher is None:
         from pipeline.launch.local import launch as launcher
     builder = load_builder(spec)
-    cfgs = {case: case_config(base, *case, rules=rules, p2p_timeout_s=p2p_timeout_s, emulate_cuda=emulate_cuda)
-            for case in cases}
+    cfgs = {case: case_config(base, *case, rules=rules, p2p_timeout_s=p2p_timeout_s, emulate_cuda=emulate_cuda,
+                              dtype=dtype, recompute=recompute) for case in cases}
     scratch = tempfile.TemporaryDirectory(prefix="check-split-cuda-") if emulate_cuda else None
     dirs = {case: str(Path(scratch.name) / "-".join(map(str, case))) if scratch else None for case in cases}
     model = build_model(builder, base.train.seed, residual, base.parallel.seq_len)

@@ -46,6 +46,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="model.residual.expand: stack entry, copies or LSS per-stream learned scaling")
     p.add_argument("--recompute", help="'off', 'auto' or a block size in sub-layers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
+                   help="train.dtype: activations (bfloat16: fp32 parameters; a user model runs under autocast)")
     p.add_argument("--timeout", type=float, help="train.timeout_s (every P2P wait and collective)")
     p.add_argument("--emulate-cuda", action="store_true",
                    help="train.emulate_cuda: run the CUDA path (streams, events, stream-ordered waits, host reads) "

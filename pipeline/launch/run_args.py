@@ -33,6 +33,7 @@ class RunFlags(Protocol):
     expand: str | None
     recompute: str | None
     device: str | None
+    dtype: str | None
     emulate_cuda: bool
     timeout: float | None
     transport: str
@@ -64,6 +65,7 @@ _FLAG_FIELDS = {
     "cpu_bind": ("train", "cpu_bind", True),
     "steps": ("train", "steps", None),
     "device": ("train", "device", None),
+    "dtype": ("train", "dtype", None),
     "emulate_cuda": ("train", "emulate_cuda", True),
     "timeout": ("train", "timeout_s", None),
     "diagnostics_every": ("train", "diagnostics_every", None),

@@ -112,10 +112,7 @@ def refuse_for_user_model(cfg: RunConfig, args) -> None:
     refused = [("--interleave", getattr(args, "interleave", None)),
                ("--expand (give UserModel.expand)", getattr(args, "expand", None)),
                ("--ep (expert parallelism of the built-in MoE)", cfg.parallel.expert_parallel > 1),
-               ("--recompute (recompute blocks of the built-in sub-layers)", cfg.recompute.mode != "off"),
-               ("--diagnostics-every (reads the built-in mHC coefficients)", cfg.train.diagnostics_every),
-               ("train.dtype bfloat16 (a user model runs in float32 or float64; autocast inside its blocks)",
-                cfg.train.dtype == "bfloat16")]
+               ("--diagnostics-every (reads the built-in mHC coefficients)", cfg.train.diagnostics_every)]
     given = [name for name, on in refused if on]
     if given:
         raise ValueError(f"{given[0]}: not for a user model; drop it")

@@ -67,7 +67,8 @@ class ChunkRun:
         its storage is freed as soon as the send no longer needs it (DualPipe frees sent outputs too: the
         backward of the stage needs their gradient, never their values)."""
         leaf, out, rec = self.segs[-1]
-        self.segs[-1] = (leaf, get_gradient_edge(out), rec)
+        if out is not None:  # None: a user stage's recompute unit, whose backward reruns its forward
+            self.segs[-1] = (leaf, get_gradient_edge(out), rec)
         sent, self.output = self.output, None
         return sent
 

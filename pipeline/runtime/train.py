@@ -152,13 +152,13 @@ class RankRuntime:
         if groups.ep_groups is not None:
             self.expert = ExpertComm(groups.ep_groups, layout.ep, groups.ep_rank, self.comms, self.pair,
                                      names={side: groups.name_of(g) for side, g in groups.ep_groups.items()})
-        if model is not None:  # a user model: no recompute blocks (refused in its config)
+        if model is not None:  # a user model: its recompute units are its stages' (UserStage)
             if on_meta(model):  # built on the meta device: this rank's pieces only, on the host, then moved
                 materialise(model, {p for sp in self.plan.local() for p in sp.pieces}, torch.device("cpu"),
                             cfg.train.seed)
             self.rc_block = None
             stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches, probe=probe,
-                                          store=self.store) for sp in self.plan.local()}
+                                          store=self.store, recompute=cfg.recompute) for sp in self.plan.local()}
         else:
             # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
             # cost model prices it; blocks never cross a stage boundary

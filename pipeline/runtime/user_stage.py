@@ -39,9 +39,10 @@ from pipeline.weight_grad import DeferLinear, WeightGradStore, attach_store
 
 class UserStage(nn.Module):
     def __init__(self, spec: StageSpec, model: UserModel, *, dtype: torch.dtype, microbatches: int, probe=None,
-                 store: WeightGradStore | None = None):
+                 store: WeightGradStore | None = None, recompute=None):
         """`store`: the rank's deferred weight-gradient store, attached to every DeferLinear of the stage (a user
-        block built with pipeline.weight_grad.DeferLinear gets the B/W split of ZB1P and DualPipe)."""
+        block built with pipeline.weight_grad.DeferLinear gets the B/W split of ZB1P and DualPipe). `recompute`:
+        the run's RecomputeConfig (`recompute_units`)."""
         super().__init__()
         self.spec = spec
         self.model = model
@@ -52,9 +53,12 @@ class UserStage(nn.Module):
         self.microbatches = microbatches
         self.probe = probe
         self.wants_ids = model.wants_token_ids(spec.blocks)
-        self.phases = {b: model.phases(b) for b in spec.blocks}
+        self.units = recompute_units(spec.blocks, recompute)
+        # a recomputed unit runs its blocks' forwards as one segment (its phases are not interleaved)
+        self.phases = {b: None if self.units else model.phases(b) for b in spec.blocks}
         first, end = 2 * spec.blocks[0], 2 * spec.blocks[-1] + 2
-        pieces = [f"L{2 * b}.{name}" for b in spec.blocks for name, _ in (self.phases[b] or [("block", None)])]
+        pieces = [f"L{2 * u.start}.block" for u in self.units] if self.units else \
+            [f"L{2 * b}.{name}" for b in spec.blocks for name, _ in (self.phases[b] or [("block", None)])]
         self.labels = ([f"L{first}.embed"] if spec.has_embed else []) + pieces + \
             ([f"L{end}.head"] if spec.has_head else [])
         # an F&B pair interleaves its halves at segment boundaries only where a block exposes phases (the executor
@@ -81,7 +85,15 @@ class UserStage(nn.Module):
             x = inp
             self._tell("in", mb, x)
         t = x.shape[0]
-        for b in self.spec.blocks:
+        for unit in self.units or ():
+            # only the unit's input is kept; its backward reruns the blocks' forwards from it (`_Recompute`)
+            leaf = x.detach()
+            rec = _Recompute(unit, ids, torch.get_rng_state(), env.dev.rng_state() if env.dev is not None else None)
+            with torch.no_grad():
+                x = self._run_unit(leaf, ids, unit)
+            run.segs.append((leaf, None, rec))
+            yield
+        for b in () if self.units else self.spec.blocks:
             phases = self.phases[b]
             if phases is None:
                 leaf = x.detach().requires_grad_(True)
@@ -108,11 +120,20 @@ class UserStage(nn.Module):
             run.output = x.detach()
             self._tell("out", mb, run.output)
 
+    def _run_unit(self, x: torch.Tensor, ids, unit: range) -> torch.Tensor:
+        for b in unit:
+            x = self.model.run_block(b, x, ids)
+        return x
+
+
     def backward_steps(self, run: ChunkRun, grad: torch.Tensor | None, env):
         self._tell("grad_out", run.mb, grad)
         g = grad
         while run.segs:
-            leaf, out, _ = run.segs.pop()
+            leaf, out, rec = run.segs.pop()
+            if rec is not None:  # a recompute unit: its forward again, saving for this backward only
+                leaf.requires_grad_(True)
+                out = rec.rerun(self, leaf, env)
             if g is None:  # the head's loss
                 torch.autograd.backward(out)
             else:
@@ -130,6 +151,42 @@ class UserStage(nn.Module):
         run.input_grad = g
         if not self.spec.has_embed:
             self._tell("grad_in", run.mb, g)
+
+
+class _Recompute:
+    """A recompute unit's forward as its backward reruns it: the same blocks on the kept input and token ids, from
+    the random state the forward started from (dropout draws the same masks), under the same autocast (the input's
+    dtype decides it: pipeline.user_model.amp). The rerun's saved tensors are counted as the step's (a unit's
+    transient is part of the stage's peak)."""
+
+    __slots__ = ("unit", "ids", "cpu_rng", "dev_rng")
+
+    def __init__(self, unit: range, ids, cpu_rng: torch.Tensor, dev_rng: torch.Tensor | None):
+        self.unit, self.ids, self.cpu_rng, self.dev_rng = unit, ids, cpu_rng, dev_rng
+
+    def rerun(self, stage: "UserStage", leaf: torch.Tensor, env) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.cpu_rng)
+            kept = env.dev.rng_state() if env.dev is not None else None
+            if env.dev is not None:
+                env.dev.set_rng_state(self.dev_rng)
+            try:
+                with torch.enable_grad(), env.saved.hooks():
+                    return stage._run_unit(leaf, self.ids, self.unit)
+            finally:
+                if env.dev is not None:
+                    env.dev.set_rng_state(kept)
+
+
+def recompute_units(blocks: range, recompute) -> list[range] | None:
+    """A stage's recompute units (runs of its blocks, each recomputed as one in its backward), or None (off):
+    mode 'auto' recomputes the stage's blocks as one unit (the mHC recipe: recompute blocks aligned with pipeline
+    stages), 'block' every `block_size` of its blocks (a user's blocks, not sub-layers: mhc-pipe does not see
+    inside them)."""
+    if recompute is None or recompute.mode == "off":
+        return None
+    size = len(blocks) if recompute.mode == "auto" else recompute.block_size
+    return [range(b, min(b + size, blocks.stop)) for b in range(blocks.start, blocks.stop, size)]
 
 
 def _items(v) -> tuple:

@@ -315,3 +315,70 @@ def test_a_model_built_on_the_meta_device_and_tied_agrees_each_rank_holding_only
                     for n in r.value[0]["grads"]}) for r in got]
     assert held == [["blocks.0", "blocks.1", "embed"], ["blocks.2", "blocks.3"], ["blocks.4", "blocks.5"],
                     ["blocks.6", "blocks.7", "embed", "head"]], held  # the tie by its first holder's name
+
+
+def test_bf16_and_stage_aligned_recompute_of_a_user_model_agree_with_the_unsplit_model_in_bf16():
+    """bf16: autocast around every piece, fp32 parameters, the stream state between blocks in bf16 (what crosses a
+    stage boundary is bf16); recompute 'auto': each stage's blocks rerun as one unit in its backward. Compared with
+    the unsplit model in bf16, norm-wise (the same kernels on the same micro-batches: only fp32 gradient sums
+    differ in order)."""
+    from pipeline.launch.check_split import BF16_RTOL, case_config
+
+    plain = f"{ROOT}/examples/plain_transformer.py:build"
+    results = check(plain, cases(["zb1p", "dualpipev"], [(4, 1), (2, 2)]), residual="mhc:4", dtype="bfloat16",
+                    recompute="auto", rtol=BF16_RTOL)
+    assert [r.line() for r in results if not r.ok] == [] and len(results) == 4
+    assert max(r.worst for r in results) < 1e-5
+    cfg = case_config(load_config("tiny"), "1f1b", 2, 1, dtype="bfloat16")
+    got = launch(split_worker, 2, (plain, "mhc:4", [cfg.model_dump()]), timeout_s=240)
+    sent = [t for r in got for what, _, _, t in r.value[0]["records"] if what == "out"]
+    assert sent and all(t.dtype == torch.bfloat16 for t in sent)
+    assert all(g.dtype == torch.float32 for r in got for g in r.value[0]["grads"].values())  # fp32 parameters
+
+
+def counting_recompute(rank, world, spec, residual, cfg_dict):
+    """Block forwards run per step and the counted activation peak, for the config given."""
+    import pipeline.user_model as um
+    from configs import parse_config
+    from pipeline.launch.user_config import build_model, load_builder, user_config
+    from pipeline.runtime.train import RankRuntime, make_groups
+
+    calls = {"n": 0}
+    original = um.UserModel.run_block
+
+    def counted(self, b, x, ids):
+        calls["n"] += 1
+        return original(self, b, x, ids)
+
+    um.UserModel.run_block = counted
+    try:
+        cfg = parse_config(cfg_dict)
+        model = build_model(load_builder(spec), cfg.train.seed, residual, cfg.parallel.seq_len)
+        cfg = user_config(cfg, model)
+        rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=make_groups(cfg, rank, world, torch.device("cpu")),
+                         record=False, count_activations=True, model=model)
+        stats = rt.step(0)
+        blocks = sum(len(sp.blocks) for sp in rt.plan.local())
+        rt.close()
+    finally:
+        um.UserModel.run_block = original
+    return {"calls": calls["n"], "blocks": blocks, "act": stats.peak_act_bytes, "loss": stats.loss}
+
+
+def test_recompute_reruns_each_stage_s_blocks_once_in_its_backward_and_keeps_fewer_activations():
+    """GPipe holds all 8 micro-batches' activations before its first backward; with the stage's blocks as one
+    recompute unit it holds their inputs and, while one backward runs, that unit's rerun."""
+    from pipeline.launch.check_split import case_config
+
+    plain = f"{ROOT}/examples/plain_transformer.py:build"
+    out = {}
+    for mode in ("off", "auto"):
+        cfg = case_config(load_config("tiny"), "gpipe", 2, 1, recompute=mode)
+        got = launch(counting_recompute, 2, (plain, "mhc:4", cfg.model_dump()), timeout_s=240)
+        assert all(r.exitcode == 0 for r in got), [r.error for r in got]
+        out[mode] = [r.value for r in got]
+    m = load_config("tiny").parallel.microbatches
+    for off, auto in zip(out["off"], out["auto"]):
+        assert off["calls"] == off["blocks"] * m and auto["calls"] == 2 * auto["blocks"] * m
+    assert out["auto"][0]["loss"] == out["off"][0]["loss"]
+    assert out["auto"][0]["act"] < 0.25 * out["off"][0]["act"], (out["auto"][0]["act"], out["off"][0]["act"])

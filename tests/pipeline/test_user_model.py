@@ -174,10 +174,14 @@ def test_user_run_refuses_what_only_the_built_in_model_has(monkeypatch):
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     builder = load_builder(f"{HC}:build")
-    for flags, want in ((["--recompute", "auto"], "--recompute"), (["--interleave", "residual:1"], "--interleave"),
+    for flags, want in ((["--diagnostics-every", "1"], "--diagnostics-every"),
+                        (["--interleave", "residual:1"], "--interleave"),
                         (["--pp", "16"], "model.num_blocks=8 cannot fill 32 pipeline stages")):
         with pytest.raises(ValueError, match=want):
             user_run(builder, parser.parse_args(["--config", "tiny", *flags]), None)
+    cfg, _ = user_run(builder, parser.parse_args(["--config", "tiny", "--pp", "2", "--recompute", "auto",
+                                                  "--dtype", "bfloat16"]), None)
+    assert cfg.recompute.mode == "auto" and cfg.train.dtype == "bfloat16"  # both run for a user model
     cfg, model = user_run(builder, parser.parse_args(["--config", "tiny", "--pp", "2"]), None)
     assert cfg.model.num_blocks == 8 and cfg.model.residual.n == 4 and cfg.model.name.endswith("(user model)")
     assert sys.modules.get("hyper_connections") is not None

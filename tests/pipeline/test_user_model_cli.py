@@ -194,8 +194,8 @@ def test_a_user_script_refuses_bad_input_in_one_line_before_any_rank_starts(monk
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     build = load_builder(f"{ROOT}/examples/hc_model.py:build")
-    for flags, want in ((["--recompute", "auto"], "--recompute (recompute blocks of the built-in sub-layers): not "
-                                                  "for a user model; drop it"),
+    for flags, want in ((["--diagnostics-every", "1", "--diagnostics-dir", "unused"],
+                         "--diagnostics-every (reads the built-in mHC coefficients): not for a user model; drop it"),
                         (["--residual", "mhc:4"], "takes no residual argument"),
                         (["--schedule", "dualpipev", "--pp", "8"], "cannot fill")):
         assert main(flags, build=build) == 2
