@@ -9,7 +9,8 @@
         run(build)      # torchrun --nproc-per-node 4 my_model.py --schedule dualpipev --trace-dir runs/mine
 
 The contract of each piece: pipeline.user_model; a block whose linear layers are `DeferLinear` (bias-free, like
-nn.Linear(bias=False)) gets the B/W split of ZB1P and DualPipe; the run flags are `mhcpipe run`'s (`--help`); the
+nn.Linear(bias=False)) gets the B/W split of ZB1P and DualPipe; `StatePart` declares a tensor a model carries
+beside the streams (UserModel.extra_state); the run flags are `mhcpipe run`'s (`--help`); the
 check that the split computes what the unsplit model does: `mhcpipe check-split my_model.py:build`.
 """
 from __future__ import annotations
@@ -18,10 +19,10 @@ import os
 import sys
 
 from pipeline.launch.entry import main
-from pipeline.user_model import ContractError, UserModel
+from pipeline.user_model import ContractError, StatePart, UserModel
 from pipeline.weight_grad import DeferLinear
 
-__all__ = ["UserModel", "ContractError", "DeferLinear", "run", "main"]
+__all__ = ["UserModel", "StatePart", "ContractError", "DeferLinear", "run", "main"]
 
 
 def run(build, argv: list[str] | None = None) -> None:

@@ -4,7 +4,12 @@ Shape letters: T tokens of a micro-batch (batch x sequence, flattened), n residu
 
 A `UserModel` is an embedding (token ids [T] -> [T, C]), an optional stream entry (`expand`, [T, C] -> [T, n, C];
 default: n copies), blocks (each [T, n, C] -> [T, n, C]), a head ([T, n, C] -> logits [T, V]: the head reduces the
-streams) and a loss (logits [T, V], labels [T] -> this micro-batch's mean token loss), plus n. The runtime expands
+streams) and a loss (logits [T, V], labels [T] -> this micro-batch's mean token loss), plus n. A model whose
+blocks carry more than the streams (DeepSeek-V4's deferred fp32 post/combine term) declares the other tensors in
+`extra_state` (StatePart: name, shape per token, dtype): the state between blocks is then the tuple (streams
+[T, n, C], *parts [T, ...]), which expand returns, every block maps and the head takes; every part crosses
+each stage boundary (packed into one message per channel: pipeline.runtime.boundary) and check-split compares
+each. The runtime expands
 the streams on a pipeline's first stage only, sends [T, n, C] across every boundary, runs the head (and its stream
 reduction) on the last stage only, and hands a block that sets `needs_token_ids = True` the micro-batch's real
 token ids as `block(x, token_ids=ids)` on whichever stage holds it (hash routing needs the ids, never something
@@ -59,6 +64,17 @@ from torch import nn
 
 from kernels import MHCConfig, MHCSublayer, StreamExpand, contract
 from kernels import residual_spec as rs
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """A tensor carried beside the streams across every block and stage boundary (UserModel.extra_state): its name,
+    its shape per token and its dtype (None: the run's activation dtype), e.g. DeepSeek-V4's deferred fp32
+    post/combine term, StatePart('deferred', (C,), torch.float32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
 
 class ContractError(ValueError):
@@ -123,6 +139,7 @@ class UserModel:
     name: str = "user"
     balance: str = "params"
     residual: MHCConfig | None = field(default=None)  # set by from_sublayers: the wrapping it used
+    extra_state: list[StatePart] = field(default_factory=list)  # more tensors carried beside the streams
 
     def __post_init__(self) -> None:
         for what, value in (("n", self.n), ("hidden", self.hidden), ("vocab_size", self.vocab_size)):
@@ -144,6 +161,42 @@ class UserModel:
             raise ContractError("UserModel.loss is not callable: give loss(logits [T, V], labels [T]) -> scalar")
         if self.expand is None:
             self.expand = CopyExpand(self.n)
+        self.extra_state = list(self.extra_state)
+        for k, part in enumerate(self.extra_state):
+            if not isinstance(part, StatePart):
+                raise ContractError(f"UserModel.extra_state[{k}] is a {type(part).__name__}; give StatePart(name, "
+                                    "shape per token, dtype)")
+
+    # -- the state between blocks ------------------------------------------------------------------------------
+    def state_parts(self, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape per token, dtype) of every tensor of the state between blocks: the streams [n, C] in the
+        run's activation `dtype`, then `extra_state`'s parts."""
+        return [("streams", (self.n, self.hidden), dtype),
+                *((p.name, tuple(p.shape), p.dtype or dtype) for p in self.extra_state)]
+
+    def check_state(self, what: str, y, t: int, dtype: torch.dtype):
+        """`y` as the state between blocks: one tensor [T, n, C] or, with extra_state, the tuple (streams, *extra),
+        each part cast to its dtype; anything else is one line naming `what` and the part."""
+        parts = self.state_parts(dtype)
+        if not self.extra_state:
+            if not torch.is_tensor(y) or tuple(y.shape) != (t, self.n, self.hidden):
+                want = f"[{t}, {self.n}, {self.hidden}]"
+                rule = (f"it must turn [T, C] into [T, n, C] = {want}" if what == "expand" else
+                        f"the last phase gives back [T, n, C] = {want}" if " phase " in what else
+                        f"a block maps [T, n, C] -> [T, n, C] = {want} (return all n={self.n} streams)")
+                raise ContractError(f"{what} returned {_shape(y)}; {rule}")
+            return _as(y, dtype)
+        if type(y) is not tuple or len(y) != len(parts):
+            names = ", ".join(name for name, _, _ in parts)
+            raise ContractError(f"{what} returned {_shape(y)}; with UserModel.extra_state it must return the tuple "
+                                f"({names})")
+        out = []
+        for (name, shape, want), v in zip(parts, y):
+            if not torch.is_tensor(v) or tuple(v.shape) != (t, *shape):
+                raise ContractError(f"{what} returned {_shape(v)} for the state's part {name!r}; it must be "
+                                    f"{[t, *shape]}")
+            out.append(_as(v, want))
+        return tuple(out)
 
     def pieces(self) -> list[tuple[str, nn.Module]]:
         """(piece, module) in model order: embed, expand, blocks.<b>, head (the order names are given in)."""
@@ -194,24 +247,18 @@ class UserModel:
             raise ContractError(f"embed returned {_shape(h)} for {t} token ids; it must return [T, C] = [{t}, {c}]")
         with amp(dtype, ids.device):
             x = self.expand(h.to(dtype))
-        x = _as(x, dtype)
-        if not torch.is_tensor(x) or tuple(x.shape) != (t, self.n, c):
-            raise ContractError(f"expand returned {_shape(x)}; it must turn [T, C] into [T, n, C] = "
-                                f"[{t}, {self.n}, {c}]")
-        return x
+        return self.check_state("expand", x, t, dtype)
 
     def run_block(self, b: int, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """Block b on the stream state x [T, n, C], with the token ids if it asks for them."""
         m = self.blocks[b]
-        with amp(x.dtype, x.device):
-            y = _as(m(x, token_ids=ids) if needs_token_ids(m) else m(x), x.dtype)
-        if not torch.is_tensor(y) or y.shape != x.shape:
-            raise ContractError(f"block {b} ({type(m).__name__}) returned {_shape(y)}; a block maps [T, n, C] -> "
-                                f"[T, n, C] = {list(x.shape)} (return all n={self.n} streams)")
-        return y
+        streams = _streams(x)
+        with amp(streams.dtype, streams.device):
+            y = m(x, token_ids=ids) if needs_token_ids(m) else m(x)
+        return self.check_state(f"block {b} ({type(m).__name__})", y, streams.shape[0], streams.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
+    def logits(self, x) -> torch.Tensor:
+        t = _streams(x).shape[0]
         out = self.head(x)
         if not torch.is_tensor(out) or out.dim() != 2 or out.shape[0] != t or out.shape[1] != self.vocab_size:
             hint = " (per-stream logits: the head must reduce the n streams)" if torch.is_tensor(out) and \
@@ -223,7 +270,8 @@ class UserModel:
     def micro_loss(self, x: torch.Tensor, labels: torch.Tensor, microbatches: int) -> torch.Tensor:
         """This micro-batch's share of the step's loss: the user's mean token loss / M (micro-batches hold equal
         token counts, so the sum over micro-batches is the mean over the step's tokens)."""
-        with amp(x.dtype, x.device):
+        streams = _streams(x)
+        with amp(streams.dtype, streams.device):
             loss = self.loss(self.logits(x), labels)
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ContractError(f"loss returned {_shape(loss)}; it must return a scalar (the mean token loss of the "
@@ -247,7 +295,8 @@ class UserModel:
                     z = x
                     for k, (name, fn) in enumerate(phases):
                         z = self.run_phase(b, name, fn, z, ids, k == len(phases) - 1, seq_len)
-                    diff = 0.0 if meta else float((z - y).norm() / y.norm().clamp_min(1e-30))
+                    diff = 0.0 if meta else max(float((zp - yp).norm() / yp.norm().clamp_min(1e-30))
+                                                for zp, yp in zip(_parts(z), _parts(y)))
                     if diff > 1e-6:
                         raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}): its phases chained do not "
                                             f"compute its forward (relative difference {diff:.1e}); the pipeline "
@@ -280,11 +329,9 @@ class UserModel:
         dtype = torch.bfloat16 if any(v.dtype == torch.bfloat16 for v in floats) else None
         with amp(dtype, floats[0].device if floats else torch.device("cpu")):
             y = fn(state, token_ids=ids) if needs_token_ids(self.blocks[b]) else fn(state)
-        if last and dtype is not None:
-            y = _as(y, dtype)
-        if last and (not torch.is_tensor(y) or tuple(y.shape) != (t, self.n, self.hidden)):
-            raise ContractError(f"block {b} ({type(self.blocks[b]).__name__}) phase {name!r}, its last, returned "
-                                f"{_shape(y)}; the last phase gives back [T, n, C] = [{t}, {self.n}, {self.hidden}]")
+        if last:
+            act = dtype or (floats[0].dtype if floats else torch.float32)
+            y = self.check_state(f"block {b} ({type(self.blocks[b]).__name__}) phase {name!r}, its last,", y, t, act)
         return y
 
     def wants_token_ids(self, blocks) -> bool:
@@ -307,14 +354,16 @@ class UserModel:
             first = next(m.parameters(), None)
             home = (first.device, first.dtype) if first is not None else (torch.device("cpu"), torch.float32)
             m.to(device=device, dtype=dtype)
-            x = torch.randn(tokens, self.n, self.hidden, device=device, dtype=dtype, requires_grad=True)
+            parts = [torch.randn(tokens, *shape, device=device, dtype=dt, requires_grad=True)
+                     for _, shape, dt in self.state_parts(dtype)]
+            x = tuple(parts) if self.extra_state else parts[0]
             ids = torch.zeros(tokens, dtype=torch.long, device=device)
             times = []
             for k in range(repeats + 1):
                 if sync is not None:
                     sync()
                 t0 = time.perf_counter()
-                self.run_block(b, x, ids).sum().backward()
+                sum(p.float().sum() for p in _parts(self.run_block(b, x, ids))).backward()
                 if sync is not None:
                     sync()
                 if k:
@@ -391,6 +440,15 @@ def _as(y, dtype: torch.dtype):
     """The block's (or stream entry's) output in the run's activation dtype; anything else as it is (the contract
     checks name it)."""
     return y.to(dtype) if torch.is_tensor(y) and y.is_floating_point() and y.dtype != dtype else y
+
+
+def _streams(x) -> torch.Tensor:
+    """The streams of a state (its first part when it carries more)."""
+    return x[0] if type(x) is tuple else x
+
+
+def _parts(x) -> tuple:
+    return x if type(x) is tuple else (x,)
 
 
 def needs_token_ids(m: nn.Module) -> bool:

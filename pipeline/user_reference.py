@@ -52,19 +52,33 @@ def unsplit_run(model: UserModel, cfg: RunConfig, step: int = 0) -> UnsplitRun:
     out = UnsplitRun(order=[name for name, _ in parts.named_parameters()])
     for g in range(m):
         ids, labels = batch.microbatch(g)
-        x = model.embed_tokens(ids, dtype)
+        x = _boundary(model.embed_tokens(ids, dtype))
         kept = [x]
-        x.retain_grad()
         for b in range(len(model.blocks)):
-            x = model.run_block(b, x, ids)
-            x.retain_grad()
+            x = _boundary(model.run_block(b, x, ids))
             kept.append(x)
         loss = model.micro_loss(x, labels, m)
         loss.backward()
         out.losses[g] = loss.detach()
-        for b, t in enumerate(kept, start=-1):
-            out.states[g, b] = t.detach()
-            out.state_grads[g, b] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+        for b, t in enumerate(kept, start=-1):  # a state of several tensors: a tuple of its parts, each compared
+            out.states[g, b] = _each(t, lambda v: v.detach())
+            out.state_grads[g, b] = _each(t, lambda v: v.grad.detach() if v.grad is not None else torch.zeros_like(v))
     out.grads = {name: p.grad.detach().clone() for name, p in parts.named_parameters() if p.grad is not None}
     parts.zero_grad(set_to_none=True)
     return out
+
+
+def _each(state, fn):
+    return tuple(fn(v) for v in state) if type(state) is tuple else fn(state)
+
+
+def _boundary(state):
+    """The state as the next block receives it: a view of each part, whose retained gradient is what flows back
+    from the blocks after it only, as a stage's received state is a leaf (a part the producing block also used
+    itself, e.g. streams it read to compute a deferred term, gets the rest of its gradient through that term)."""
+    def one(v):
+        v = v.view_as(v)
+        if v.requires_grad:
+            v.retain_grad()
+        return v
+    return _each(state, one)

@@ -114,7 +114,7 @@ def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dic
         seen: list[tuple[str, int, int, torch.Tensor]] = []
         groups = make_groups(cfg, rank, world, torch.device("cpu"))
         rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, record=False, model=model,
-                         probe=lambda what, stage, mb, t: seen.append((what, stage, mb, t.clone())))
+                         probe=lambda what, stage, mb, t: seen.append((what, stage, mb, _clone(t))))
         stats = rt.step(0)
         specs = {sp.stage: sp for sp in rt.plan.stages}
         records = [(what, stage, global_microbatch(rt.plan, specs[stage].pipeline, mb), t)
@@ -126,6 +126,21 @@ def split_worker(rank: int, world: int, spec: str, residual: str | None, cfg_dic
     return out
 
 
+def _clone(t):
+    return tuple(v.clone() for v in t) if type(t) is tuple else t.clone()
+
+
+def _worst_part(got, want, names: list[str]) -> tuple[float, str]:
+    """(the largest relative error over a state's parts, which part: '' for a single tensor)."""
+    if type(want) is not tuple:
+        return _rel(got, want), ""
+    if type(got) is not tuple or len(got) != len(want):
+        return float("inf"), f" (it has {len(got) if type(got) is tuple else 1} parts, the unsplit state {len(want)})"
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    k = max(range(len(errs)), key=errs.__getitem__)
+    return errs[k], f" (part {names[k]!r})" if k < len(names) else f" (part {k})"
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     if got.shape != want.shape:
         return float("inf")
@@ -134,8 +149,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff / scale) if scale > 0 else float(diff)
 
 
-def compare(ref, ranks: list[dict], num_blocks: int, rtol: float) -> tuple[str | None, float]:
-    """(the first difference as one line, or None; the worst relative error) of one case."""
+def compare(ref, ranks: list[dict], num_blocks: int, rtol: float,
+            part_names: list[str] | None = None) -> tuple[str | None, float]:
+    """(the first difference as one line, or None; the worst relative error) of one case. `part_names`: the
+    parts of a state of several tensors (UserModel.state_parts), which a difference names."""
+    names = part_names or []
     stages: dict[int, tuple[int, int, int]] = {}
     for r in ranks:
         stages.update(r["stages"])
@@ -171,10 +189,11 @@ def compare(ref, ranks: list[dict], num_blocks: int, rtol: float) -> tuple[str |
     missing = sorted(set(ref.losses) - losses)
     worst, first_bad = 0.0, None
     for _, text, got, want in sorted(checks, key=lambda c: c[0]):
-        err = _rel(got, want)
+        err, part = _worst_part(got, want, names)
         if err > rtol and first_bad is None:
-            shape = "" if got.shape == want.shape else f" (shape {list(got.shape)}, unsplit {list(want.shape)})"
-            first_bad = f"{text} (relative error {err:.2e}){shape}"
+            shape = "" if type(got) is tuple or got.shape == want.shape else \
+                f" (shape {list(got.shape)}, unsplit {list(want.shape)})"
+            first_bad = f"{text}{part} (relative error {err:.2e}){shape}"
         worst = max(worst, err)
     if first_bad is None and missing:
         first_bad = f"micro-batch {missing[0]} never reached the head (no loss on any rank)"
@@ -270,7 +289,8 @@ def run_cases(spec: str, base, cases: list[tuple[str, int, int]], *, residual: s
             continue
         for i, (s, pp, dp) in enumerate(group):
             ranks = [r.value[i] for r in got]
-            bad, worst = compare(ref, ranks, len(model.blocks), rtol)
+            bad, worst = compare(ref, ranks, len(model.blocks), rtol,
+                                 [name for name, _, _ in model.state_parts(torch.float32)])
             if bad is None and emulate_cuda:
                 bad = _cuda_replay(dirs[(s, pp, dp)])
             res = CaseResult(s, pp, dp, bad is None, bad or "", worst, ranks[0]["loss"])

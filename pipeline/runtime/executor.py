@@ -51,11 +51,14 @@ from pipeline.weight_grad import WeightGradStore
 
 class Executor:
     def __init__(self, plan: RankPlan, stages: dict[int, Stage], *, transport: P2PTransport, recorder: Recorder,
-                 env: StageEnv, store: WeightGradStore, boundary_shape: tuple[int, int, int], dtype: torch.dtype,
+                 env: StageEnv, store: WeightGradStore, boundary_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, pair: PairRunner | None = None, expert: ExpertComm | None = None,
-                 grads: GradSink | None = None, on_action=None, who: str | None = None):
+                 grads: GradSink | None = None, on_action=None, who: str | None = None,
+                 boundary_dtype: torch.dtype | None = None):
         """Every collaborator is given here (typed: pipeline.distributed.p2p_protocol). `who`: how errors name this
-        rank (the global rank; default: the pipeline rank, which is the same without data parallelism)."""
+        rank (the global rank; default: the pipeline rank, which is the same without data parallelism).
+        `boundary_shape` / `boundary_dtype` (default `dtype`, the activations'): every P2P message's buffer (a
+        state of several tensors travels as one uint8 buffer: pipeline.runtime.boundary)."""
         self.plan = plan
         self.rank = plan.rank
         self.who = who or f"rank {plan.rank}"
@@ -65,6 +68,7 @@ class Executor:
         self.stages = stages
         self.transport, self.recorder, self.env, self.store = transport, recorder, env, store
         self.shape, self.dtype, self.device = boundary_shape, dtype, device
+        self.wire_dtype = boundary_dtype or dtype
         self.pair, self.expert, self.grads = pair, expert, grads
         self.on_action = on_action
         # every send of the step in lowered order, per peer: the channel order the receiver expects
@@ -103,7 +107,7 @@ class Executor:
                                         "(schedule order broken)")
                 continue
             ops.append((False, span_name(a.kind.value, a.stage, a.mb), a.peer,
-                        torch.empty(self.shape, dtype=self.dtype, device=self.device)))
+                        torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)))
             labels.append((a.kind.value, a.stage, a.mb))
         if ops:
             for (kind, stage, mb), p in zip(labels, self.transport.post(ops, labels)):

@@ -67,7 +67,10 @@ class ChunkRun:
         its storage is freed as soon as the send no longer needs it (DualPipe frees sent outputs too: the
         backward of the stage needs their gradient, never their values)."""
         leaf, out, rec = self.segs[-1]
-        if out is not None:  # None: a user stage's recompute unit, whose backward reruns its forward
+        if type(out) is tuple:  # a user model's state of several tensors: each part's edge
+            self.segs[-1] = (leaf, tuple(get_gradient_edge(o) if torch.is_tensor(o) and o.requires_grad else o
+                                         for o in out), rec)
+        elif out is not None:  # None: a user stage's recompute unit, whose backward reruns its forward
             self.segs[-1] = (leaf, get_gradient_edge(out), rec)
         sent, self.output = self.output, None
         return sent

@@ -43,6 +43,7 @@ from pipeline.distributed.expert import ExpertComm
 from pipeline.distributed.grad_reduce import GradReducer
 from pipeline.distributed.tied import make_tie_groups, tie_sets
 from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
+from pipeline.runtime.boundary import BoundaryLayout
 from pipeline.runtime.gc_control import manual_gc
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import activation_dtype, make_optimizer, param_dtype
@@ -157,14 +158,19 @@ class RankRuntime:
                 materialise(model, {p for sp in self.plan.local() for p in sp.pieces}, torch.device("cpu"),
                             cfg.train.seed)
             self.rc_block = None
+            # a state of several tensors (UserModel.extra_state) crosses each boundary as one packed message
+            self.boundary = BoundaryLayout.of(model.state_parts(self.dtype), par.tokens_per_microbatch) \
+                if model.extra_state else None
             stages = {sp.stage: UserStage(sp, model, dtype=self.dtype, microbatches=par.microbatches, probe=probe,
-                                          store=self.store, recompute=cfg.recompute) for sp in self.plan.local()}
+                                          store=self.store, recompute=cfg.recompute, boundary=self.boundary)
+                      for sp in self.plan.local()}
         else:
             # recompute blocks per stage: Eq. 20 over the stage's own sub-layers (what the rank holds), as the
             # cost model prices it; blocks never cross a stage boundary
             rc_blocks = {sp.stage: recompute_block_size(cfg.recompute, 2 * len(sp.blocks), n)
                          for sp in self.plan.local()}
             self.rc_block = max((b for b in rc_blocks.values() if b is not None), default=None)
+            self.boundary = None
             stages = {sp.stage: Stage(sp, cfg, store=self.store, dtype=self.dtype, rc_block=rc_blocks[sp.stage],
                                       expert=self.expert, dev=self.dev) for sp in self.plan.local()}
         self.stages = {s: st.to(device=device, dtype=param_dtype(cfg.train.dtype)) for s, st in stages.items()}
@@ -201,7 +207,9 @@ class RankRuntime:
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, actions, ties)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
-                                 boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)),
+                                 boundary_shape=(self.tokens_per_mb, n, boundary_width(cfg)) if self.boundary is None
+                                 else (self.boundary.nbytes,),
+                                 boundary_dtype=None if self.boundary is None else torch.uint8,
                                  dtype=self.dtype, device=device, pair=self.pair, expert=self.expert,
                                  grads=self.grads_reducer if self.grads_reducer.active else None,
                                  on_action=on_action, who=f"rank {groups.rank}")

@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from pipeline.partition import StageSpec
+from pipeline.runtime.boundary import BoundaryLayout
 from pipeline.runtime.stage import ChunkRun
 from pipeline.user_model import Parts, UserModel
 from pipeline.weight_grad import DeferLinear, WeightGradStore, attach_store
@@ -39,10 +40,11 @@ from pipeline.weight_grad import DeferLinear, WeightGradStore, attach_store
 
 class UserStage(nn.Module):
     def __init__(self, spec: StageSpec, model: UserModel, *, dtype: torch.dtype, microbatches: int, probe=None,
-                 store: WeightGradStore | None = None, recompute=None):
+                 store: WeightGradStore | None = None, recompute=None, boundary: BoundaryLayout | None = None):
         """`store`: the rank's deferred weight-gradient store, attached to every DeferLinear of the stage (a user
         block built with pipeline.weight_grad.DeferLinear gets the B/W split of ZB1P and DualPipe). `recompute`:
-        the run's RecomputeConfig (`recompute_units`)."""
+        the run's RecomputeConfig (`recompute_units`). `boundary`: the layout a state of several tensors crosses
+        a stage boundary in (UserModel.extra_state), None for the streams alone."""
         super().__init__()
         self.spec = spec
         self.model = model
@@ -53,6 +55,7 @@ class UserStage(nn.Module):
         self.microbatches = microbatches
         self.probe = probe
         self.wants_ids = model.wants_token_ids(spec.blocks)
+        self.boundary = boundary
         self.units = recompute_units(spec.blocks, recompute)
         # a recomputed unit runs its blocks' forwards as one segment (its phases are not interleaved)
         self.phases = {b: None if self.units else model.phases(b) for b in spec.blocks}
@@ -69,9 +72,10 @@ class UserStage(nn.Module):
         """By the model's global names (`embed.*`, `blocks.<b>.*`, `head.*`), not under `parts.`."""
         return self.parts.named_parameters(prefix, recurse, remove_duplicate)
 
-    def _tell(self, what: str, mb: int, t: torch.Tensor | None) -> None:
+    def _tell(self, what: str, mb: int, t) -> None:
         if self.probe is not None and t is not None:
-            self.probe(what, self.spec.stage, mb, t.detach())
+            self.probe(what, self.spec.stage, mb,
+                       tuple(v.detach() for v in t) if type(t) is tuple else t.detach())
 
     def forward_steps(self, run: ChunkRun, inp: torch.Tensor, labels: torch.Tensor | None, env):
         mb, model = run.mb, self.model
@@ -82,12 +86,12 @@ class UserStage(nn.Module):
             run.segs.append((None, x, None))
             yield
         else:
-            x = inp
+            x = self.boundary.unpack(inp) if self.boundary is not None else inp
             self._tell("in", mb, x)
-        t = x.shape[0]
+        t = (x[0] if type(x) is tuple else x).shape[0]
         for unit in self.units or ():
             # only the unit's input is kept; its backward reruns the blocks' forwards from it (`_Recompute`)
-            leaf = x.detach()
+            leaf = tuple(v.detach() for v in x) if type(x) is tuple else x.detach()
             rec = _Recompute(unit, ids, torch.get_rng_state(), env.dev.rng_state() if env.dev is not None else None)
             with torch.no_grad():
                 x = self._run_unit(leaf, ids, unit)
@@ -96,7 +100,7 @@ class UserStage(nn.Module):
         for b in () if self.units else self.spec.blocks:
             phases = self.phases[b]
             if phases is None:
-                leaf = x.detach().requires_grad_(True)
+                leaf = _leaves(x)
                 with env.saved.hooks():
                     x = model.run_block(b, leaf, ids)
                 run.segs.append((leaf, x, None))
@@ -109,7 +113,7 @@ class UserStage(nn.Module):
                 run.segs.append((leaf, x, None))
                 yield
         if self.spec.has_head:
-            leaf = x.detach().requires_grad_(True)
+            leaf = _leaves(x)
             with env.saved.hooks():
                 loss = model.micro_loss(leaf, labels, self.microbatches)
             run.segs.append((leaf, loss, None))
@@ -117,8 +121,9 @@ class UserStage(nn.Module):
             self._tell("loss", mb, run.loss)
             yield
         else:
-            run.output = x.detach()
-            self._tell("out", mb, run.output)
+            # one message per boundary: a state of several tensors packed (pipeline.runtime.boundary)
+            run.output = self.boundary.pack(x) if self.boundary is not None else x.detach()
+            self._tell("out", mb, x)
 
     def _run_unit(self, x: torch.Tensor, ids, unit: range) -> torch.Tensor:
         for b in unit:
@@ -127,12 +132,16 @@ class UserStage(nn.Module):
 
 
     def backward_steps(self, run: ChunkRun, grad: torch.Tensor | None, env):
+        if grad is not None and self.boundary is not None:
+            grad = self.boundary.unpack(grad)
         self._tell("grad_out", run.mb, grad)
         g = grad
         while run.segs:
             leaf, out, rec = run.segs.pop()
             if rec is not None:  # a recompute unit: its forward again, saving for this backward only
-                leaf.requires_grad_(True)
+                for v in _items(leaf):
+                    if v.is_floating_point():
+                        v.requires_grad_(True)
                 out = rec.rerun(self, leaf, env)
             if g is None:  # the head's loss
                 torch.autograd.backward(out)
@@ -148,9 +157,9 @@ class UserStage(nn.Module):
             g = None if leaf is None else _leaf_grads(leaf)
             del leaf, out
             yield
-        run.input_grad = g
         if not self.spec.has_embed:
             self._tell("grad_in", run.mb, g)
+        run.input_grad = self.boundary.pack(g) if self.boundary is not None and g is not None else g
 
 
 class _Recompute:

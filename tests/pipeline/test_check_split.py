@@ -382,3 +382,28 @@ def test_recompute_reruns_each_stage_s_blocks_once_in_its_backward_and_keeps_few
         assert off["calls"] == off["blocks"] * m and auto["calls"] == 2 * auto["blocks"] * m
     assert out["auto"][0]["loss"] == out["off"][0]["loss"]
     assert out["auto"][0]["act"] < 0.25 * out["off"][0]["act"], (out["auto"][0]["act"], out["off"][0]["act"])
+
+
+def drop_second_tensor(rank, world, *args):
+    """A boundary that carries the streams only: the deferred term arrives as zeros."""
+    from pipeline.runtime.boundary import BoundaryLayout
+
+    def wrap(orig):
+        def pack(self, state):
+            return orig(self, (state[0], *(None for _ in state[1:])))
+        return pack
+
+    return _patched(BoundaryLayout, "pack", wrap, rank, world, *args)
+
+
+def test_a_v4_style_state_of_two_tensors_agrees_everywhere_and_a_dropped_part_is_named():
+    """examples/v4_style_model.py carries (streams, deferred fp32 term) between blocks: both cross every stage
+    boundary as one message; every schedule x {pp4, pp2xdp2} agrees; a boundary that sends only the streams is
+    named at the first stage that receives it, with the part."""
+    v4 = f"{ROOT}/examples/v4_style_model.py:build"
+    results = check(v4, cases(names(), [(4, 1), (2, 2)]))
+    assert [r.line() for r in results if not r.ok] == [] and len(results) == 10
+    (bad,) = check(v4, worker=drop_second_tensor)
+    assert not bad.ok and bad.message.startswith("stage 1 (rank 1, blocks 2-3) micro-batch 0: the state it received "
+                                                 "differs from the unsplit model's state after block 1 (part "
+                                                 "'deferred')"), bad.line()
