@@ -111,7 +111,9 @@ def refuse_for_user_model(cfg: RunConfig, args) -> None:
     """What the runtime does for its own model only (one line each)."""
     refused = [("--interleave", getattr(args, "interleave", None)),
                ("--expand (give UserModel.expand)", getattr(args, "expand", None)),
-               ("--ep (expert parallelism of the built-in MoE)", cfg.parallel.expert_parallel > 1),
+               ("--ep (expert parallelism splits the built-in MoE's experts; a user block's experts would need a "
+                "way to name them to the runtime and its dispatch/combine phases to run on the runtime's expert "
+                "groups, which the user-model API does not have yet)", cfg.parallel.expert_parallel > 1),
                ("--diagnostics-every (reads the built-in mHC coefficients)", cfg.train.diagnostics_every)]
     given = [name for name, on in refused if on]
     if given:
