@@ -220,6 +220,12 @@ class TrainConfig(BaseModel):
                                    "shares, H_res distance from identity, composite gains per layer) on step 0, "
                                    "every k-th step and the last, written as diagnostics_rank<r>.json next to the "
                                    "trace (needs --trace-dir); 0 = off. --diagnostics-every")
+    checkpoint_every: int = Field(1, ge=1, description="with a checkpoint folder: save after every k-th step and "
+                                  "after the last (--checkpoint-every)")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept in the folder, the newest "
+                                  "(--keep-checkpoints)")
+    skip_nonfinite: bool = Field(False, description="a step whose loss or gradient norm is not finite is skipped "
+                                 "(no update, counted in the log) instead of stopping the run (--skip-nonfinite)")
 
 
 class RunConfig(BaseModel):

@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a real pipeline on this host (launches torchrun)", description=__doc__)
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to start (default: pipeline ranks x data-parallel replicas of the config/flags)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun's: restart every rank this many times after one fails; with --checkpoint-dir the "
+                        "restarted ranks resume from the last checkpoint (default 0)")
     add_run_arguments(p)
     p.set_defaults(func=run)
 
@@ -29,7 +32,7 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
     from pipeline.launch.local import free_port
 
     cmd = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "pipeline",
+           "--max-restarts", str(getattr(args, "max_restarts", 0)), "-m", "pipeline",
            "--config", str(args.config), "--transport", args.transport]
     if args.comm_rules:
         cmd += ["--comm-rules", args.comm_rules]
@@ -44,12 +47,15 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
         cmd.append("--cpu-bind")
     if args.emulate_cuda:
         cmd.append("--emulate-cuda")
-    for flag in ("trace_dir", "checkpoint_dir", "diagnostics_dir"):
+    for flag in ("trace_dir", "checkpoint_dir", "diagnostics_dir", "checkpoint_every", "keep_checkpoints"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.resume:
-        cmd.append("--resume")
+    if args.resume is not None:  # as given: every rank decides again from the folder (the same answer)
+        cmd.append("--resume" if args.resume else "--no-resume")
+    for flag in ("overwrite", "skip_nonfinite"):
+        if getattr(args, flag):
+            cmd.append(f"--{flag.replace('_', '-')}")
     return cmd
 
 
@@ -58,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc {args.nproc}: must be >= 1")
     cfg = config_from_args(args, args.nproc)  # ValueError -> one line, exit 2 (mhcpipe.cli)
     interleaved_configs(cfg, args)
-    check_resume(cfg, args)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    given = args.resume
+    check_resume(cfg, args)  # a refusal is one line here, before torchrun starts (rank 0 says what it decided)
+    args.resume = given
     nproc = args.nproc or cfg.parallel.world_size
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run as torchrun

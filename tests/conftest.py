@@ -38,6 +38,7 @@ RANKS_MODULES = frozenset({
     "tests/pipeline/test_pipeline_residual_cli.py",
     "tests/pipeline/test_pipeline_wider_residuals.py",
     "tests/pipeline/test_tied_parameters.py",
+    "tests/pipeline/test_long_run_faults.py",
     "tests/pipeline/test_user_model_cli.py",
     "tests/traces/test_traces_path_measured.py",
 })

@@ -30,9 +30,10 @@ DCP's metadata classes (weights_only semantics); tensors are read by DCP with to
 Old checkpoints (stage<s>.pt + latest.json) are refused with the command that converts them:
     mhcpipe checkpoint convert OLD_DIR NEW_DIR --config CONFIG
 
-Test hook: MHCPIPE_TEST_CRASH_IN_SAVE="<rank>:<step>[:write|publish]" makes that rank die (os._exit) during the
-save of that step: `write` (default) after writing half of its shard, `publish` (rank 0) after writing the manifest,
-before the rename.
+Test hook: MHCPIPE_TEST_CRASH_IN_SAVE="<rank>:<step>[:write|publish|enospc]" makes that rank die (os._exit) during
+the save of that step: `write` (default) after writing half of its shard, `publish` (rank 0) after writing the
+manifest, before the rename; `enospc`: its shard write fails as on a full disk (the save ends with one line on
+every rank, the previous checkpoint stays `latest`).
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint.files import (FORMAT, LATEST, MANIFEST, VERSION, atomic_write_text, checked_metadata, dcp_load,
-                                     fix_hint, fsync_dir, latest_step_dir, read_all, read_latest_name, read_manifest,
-                                     sha256, verify_files)
+                                     fix_hint, fsync_dir, latest_step_dir, read_all, read_manifest, sha256,
+                                     prune, verify_files)
 
 __all__ = ["save", "load", "resume_meta", "read_all", "convert", "state_dict", "CRASH_ENV"]
 
@@ -101,11 +102,15 @@ class _Writer:
     """dcp.FileSystemWriter with the crash test hook (built lazily: DCP imports are slow)."""
 
     @staticmethod
-    def make(path: Path, rank: int, crash: bool):
+    def make(path: Path, rank: int, crash: bool, disk_full: bool = False):
         import torch.distributed.checkpoint as dcp
 
         class Writer(dcp.FileSystemWriter):
             def write_data(self, plan, planner):
+                if disk_full:  # as a full disk answers the shard's first write
+                    import errno
+
+                    raise OSError(errno.ENOSPC, "No space left on device", str(Path(self.path)))
                 fut = super().write_data(plan, planner)
                 if crash:
                     fut.wait()
@@ -151,15 +156,29 @@ def save(directory: Path, rt, step: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # an interrupted save of this step
     _barrier(rt, "the checkpoint barrier (before the save)")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        dcp.save(state_dict(rt), storage_writer=_Writer.make(tmp, rt.rank, crash == "write"),
+        dcp.save(state_dict(rt), storage_writer=_Writer.make(tmp, rt.rank, crash == "write", crash == "enospc"),
                  process_group=rt.groups.world_group)
+    except CheckpointException as err:  # a BaseException: the ranks whose writes failed, gathered on every rank
+        failed = PipelineError(f"rank {rt.rank}: saving the checkpoint to {tmp} failed ({first_failure(err)}); "
+                               f"{directory / LATEST} still names the previous complete checkpoint")
+        failed.hang_related = False  # a disk's answer, not a communication fault
+        raise failed from None
     except Exception as err:  # noqa: BLE001 - DCP wraps backend and I/O errors alike
         raise PipelineError(f"rank {rt.rank}: saving the checkpoint to {tmp} failed: {describe(err)}") from None
     _barrier(rt, "the checkpoint barrier (shards written)")
     if rt.rank == 0:
         _publish(directory, tmp, step, rt.cfg, die_before_rename=crash == "publish")
     _barrier(rt, "the checkpoint barrier (published)")
+
+
+def first_failure(err) -> str:
+    """'rank 2: [Errno 28] No space left on device: ...' of a DCP CheckpointException (its first failed rank)."""
+    for rank, (exc, _) in sorted(err.failures.items()):
+        return f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+    return "no rank named"
 
 
 def _manifest(step_dir: Path, step: int, cfg: RunConfig) -> dict:
@@ -173,7 +192,8 @@ def _manifest(step_dir: Path, step: int, cfg: RunConfig) -> dict:
 
 
 def _publish(directory: Path, tmp: Path, step: int, cfg: RunConfig, die_before_rename: bool = False) -> None:
-    """Rank 0, all shards written: manifest, rename, `latest`, prune (keep this and the previous checkpoint)."""
+    """Rank 0, all shards written: manifest, rename, `latest`, prune (pipeline.checkpoint.files.prune: the
+    train.keep_checkpoints newest are kept)."""
     atomic_write_text(tmp / MANIFEST, json.dumps(_manifest(tmp, step, cfg), indent=1, sort_keys=True))
     fsync_dir(tmp)
     if die_before_rename:
@@ -186,12 +206,8 @@ def _publish(directory: Path, tmp: Path, step: int, cfg: RunConfig, die_before_r
         os.replace(final, aside)
     os.replace(tmp, final)
     fsync_dir(directory)
-    previous = read_latest_name(directory)
     atomic_write_text(directory / LATEST, f"step_{step}\n")
-    keep = {final.name, previous}
-    for entry in directory.iterdir():
-        if entry.is_dir() and entry.name.startswith("step_") and entry.name not in keep:
-            shutil.rmtree(entry, ignore_errors=True)
+    prune(directory, final.name, cfg.train.keep_checkpoints)
 
 
 _VERIFIED: dict[tuple[str, str], dict] = {}  # (step dir, manifest digest) -> manifest, verified in this process

@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -222,3 +223,23 @@ def checked_metadata(directory: Path, step_dir: Path):
                          f"{str(err).splitlines()[0][:160] if str(err) else ''}); "
                          f"{fix_hint(directory, step_dir.name)}") \
             from None
+
+
+_STEP_ANY = re.compile(r"step_(\d+)(\.tmp|\.old)?")
+
+
+def prune(directory: Path, latest: str, keep: int) -> list[str]:
+    """Remove every step folder but the `keep` newest complete ones up to `latest` (which is kept): older ones,
+    folders of a later step than `latest` (an overwritten run's, or a save that never reached `latest`) and
+    leftovers (.tmp of finished saves, .old). Returns the names removed."""
+    now = int(_STEP_ANY.fullmatch(latest).group(1))
+    complete = sorted((int(m.group(1)), e.name) for e in directory.iterdir() if e.is_dir()
+                      and (m := _STEP_ANY.fullmatch(e.name)) and m.group(2) is None and int(m.group(1)) <= now)
+    kept = {name for _, name in complete[-keep:]} | {latest}
+    removed = []
+    for entry in directory.iterdir():
+        m = _STEP_ANY.fullmatch(entry.name)
+        if entry.is_dir() and m and entry.name not in kept:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return sorted(removed)

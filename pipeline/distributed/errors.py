@@ -7,6 +7,8 @@ from __future__ import annotations
 class PipelineError(RuntimeError):
     """A distributed failure with a one-line, user-facing message (rank, op, peer, cause)."""
 
+    hang_related = True  # Flight Recorder's dumps may say more (pipeline.launch.entry reports them)
+
 
 def describe(err: BaseException) -> str:
     text = str(err)

@@ -179,6 +179,24 @@ def override_blocking_wait(env) -> str | None:
             "watchdog")
 
 
+def restart_round_store(env, timeout: datetime.timedelta):
+    """Under torchrun (TORCHELASTIC_USE_AGENT_STORE), the agent's store with a prefix of its own per restart
+    round, else None (init_process_group's env:// store).
+
+    Why: torchrun's agent keeps one store across restarts (`--max-restarts`), and the process group's keys (each
+    rank's gloo address, NCCL's unique id) have the same names in every round: a restarted rank that reads its peer's
+    key before the peer rewrote it connects to the dead process of the round before, and the group never forms
+    ("Gloo connectFullMesh failed ... Connection refused"). The round: every worker adds 1 to a counter when it
+    starts, so the n-th arrival belongs to round (n - 1) // world; TORCHELASTIC_RESTART_COUNT would not do, it counts
+    each node's own restarts and differs between nodes."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    world = int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    arrival = store.add("mhcpipe/arrivals", 1)
+    return dist.PrefixStore(f"mhcpipe/round_{(arrival - 1) // world}", store)
+
+
 def init_distributed(backend: str, timeout_s: float, device: torch.device | None = None,
                      first_step_timeout_s: float = 0.0) -> str | None:
     """init_process_group from torchrun's environment. `timeout_s` is the step deadline; the process group gets
@@ -192,6 +210,9 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device | None
     extra = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
     pg_timeout = datetime.timedelta(seconds=process_group_timeout_s(backend, timeout_s, first_step_timeout_s))
     try:
+        store = restart_round_store(os.environ, pg_timeout)
+        if store is not None:
+            extra.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, timeout=pg_timeout, **extra)
     except Exception as err:  # noqa: BLE001
         raise PipelineError(f"could not join the process group ({backend}): {describe(err)}") from None

@@ -74,7 +74,20 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path,
                    help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
                         "pipeline/checkpoint/dcp.py)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_const", const=True, default=None,
+                   help="continue from the checkpoint in --checkpoint-dir, or fail (default: resume when the folder "
+                        "holds a checkpoint of this model; pipeline/checkpoint/policy.py)")
+    p.add_argument("--no-resume", dest="resume", action="store_const", const=False,
+                   help="start fresh; refused on a folder holding checkpoints unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a fresh run (--no-resume, or another model config) may replace the folder's checkpoints")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="train.checkpoint_every: save after every K-th step and after the last (default 1)")
+    p.add_argument("--keep-checkpoints", type=int, metavar="N",
+                   help="train.keep_checkpoints: the newest N complete checkpoints are kept (default 2)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="train.skip_nonfinite: skip a step whose loss or gradient norm is not finite (no update, "
+                        "counted) instead of stopping the run")
     p.add_argument("--interleave", metavar="VARIANT:N",
                    help="also train this residual (e.g. residual:1), one step of each in turn (A B B A ...): an "
                         "A/B measurement of the residual's cost in which both see the same machine state; "
@@ -107,7 +120,9 @@ def main(argv: list[str] | None = None, build=None) -> int:
 
             cfg, model = user_run(build, args, world)
             cfgs = [cfg]
-        check_resume(cfg, args)
+        said = check_resume(cfg, args)
+        if said and rank == 0:
+            print(f"{prog}: {said}", file=sys.stderr, flush=True)
     except ValueError as err:
         # every rank reports: torchrun may kill rank 0 before it prints once another rank has exited
         print(f"{prog}: error (rank {rank}): {err}", file=sys.stderr, flush=True)
@@ -151,7 +166,7 @@ def main(argv: list[str] | None = None, build=None) -> int:
                   resume=args.resume, staged=staged, log=log, model=model)
     except PipelineError as err:
         print(f"mhcpipe: error: {err}", file=sys.stderr, flush=True)
-        if fr_dir is not None:
+        if fr_dir is not None and not err.hang_related:  # a NaN is not a communication fault
             report_flight_recorder(fr_dir, rank, backend, cfg.train.timeout_s, cfg.train.first_step_timeout_s)
         os._exit(1)
     except ValueError as err:

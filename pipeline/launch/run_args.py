@@ -43,7 +43,11 @@ class RunFlags(Protocol):
     diagnostics_dir: Path | None
     trace_dir: Path | None
     checkpoint_dir: Path | None
-    resume: bool
+    resume: bool | None  # None: resume when the folder holds a checkpoint of this model (pipeline.checkpoint.policy)
+    overwrite: bool
+    checkpoint_every: int | None
+    keep_checkpoints: int | None
+    skip_nonfinite: bool
     interleave: str | None
     no_overlap: bool
     cpu_bind: bool
@@ -70,6 +74,9 @@ _FLAG_FIELDS = {
     "timeout": ("train", "timeout_s", None),
     "diagnostics_every": ("train", "diagnostics_every", None),
     "p2p_groups": ("parallel", "p2p_groups", None),
+    "checkpoint_every": ("train", "checkpoint_every", None),
+    "keep_checkpoints": ("train", "keep_checkpoints", None),
+    "skip_nonfinite": ("train", "skip_nonfinite", True),
 }
 # the one switch for the NCCL-rules transport: train.comm_rules, --comm-rules and $MHCPIPE_COMM_RULES, one spelling
 COMM_RULES = ("backend", "nccl", "nccl-pair")
@@ -180,15 +187,20 @@ def interleaved_configs(cfg: RunConfig, args: RunFlags) -> list:
     return [cfg, other]
 
 
-def check_resume(cfg: RunConfig, args: RunFlags) -> None:
-    """--resume needs --checkpoint-dir holding a checkpoint of this run with steps left (checked before launch)."""
-    if not args.resume:
-        return
-    if args.checkpoint_dir is None:
-        raise ValueError("--resume needs --checkpoint-dir (the folder a run wrote with --checkpoint-dir)")
-    from pipeline.checkpoint.dcp import resume_meta
+def check_resume(cfg: RunConfig, args: RunFlags) -> str | None:
+    """Decide whether the run resumes (pipeline.checkpoint.policy: by default when --checkpoint-dir holds a
+    checkpoint of this model), before launch, and set `args.resume` to the answer; returns the line to print."""
+    from pipeline.checkpoint.policy import decide_resume
 
-    resume_meta(Path(args.checkpoint_dir), cfg)
+    if args.checkpoint_dir is None:
+        if args.resume:
+            raise ValueError("--resume needs --checkpoint-dir (the folder a run wrote with --checkpoint-dir)")
+        if getattr(args, "overwrite", False):
+            raise ValueError("--overwrite needs --checkpoint-dir (the folder whose checkpoints a fresh run replaces)")
+        args.resume = False
+        return None
+    args.resume, line = decide_resume(Path(args.checkpoint_dir), cfg, args.resume, getattr(args, "overwrite", False))
+    return line
 
 
 def variant_dir(trace_dir: Path, cfg: RunConfig) -> Path:

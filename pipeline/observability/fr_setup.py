@@ -4,9 +4,10 @@ Flight Recorder (torch.distributed) keeps the last entries of every process grou
 memory: op, sizes, the group's sequence number, state (scheduled / started / completed). On NCCL, with
 TORCH_NCCL_DUMP_ON_TIMEOUT=1, the watchdog writes each rank's buffer to `<prefix><rank>` (a pickle) when an op
 passes the process-group timeout, and signals the other ranks to write theirs. `flight_recorder_env` turns it on
-for every run (unless the user set the variables): the buffer size under both its names (TORCH_FR_BUFFER_SIZE;
-TORCH_NCCL_TRACE_BUFFER_SIZE is the name torch 2.11 still reads), dump on timeout, and the dump files in the run's
-folder (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE for torch 2.11).
+for every run (unless the user set the variables): the buffer size (TORCH_FR_BUFFER_SIZE: torch's Flight Recorder
+reads it first and TORCH_NCCL_TRACE_BUFFER_SIZE only as a deprecated fallback, printing a warning on every rank when
+that is set, so only torch older than 2.8 gets the old name too), dump on timeout, and the dump files in the run's
+folder (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE as well, read silently).
 
 What Flight Recorder cannot know is the pipeline action behind an op ("nccl:send 0->1, p2p seq 12" is
 `SEND_F/s0/mb3`). pipeline.distributed.op_ledger records it as the runtime posts; `write_ledger` puts it next to
@@ -35,14 +36,26 @@ def flight_recorder_dir(trace_dir: str | None, env: dict) -> Path:
 def flight_recorder_env(folder: Path, env: dict) -> dict[str, str]:
     """Set what is unset of Flight Recorder's variables in `env` (os.environ, before init_process_group); returns
     what was set. A user's own value always wins."""
-    wanted = {"TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_ENTRIES),
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(folder / DUMP_PREFIX),
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder / DUMP_PREFIX)}
+    if _torch_older_than(2, 8):
+        wanted["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(BUFFER_ENTRIES)
     done = {}
     for key, value in wanted.items():
         if key not in env:
             env[key] = done[key] = value
     return done
+
+
+def _torch_older_than(major: int, minor: int) -> bool:
+    import torch
+
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) < (major, minor)
+    except (ValueError, IndexError):
+        return False
 
 
 def dump_prefix(env: dict) -> str | None:

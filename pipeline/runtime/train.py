@@ -44,6 +44,7 @@ from pipeline.distributed.grad_reduce import GradReducer
 from pipeline.distributed.tied import make_tie_groups, tie_sets
 from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
 from pipeline.runtime.boundary import BoundaryLayout
+from pipeline.runtime import nonfinite
 from pipeline.runtime.gc_control import manual_gc
 from pipeline.runtime.saved_tensors import SavedTensors
 from pipeline.model import activation_dtype, make_optimizer, param_dtype
@@ -71,13 +72,16 @@ class StepStats:
     tokens_per_s: float
     peak_act_bytes: int  # max over ranks of saved-for-backward bytes (incl. a recompute block's transient)
     peak_mem_bytes: int  # max over ranks: CUDA allocator peak, or process max RSS on CPU
+    skipped: str | None = None  # --skip-nonfinite: why this step made no update (pipeline.runtime.nonfinite)
+    skipped_total: int = 0  # steps skipped so far in this run
 
     def line(self, total_steps: int) -> str:
         mib = 1 << 20
         act = f"{self.peak_act_bytes / mib:.2f} MiB" if self.peak_act_bytes else "- (counted with --trace-dir)"
+        skip = f"  SKIPPED ({self.skipped.split(': ', 1)[-1]}; {self.skipped_total} skipped)" if self.skipped else ""
         return (f"step {self.step + 1}/{total_steps}  loss {self.loss:.6f}  step_time {self.step_time_s * 1e3:.1f} ms  "
                 f"tokens/s {self.tokens_per_s:,.0f}  peak_act {act}  "
-                f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB")
+                f"peak_mem {self.peak_mem_bytes / mib:.1f} MiB{skip}")
 
 
 def first_step_deadline(cfg: RunConfig, device: torch.device) -> float:
@@ -218,6 +222,7 @@ class RankRuntime:
         self.tokens = load_tokens(cfg.train.data) if cfg.train.data != "synthetic" else None
         self.start_step = 0
         self._stepped = False  # has a step run (the first has its own deadline)
+        self.skipped = 0  # steps skipped for non-finite numbers (train.skip_nonfinite)
 
     # -- per step ------------------------------------------------------------------------------------------
     def step(self, step: int, diagnostics=None) -> StepStats:
@@ -243,10 +248,20 @@ class RankRuntime:
             loss_sum = self.executor.run_step(batch)
             if self.grads_reducer.active:
                 self.grads_reducer.finish()
+            nonfinite.inject(self.rank, step, self.params.values())
+            bad = nonfinite.verdict(self, loss_sum, step)  # every rank the same answer
+            if bad is not None and not cfg.train.skip_nonfinite:
+                raise nonfinite.NonFiniteError(f"{bad}: the run stops before its optimizer step (parameters and "
+                                               "optimizer state are those after the previous step; "
+                                               "--skip-nonfinite skips such steps)")
             if self.strict is not None:  # before the statistics exchange: no rank leaves while another compares
                 self.strict.check_collectives()
-            with self.recorder.range("OPT", None, None, name="OPT"):
-                self.optimizer.step()
+            if bad is None:
+                with self.recorder.range("OPT", None, None, name="OPT"):
+                    self.optimizer.step()
+            else:
+                self.skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
             # The step's one wait for the device (the step time needs it); the loss travels with the statistics
             # below, so no collective waits on the GPU's compute before this.
             synchronize(self.dev, (self.hp, self.comms.stream), limit, "the end-of-step synchronize",
@@ -268,7 +283,7 @@ class RankRuntime:
         # the loss: summed on the host in rank order (the same on every backend); the rest: the slowest rank's
         loss = sum(r[0] for r in rows)
         t, act, peak = (max(r[k] for r in rows) for k in (1, 2, 3))
-        return StepStats(step, loss, t, self.total_tokens / t, int(act), int(peak))
+        return StepStats(step, loss, t, self.total_tokens / t, int(act), int(peak), bad, self.skipped)
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {k: p.grad.detach().cpu().clone() for k, p in self.params.items() if p.grad is not None}
@@ -388,6 +403,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group.
     `model`: a user's model (pipeline.user_model) instead of the built-in one; `probe`: see RankRuntime."""
     from pipeline.checkpoint import dcp  # torch.distributed.checkpoint's import: only for runs that use it
+    from pipeline.checkpoint.policy import should_save
 
     groups = make_groups(cfg, rank, world, device, staged)
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
@@ -408,11 +424,12 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
         with manual_gc(cfg.train.gc_interval) as collect:
             rt.align_clocks()
             for k in range(rt.start_step, steps):
+                _test_kill(rank, k)
                 stats = rt.step(k, diag)
                 history.append(stats)
                 if rank == 0:
                     log(stats.line(steps))
-                if checkpoint_dir is not None:
+                if checkpoint_dir is not None and should_save(k, cfg):
                     dcp.save(Path(checkpoint_dir), rt, k)
                 collect(k)
     except PipelineError:
@@ -431,6 +448,21 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     if trace_dir is not None and rt.dev is not None and rt.dev.name == "emulated-cuda" and rank == 0:
         log(f"CUDA programs: {trace_dir}/cuda_program_rank*.json (mhcpipe check-comm --cuda {trace_dir})")
     return history
+
+
+KILL_ENV = "MHCPIPE_TEST_KILL"
+
+
+def _test_kill(rank: int, step: int) -> None:
+    """Test hook: MHCPIPE_TEST_KILL="<rank>:<step>" kills that rank (SIGKILL, as an OOM killer or a lost node
+    would) before that step, in the job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0), so a
+    restarted job runs on."""
+    import os
+    import signal
+
+    spec = os.environ.get(KILL_ENV, "")
+    if spec and spec.split(":") == [str(rank), str(step)] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def diagnostics_log(cfg: RunConfig, rank: int) -> DiagnosticsLog | None:

@@ -78,8 +78,12 @@ def test_flight_recorder_settings_leave_the_users_own(tmp_path):
     assert flight_recorder_dir(str(tmp_path), env) == tmp_path.resolve() / "flight_recorder"
     done = flight_recorder_env(folder, env)
     assert env["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in done
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    # the deprecated name of the buffer size is not set on a torch that reads the new one (every rank would warn)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(folder / "rank_")
+    fresh = {}
+    flight_recorder_env(folder, fresh)
+    assert fresh["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in fresh
 
 
 def test_the_error_path_writes_the_ledger_and_names_where_the_dumps_go(tmp_path, capsys, monkeypatch):
