@@ -224,6 +224,8 @@ class TrainConfig(BaseModel):
                                   "after the last (--checkpoint-every)")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept in the folder, the newest "
                                   "(--keep-checkpoints)")
+    checkpoint_async: bool = Field(False, description="stage each checkpoint to host memory and write it in the "
+                                   "background while training goes on (--async-checkpoint)")
     skip_nonfinite: bool = Field(False, description="a step whose loss or gradient norm is not finite is skipped "
                                  "(no update, counted in the log) instead of stopping the run (--skip-nonfinite)")
 

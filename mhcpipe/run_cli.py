@@ -53,7 +53,7 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
     if args.resume is not None:  # as given: every rank decides again from the folder (the same answer)
         cmd.append("--resume" if args.resume else "--no-resume")
-    for flag in ("overwrite", "skip_nonfinite"):
+    for flag in ("overwrite", "skip_nonfinite", "async_checkpoint"):
         if getattr(args, flag):
             cmd.append(f"--{flag.replace('_', '-')}")
     return cmd

@@ -135,16 +135,19 @@ def _crash_point(rank: int, step: int) -> str | None:
     return parts[2] if len(parts) > 2 else "write"
 
 
-def _barrier(rt, what: str) -> None:
+def _barrier(rt, what: str, group=None) -> None:
     import torch.distributed as dist
 
     from pipeline.distributed.collective import collective
 
-    collective(dist.barrier, what=what, rank=rt.rank, timeout_s=rt.timeout_s, group=rt.groups.world_group)
+    collective(dist.barrier, what=what, rank=rt.rank, timeout_s=rt.timeout_s,
+               group=group if group is not None else rt.groups.world_group)
 
 
-def save(directory: Path, rt, step: int) -> None:
-    """Save step `step` (collective: every rank of the world calls it after the step)."""
+def save(directory: Path, rt, step: int, *, state: dict | None = None, group=None) -> None:
+    """Save step `step` (collective: every rank of the world calls it after the step). `state`: this rank's keys
+    already staged (pipeline.checkpoint.async_save; default: read from the runtime now); `group`: the process
+    group the save's barriers and DCP's collectives run on (default: the world's)."""
     import torch.distributed.checkpoint as dcp
 
     from pipeline.distributed.errors import PipelineError, describe
@@ -155,12 +158,13 @@ def save(directory: Path, rt, step: int) -> None:
     if rt.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # an interrupted save of this step
-    _barrier(rt, "the checkpoint barrier (before the save)")
+    _barrier(rt, "the checkpoint barrier (before the save)", group)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(state_dict(rt), storage_writer=_Writer.make(tmp, rt.rank, crash == "write", crash == "enospc"),
-                 process_group=rt.groups.world_group)
+        dcp.save(state if state is not None else state_dict(rt),
+                 storage_writer=_Writer.make(tmp, rt.rank, crash == "write", crash == "enospc"),
+                 process_group=group if group is not None else rt.groups.world_group)
     except CheckpointException as err:  # a BaseException: the ranks whose writes failed, gathered on every rank
         failed = PipelineError(f"rank {rt.rank}: saving the checkpoint to {tmp} failed ({first_failure(err)}); "
                                f"{directory / LATEST} still names the previous complete checkpoint")
@@ -168,10 +172,10 @@ def save(directory: Path, rt, step: int) -> None:
         raise failed from None
     except Exception as err:  # noqa: BLE001 - DCP wraps backend and I/O errors alike
         raise PipelineError(f"rank {rt.rank}: saving the checkpoint to {tmp} failed: {describe(err)}") from None
-    _barrier(rt, "the checkpoint barrier (shards written)")
+    _barrier(rt, "the checkpoint barrier (shards written)", group)
     if rt.rank == 0:
         _publish(directory, tmp, step, rt.cfg, die_before_rename=crash == "publish")
-    _barrier(rt, "the checkpoint barrier (published)")
+    _barrier(rt, "the checkpoint barrier (published)", group)
 
 
 def first_failure(err) -> str:

@@ -85,6 +85,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="train.checkpoint_every: save after every K-th step and after the last (default 1)")
     p.add_argument("--keep-checkpoints", type=int, metavar="N",
                    help="train.keep_checkpoints: the newest N complete checkpoints are kept (default 2)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="train.checkpoint_async: stage each checkpoint to host memory and write it in the background "
+                        "(pipeline/checkpoint/async_save.py)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="train.skip_nonfinite: skip a step whose loss or gradient norm is not finite (no update, "
                         "counted) instead of stopping the run")

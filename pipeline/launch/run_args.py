@@ -48,6 +48,7 @@ class RunFlags(Protocol):
     checkpoint_every: int | None
     keep_checkpoints: int | None
     skip_nonfinite: bool
+    async_checkpoint: bool
     interleave: str | None
     no_overlap: bool
     cpu_bind: bool
@@ -77,6 +78,7 @@ _FLAG_FIELDS = {
     "checkpoint_every": ("train", "checkpoint_every", None),
     "keep_checkpoints": ("train", "keep_checkpoints", None),
     "skip_nonfinite": ("train", "skip_nonfinite", True),
+    "async_checkpoint": ("train", "checkpoint_async", True),
 }
 # the one switch for the NCCL-rules transport: train.comm_rules, --comm-rules and $MHCPIPE_COMM_RULES, one spelling
 COMM_RULES = ("backend", "nccl", "nccl-pair")

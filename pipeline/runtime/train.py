@@ -403,6 +403,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group.
     `model`: a user's model (pipeline.user_model) instead of the built-in one; `probe`: see RankRuntime."""
     from pipeline.checkpoint import dcp  # torch.distributed.checkpoint's import: only for runs that use it
+    from pipeline.checkpoint.async_save import AsyncSaver
     from pipeline.checkpoint.policy import should_save
 
     groups = make_groups(cfg, rank, world, device, staged)
@@ -420,6 +421,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     steps = cfg.train.steps
     diagnostics_dir = diagnostics_dir or trace_dir
     diag = diagnostics_log(cfg, rank) if diagnostics_dir is not None else None
+    saver = AsyncSaver(Path(checkpoint_dir), rt) if checkpoint_dir is not None and cfg.train.checkpoint_async \
+        else None
+    blocked: list[float] = []  # seconds each save held the training loop
     try:
         with manual_gc(cfg.train.gc_interval) as collect:
             rt.align_clocks()
@@ -430,12 +434,26 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
                 if rank == 0:
                     log(stats.line(steps))
                 if checkpoint_dir is not None and should_save(k, cfg):
-                    dcp.save(Path(checkpoint_dir), rt, k)
+                    started = time.perf_counter()
+                    if saver is not None:  # staged to host memory, written by a background thread
+                        saver.save(k)
+                    else:
+                        dcp.save(Path(checkpoint_dir), rt, k)
+                    blocked.append(time.perf_counter() - started)
                 collect(k)
+            if saver is not None:
+                started = time.perf_counter()
+                saver.wait()  # the last save published before the run ends
+                blocked.append(time.perf_counter() - started)
     except PipelineError:
         if rt.dev is not None and trace_dir is not None:  # the emulated device's program, up to where it stopped
             rt.dev.close(trace_dir, complete=False)
         raise
+    if blocked and rank == 0 and history:
+        step_s = sorted(s.step_time_s for s in history)[len(history) // 2]
+        per = sum(blocked) / len(blocked) if saver is None else sum(blocked) / max(1, len(blocked) - 1)
+        log(f"checkpoints: {len(blocked) - (saver is not None)} saved ({'asynchronous' if saver else 'synchronous'}), "
+            f"the loop blocked {per * 1e3:.1f} ms per save ({100 * per / step_s:.1f}% of a median step, rank 0)")
     if trace_dir is not None:
         path = rt.save_trace(trace_dir, world)
         if path is not None:

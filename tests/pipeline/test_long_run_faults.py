@@ -128,3 +128,19 @@ def test_a_full_disk_on_one_rank_ends_the_run_in_one_line_and_the_previous_check
     resumed = run(tmp_path, "--steps", "4", "--checkpoint-dir", "ck")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(resumed) == {k: uninterrupted[k] for k in (2, 3, 4)}
+
+
+def test_a_rank_killed_during_an_asynchronous_save_leaves_latest_intact_and_resumes_exactly(tmp_path, uninterrupted):
+    """--async-checkpoint: the save of step 2 is written by a background thread while step 3 trains; rank 1 dies
+    half-way through its shard. `latest` still names step_0 (complete), and a relaunch (asynchronous saves again)
+    resumes from it to the uninterrupted losses."""
+    killed = run(tmp_path, "--steps", "4", "--checkpoint-dir", "ck", "--async-checkpoint",
+                 env={"MHCPIPE_TEST_CRASH_IN_SAVE": "1:1:write"})
+    assert killed.returncode != 0
+    assert "MHCPIPE_TEST_CRASH_IN_SAVE: rank 1 dies while saving" in killed.stderr
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_0"
+    resumed = run(tmp_path, "--steps", "4", "--checkpoint-dir", "ck", "--async-checkpoint")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from ck/step_0" in resumed.stderr and "saved (asynchronous)" in resumed.stdout
+    assert losses(resumed) == {k: uninterrupted[k] for k in (2, 3, 4)}
+    assert listing(tmp_path / "ck") == (("latest", "step_2", "step_3"), "step_3\n")
