@@ -171,9 +171,11 @@ def summarize(pred: Prediction) -> dict[str, Any]:
     par = cfg.parallel
     tokens = par.microbatches * par.tokens_per_microbatch  # the global batch of one step
     gpus = par.world_size
-    # MFU the usual way (PaLM App. B): 3 x the model's forward matmul FLOPs per token (MTP included) per second,
-    # over the GPUs' dense bf16 peak, whatever precision the GEMMs run in
+    # MFU: 3 x the model's forward matmul FLOPs per token (MTP included) per second, over the GPUs' dense bf16
+    # peak, whatever precision the GEMMs run in; in two conventions: causal attention counted as computed (half
+    # the score matrix), and PaLM's (App. B: the full score matrix), which is what most papers report
     flops_token = 3 * forward_flops_per_token(cfg)
+    flops_token_palm = 3 * forward_flops_per_token(cfg, causal=False)
     throughput = {name: tokens / (T * 1e-6) / gpus if T else 0.0 for name, T in (("baseline", Tb), ("mhc", Tm))}
     warnings = []
     for name, v in mem.items():
@@ -208,7 +210,9 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "tokens_per_step": tokens,
         "tokens_per_s_per_gpu": throughput,
         "mfu_pct": {name: 100 * v * flops_token / hw.peak("bf16") for name, v in throughput.items()},
+        "mfu_palm_pct": {name: 100 * v * flops_token_palm / hw.peak("bf16") for name, v in throughput.items()},
         "model_tflop_per_token": flops_token / 1e12,
+        "model_tflop_per_token_palm": flops_token_palm / 1e12,
         # the paper's measure: the overlapped F&B stage as the step runs it (fb_stage.py); the step's beside it
         "fb_stage_overhead_pct": overhead_pct(fb_us["mhc"], fb_us["baseline"]),
         "step_overhead_pct": 100.0 * (Tm / Tb - 1.0) if Tb else 0.0,

@@ -49,8 +49,14 @@ def format_table(pred: Prediction) -> str:
     lines.append(f"  {'tokens/s per GPU':<34}{tp['baseline']:>14,.0f}{tp['mhc']:>14,.0f}"
                  f"{100 * (tp['mhc'] / tp['baseline'] - 1) if tp['baseline'] else 0:>11.2f}%   "
                  f"({s['gpus']:,} GPUs, {s['tokens_per_step']:,} tokens per step)")
-    lines.append(f"  {'MFU (of the dense bf16 peak)':<34}{mfu['baseline']:>13.1f}%{mfu['mhc']:>13.1f}%   "
-                 f"({s['model_tflop_per_token'] * 1e3:,.2f} GFLOP per token: 3 x the forward's matmuls)")
+    lines.append(f"  {'MFU, causal attention as computed':<34}{mfu['baseline']:>13.1f}%{mfu['mhc']:>13.1f}%   "
+                 f"(of the dense bf16 peak; {s['model_tflop_per_token'] * 1e3:,.2f} GFLOP per token: 3 x the "
+                 "forward's matmuls)")
+    if "mfu_palm_pct" in s:
+        palm = s["mfu_palm_pct"]
+        lines.append(f"  {'MFU, PaLM convention':<34}{palm['baseline']:>13.1f}%{palm['mhc']:>13.1f}%   "
+                     f"({s['model_tflop_per_token_palm'] * 1e3:,.2f} GFLOP per token: the full attention score "
+                     "matrix, PaLM App. B)")
     ob, om = s["op_us"]["baseline"], s["op_us"]["mhc"]
     for k in KIND_ORDER:
         if k in ob:

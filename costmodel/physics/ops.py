@@ -357,14 +357,17 @@ def block_params(cfg: RunConfig, block: int, ep: int) -> float:
     return attn + C + C * e.num_experts + 3 * C * e.expert_hidden * (e.num_experts / ep + e.num_shared)
 
 
-def forward_flops_per_token(cfg: RunConfig) -> float:
-    """Model forward FLOPs per token (all blocks + head), for reports (training ~ 3x)."""
+def forward_flops_per_token(cfg: RunConfig, causal: bool = True) -> float:
+    """Model forward FLOPs per token (all blocks + head), for reports (training ~ 3x). `causal`: the attention
+    core as a causal kernel computes it (half of QK^T and PV, as the pricing does); False: PaLM's convention
+    (Chowdhery et al. 2022, App. B: 12 L H Q T per token for training counts the full s x s score matrix, causal
+    or not), i.e. the core counted twice."""
     s = Shape.of(cfg)
-    total = 0.0
-    for b in range(cfg.model.num_blocks):
-        for w in block_work(s, b):
-            total += sum(k.flops for k in w.F if k.cls == "matrix")
-    total += sum(k.flops for k in head(s).F if k.cls == "matrix")
-    mtp = sum(k.flops for w in block_work(s, cfg.model.num_blocks) + (head(s), mtp_prelude(s))
-              for k in w.F if k.cls == "matrix")
+    scale = {"attn.core": 1.0 if causal else 2.0}
+
+    def matmuls(work) -> float:
+        return sum(k.flops * scale.get(k.name, 1.0) for k in work.F if k.cls == "matrix")
+
+    total = sum(matmuls(w) for b in range(cfg.model.num_blocks) for w in block_work(s, b)) + matmuls(head(s))
+    mtp = sum(matmuls(w) for w in block_work(s, cfg.model.num_blocks) + (head(s), mtp_prelude(s)))
     return (total + s.mtp * mtp) / s.T

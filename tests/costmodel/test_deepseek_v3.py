@@ -138,6 +138,12 @@ def test_v3_prediction_prints_throughput_mfu_and_memory(v3, v3_pred, capsys):
         assert s["mfu_pct"][name] == pytest.approx(100 * s["tokens_per_s_per_gpu"][name]
                                                    * s["model_tflop_per_token"] * 1e12 / 989.4e12, rel=1e-12)
     assert s["model_tflop_per_token"] > 6 * 37e9 / 1e12  # 6 x active parameters, plus attention
+    # PaLM's convention counts the full score matrix: V3's MLA core, s^2 h (d_qk + d_v) per sequence causal,
+    # counted twice; 61 layers + the MTP block, x3 for training
+    mla = 4096 * 128 * (192 + 128) * 62 * 3 / 1e12
+    assert s["model_tflop_per_token_palm"] - s["model_tflop_per_token"] == pytest.approx(mla, rel=1e-9)
+    assert s["mfu_palm_pct"]["baseline"] / s["mfu_pct"]["baseline"] == pytest.approx(
+        s["model_tflop_per_token_palm"] / s["model_tflop_per_token"], rel=1e-12)
     # the baseline (V3's own residual) fits an 80 GB H800, as V3 trained there
     assert s["memory_gib"]["baseline"] < H800.memory_bytes / 2**30
     assert main(["predict", "--preset", "deepseek-v3", "--hardware", "h800"]) == 0
