@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an EP group over nodes: deepep = a token crosses the network once per remote node (DeepEP); "
                         "alltoall = every token copy crosses on its own (an NCCL all-to-all)")
     p.add_argument("--uneven", action="store_true", help="allow stages with different block counts")
+    p.add_argument("--split", choices=["even", "balanced"], default="even",
+                   help="blocks per stage: 'even' (the runtime's split) or 'balanced' by cost (the ends' embedding, "
+                        "head and MTP and DualPipe's two chunks per rank counted; costmodel/pricing/stage_split.py)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
     p.add_argument("--sweep", help="plot overhead curves over one input: n=1..8 (streams), bw= (PP link GB/s), "
@@ -237,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ep_per_node is not None and args.ep_per_node < 1:
         raise ValueError(f"--ep-per-node {args.ep_per_node}: EP ranks per node must be >= 1")
     opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
+                   split=args.split,
                    comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node,
                    dispatcher=args.dispatcher)
     spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)

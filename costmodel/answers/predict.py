@@ -93,7 +93,7 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
     spec = spec or residual_spec_of(cfg)
     p = cfg.parallel
     schedule = build(p.schedule, p.ranks, p.microbatches_per_replica)  # one data-parallel replica's pipeline
-    layout = resolve_layout(cfg, schedule, options.allow_uneven)
+    layout = resolve_layout(cfg, schedule, options.allow_uneven, split=options.split, hw=hw)
     base_spec = ResidualSpec.baseline()
     pricers = {"baseline": Pricer(cfg, hw, base_spec, layout, options, profile_pricing=profile_pricing)}
     pricers["mhc"] = Pricer(cfg, hw, spec, layout, options, profile_pricing=profile_pricing)
@@ -202,6 +202,10 @@ def summarize(pred: Prediction) -> dict[str, Any]:
                      "tokens_per_microbatch": cfg.parallel.tokens_per_microbatch},
         # a training step: one replica's pipeline plus the exposed part of the gradient all-reduce (D > 1)
         "iteration_us": {"baseline": Tb, "mhc": Tm},
+        # the busiest rank's compute over the mean rank's (stage imbalance: what a balanced split removes)
+        "rank_busy_max_over_mean": {name: max(sim.busy.values()) / statistics.fmean(sim.busy.values())
+                                    for name, sim in (("baseline", base), ("mhc", mhc))},
+        "stage_blocks": [len(pb.layout[st][0]) for st in pred.schedule.pipelines[0]],
         "pipeline_us": {"baseline": Pb, "mhc": Pm},
         "grad_sync_us": {name: ({"exposed": sync[name].exposed_us, "busiest_rank": sync[name].busiest_us}
                                 if name in sync else None) for name in ("baseline", "mhc")},

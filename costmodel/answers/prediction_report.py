@@ -45,6 +45,10 @@ def format_table(pred: Prediction) -> str:
                      f"{gs['mhc']['busiest_rank'] / 1e3:,.1f} ms in all)")
     else:
         lines.append(f"  {'iteration (makespan)':<34}{_col(_ms(ib))}{_col(_ms(im))}{100 * (im / ib - 1):>11.2f}%")
+    if "rank_busy_max_over_mean" in s:
+        bm = s["rank_busy_max_over_mean"]
+        lines.append(f"  {'busiest rank / mean rank (compute)':<34}{bm['baseline']:>14.3f}{bm['mhc']:>14.3f}   "
+                     f"(blocks per stage {s['stage_blocks']}; --split balanced cuts by cost)")
     tp, mfu = s["tokens_per_s_per_gpu"], s["mfu_pct"]
     lines.append(f"  {'tokens/s per GPU':<34}{tp['baseline']:>14,.0f}{tp['mhc']:>14,.0f}"
                  f"{100 * (tp['mhc'] / tp['baseline'] - 1) if tp['baseline'] else 0:>11.2f}%   "

@@ -50,6 +50,9 @@ class Options:
     config and passes its layout's D)"""
     allow_uneven: bool = False
     """accept stages with different block counts (as the config's parallel.uneven_stages does)"""
+    split: str = "even"
+    """how blocks are cut into stages: 'even' (configs.stage_blocks, the runtime's split) or 'balanced' (by cost,
+    costmodel.pricing.stage_split: the ends' embedding, head and MTP and DualPipe's two chunks per rank counted)"""
     unit_costs: bool = False
     """self-check (costmodel.md §2.6): F = I = W = 1, B = 2, F&B = 3, free P2P"""
 

@@ -33,10 +33,27 @@ from schedules.ir import Action, Kind, Schedule
 from schedules.simulate import SimResult, simulate
 
 
-def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool) -> dict[int, tuple[range, bool, bool]]:
-    """stage -> (blocks, is first of its pipeline, is last)."""
+def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, split: str = "even",
+                   hw: HardwareSpec | None = None) -> dict[int, tuple[range, bool, bool]]:
+    """stage -> (blocks, is first of its pipeline, is last). `split` 'balanced' (with `hw`): the blocks cut by cost
+    (costmodel.pricing.stage_split), uneven by design."""
     out: dict[int, tuple[range, bool, bool]] = {}
     nb = cfg.model.num_blocks
+    if split == "balanced":
+        from costmodel.pricing.stage_split import balanced_split
+
+        if hw is None:
+            raise ValueError("a balanced stage split prices the blocks: give the hardware")
+        if nb < len(schedule.pipelines[0]):
+            raise ValueError(f"{nb} blocks cannot fill {len(schedule.pipelines[0])} pipeline stages "
+                             f"({schedule.kind}, {schedule.num_ranks} ranks); use fewer ranks")
+        cut = balanced_split(cfg, hw, schedule)
+        for chain in schedule.pipelines:
+            for pos, (st, blocks) in enumerate(zip(chain, cut)):
+                out[st] = (blocks, pos == 0, pos == len(chain) - 1)
+        return out
+    if split != "even":
+        raise ValueError(f"stage split {split!r}: 'even' or 'balanced'")
     for chain in schedule.pipelines:
         S = len(chain)
         if nb < S:

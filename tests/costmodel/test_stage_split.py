@@ -1,0 +1,56 @@
+"""Stages balanced by cost (costmodel.pricing.stage_split, `predict --split balanced`): never slower than the even
+split, and shaped by what each rank holds (DualPipe's ranks 0 and P-1 carry both ends)."""
+from __future__ import annotations
+
+import pytest
+
+from configs import load_config, stage_blocks
+from costmodel.answers.predict import predict
+from costmodel.physics.hardware import get_hardware
+from costmodel.pricing.options import Options
+from costmodel.pricing.stage_split import balanced_split, rank_loads
+from schedules import build
+
+H800 = get_hardware("h800")
+
+
+def _schedule(cfg):
+    p = cfg.parallel
+    return build(p.schedule, p.ranks, p.microbatches_per_replica)
+
+
+@pytest.mark.parametrize("preset, over", [
+    ("paper-27b", {}),
+    ("paper-27b", {"parallel": {"schedule": "1f1b", "ranks": 8}}),
+    ("paper-27b", {"parallel": {"schedule": "zb1p", "ranks": 4}}),
+    ("deepseek-v3", {}),
+])
+def test_the_balanced_split_is_never_slower_than_the_even_one(preset, over):
+    cfg = load_config(preset, over or None)
+    even = predict(cfg, H800, options=Options(allow_uneven=True), ladder=False).summary["iteration_us"]
+    balanced = predict(cfg, H800, options=Options(split="balanced"), ladder=False).summary["iteration_us"]
+    for name in ("baseline", "mhc"):
+        assert balanced[name] <= even[name] * (1 + 1e-9), (name, balanced[name], even[name])
+
+
+def test_the_split_covers_every_block_once_and_lowers_the_busiest_rank():
+    for preset in ("deepseek-v3", "paper-27b", "v4-flash"):
+        cfg = load_config(preset)
+        sch = _schedule(cfg)
+        cut = balanced_split(cfg, H800, sch)
+        assert cut[0].start == 0 and cut[-1].stop == cfg.model.num_blocks and all(len(r) >= 1 for r in cut)
+        assert all(a.stop == b.start for a, b in zip(cut, cut[1:]))
+        even = stage_blocks(cfg.model.num_blocks, len(sch.pipelines[0]))
+        assert max(rank_loads(cfg, H800, sch, cut)) <= max(rank_loads(cfg, H800, sch, even))
+
+
+def test_dualpipe_s_end_ranks_hold_both_ends_so_both_end_chunks_shrink():
+    """V3 on DualPipe PP16: rank 0 holds chunk 0 (embedding) and chunk 15 (head, MTP), so the balanced cut gives
+    both end chunks fewer blocks than the middle ones; under 1F1B only the last stage carries the heavy end."""
+    v3 = load_config("deepseek-v3")
+    cut = [len(r) for r in balanced_split(v3, H800, _schedule(v3))]
+    middle = sorted(cut[1:-1])[len(cut) // 2]
+    assert cut[0] < middle and cut[-1] < middle, cut
+    one = load_config("deepseek-v3", {"parallel": {"schedule": "1f1b"}})
+    cut1 = [len(r) for r in balanced_split(one, H800, _schedule(one))]
+    assert cut1[-1] < cut1[0], cut1
