@@ -288,9 +288,8 @@ def run(args: argparse.Namespace) -> int:
                 f"share the cores and the OS time slice, fitting on the baseline trace, predicting baseline and "
                 f"mHC (n={n})")
     hw, pred = predict_on_this_host(cfg, hw, base_trace, args.quick)
-    s = pred.summary
-    print(f"      predicted step: baseline {s['iteration_us']['baseline'] / 1e3:.1f} ms, mHC "
-          f"{s['iteration_us']['mhc'] / 1e3:.1f} ms, overhead {s['step_overhead_pct']:.1f}%", flush=True)
+    # the prediction is stated once, at the end, as the comparison reads it (the summary's step adds the exposed
+    # all-reduce and rounds differently: two numbers for one prediction confused readers)
     timings["prediction"] = time.perf_counter() - t
     t = time.perf_counter()
     _say("4/5", "comparing predicted with measured")
