@@ -98,6 +98,12 @@ def format_table(pred: Prediction) -> str:
         lines.append("    F&B stage = every pair as the step runs it: "
                      f"{fb['baseline'] / 1e3:,.1f} ms per rank baseline, "
                      f"{fb['mhc'] / 1e3:,.1f} ms mHC")
+        pair = s.get("fb_pair_us", {}).get("baseline")
+        if pair:
+            lines.append(f"    one F&B pair (baseline, mean): {pair['priced'] / 1e3:,.2f} ms in the runtime's issue "
+                         f"order, {pair['exposed_comm'] / 1e3:,.2f} ms of it all-to-all with no compute under it; "
+                         f"with its communication fully hidden (max of compute and communication, the bound an "
+                         f"order like DeepSeek's Fig. 4 approaches) {pair['hidden_bound'] / 1e3:,.2f} ms")
     else:
         lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the step (no overlapped F&B stage in "
                      f"{s['schedule']['kind']})")

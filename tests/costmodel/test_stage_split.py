@@ -54,3 +54,14 @@ def test_dualpipe_s_end_ranks_hold_both_ends_so_both_end_chunks_shrink():
     one = load_config("deepseek-v3", {"parallel": {"schedule": "1f1b"}})
     cut1 = [len(r) for r in balanced_split(one, H800, _schedule(one))]
     assert cut1[-1] < cut1[0], cut1
+
+
+def test_the_fb_pair_is_reported_with_its_exposed_communication_and_the_fully_hidden_bound():
+    """V3's pairs: the bound max(compute, comm) lies between the compute alone and the pair as priced, and the pair
+    as priced is at least the bound plus nothing negative; a schedule without pairs reports none."""
+    s = predict(load_config("deepseek-v3"), H800, ladder=False).summary
+    for name in ("baseline", "mhc"):
+        pair = s["fb_pair_us"][name]
+        assert 0 < pair["hidden_bound"] <= pair["priced"] and 0 <= pair["exposed_comm"] < pair["priced"]
+    one = predict(load_config("paper-27b", {"parallel": {"schedule": "1f1b", "ranks": 6}}), H800, ladder=False)
+    assert one.summary["fb_pair_us"] == {"baseline": None, "mhc": None}
