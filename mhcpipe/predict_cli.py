@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="optimizer state sharded over the data-parallel replicas (ZeRO-1, Megatron's "
                         "--use-distributed-optimizer)")
     p.add_argument("--microbatches", type=int, help="micro-batches M per step")
+    p.add_argument("--seq-len", type=int, help="parallel.seq_len: tokens per sequence")
+    p.add_argument("--fp8", choices=["on", "off"], help="train.fp8: the linear layers' GEMMs in FP8 (on) or bf16 (off)")
     p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"],
                    help="residual variant to price")
     p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
@@ -84,13 +86,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     par: dict = {}
     for flag, field in (("pp", "ranks"), ("schedule", "schedule"), ("ep", "expert_parallel"),
-                        ("dp", "data_parallel"), ("microbatches", "microbatches")):
-        v = getattr(args, flag)
+                        ("dp", "data_parallel"), ("microbatches", "microbatches"), ("seq_len", "seq_len")):
+        v = getattr(args, flag, None)
         if v is not None:
             par[field] = v
     out: dict = {"parallel": par} if par else {}
+    train: dict = {}
     if getattr(args, "distributed_optimizer", False):
-        out["train"] = {"distributed_optimizer": True}
+        train["distributed_optimizer"] = True
+    if getattr(args, "fp8", None) is not None:
+        train["fp8"] = args.fp8 == "on"
+    if train:
+        out["train"] = train
     if args.recompute is not None:
         r = args.recompute.strip().lower()
         if r in ("off", "auto"):

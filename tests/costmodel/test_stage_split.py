@@ -65,3 +65,25 @@ def test_the_fb_pair_is_reported_with_its_exposed_communication_and_the_fully_hi
         assert 0 < pair["hidden_bound"] <= pair["priced"] and 0 <= pair["exposed_comm"] < pair["priced"]
     one = predict(load_config("paper-27b", {"parallel": {"schedule": "1f1b", "ranks": 6}}), H800, ladder=False)
     assert one.summary["fb_pair_us"] == {"baseline": None, "mhc": None}
+
+
+def test_fp8_and_seq_len_flags_reach_the_config_and_bad_values_are_one_line(tmp_path, capsys):
+    import json
+
+    from mhcpipe.cli import main
+
+    out = tmp_path / "s.json"
+    assert main(["predict", "--preset", "paper-27b", "--seq-len", "2048", "--json", str(out)]) == 0
+    half = json.loads(out.read_text())
+    assert main(["predict", "--preset", "paper-27b", "--json", str(out)]) == 0
+    full = json.loads(out.read_text())
+    assert half["tokens_per_step"] * 2 == full["tokens_per_step"]
+    assert main(["predict", "--preset", "deepseek-v3", "--fp8", "off", "--json", str(out)]) == 0
+    bf16 = json.loads(out.read_text())
+    assert main(["predict", "--preset", "deepseek-v3", "--json", str(out)]) == 0
+    fp8 = json.loads(out.read_text())
+    assert bf16["tokens_per_s_per_gpu"]["baseline"] < fp8["tokens_per_s_per_gpu"]["baseline"]
+    capsys.readouterr()
+    assert main(["predict", "--preset", "paper-27b", "--seq-len", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "parallel.seq_len" in err, err
