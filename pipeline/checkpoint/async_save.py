@@ -1,5 +1,6 @@
-"""Asynchronous checkpoints (train.checkpoint_async, --async-checkpoint): the step goes on while the previous
-checkpoint is written.
+"""Saving while training: the loop's `Checkpointer` (which steps save, synchronously or not, and how long each
+save held the loop) and asynchronous checkpoints (train.checkpoint_async, --async-checkpoint): the step goes on
+while the previous checkpoint is written.
 
 The main thread only stages: after the optimizer step it copies this rank's keys (parameters, AdamW state) to host
 memory, as torchtitan and Megatron stage before writing, and hands the copy to one background thread, which runs
@@ -23,6 +24,44 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint import dcp
+
+
+class Checkpointer:
+    """The training loop's saves: after each step that policy.should_save names, synchronous (dcp.save) or staged
+    and written in the background (AsyncSaver, train.checkpoint_async); `finish()` waits for the last. Keeps the
+    time each save held the loop, for `summary`."""
+
+    def __init__(self, directory: Path, rt):
+        self.directory, self.rt = Path(directory), rt
+        self.saver = AsyncSaver(self.directory, rt) if rt.cfg.train.checkpoint_async else None
+        self.saves = 0
+        self.blocked_s = 0.0
+
+    def after_step(self, step: int) -> None:
+        from pipeline.checkpoint.policy import should_save
+
+        if not should_save(step, self.rt.cfg):
+            return
+        started = time.perf_counter()
+        if self.saver is not None:
+            self.saver.save(step)
+        else:
+            dcp.save(self.directory, self.rt, step)
+        self.saves += 1
+        self.blocked_s += time.perf_counter() - started
+
+    def finish(self) -> None:
+        if self.saver is not None:
+            started = time.perf_counter()
+            self.saver.wait()  # the last save published before the run ends
+            self.blocked_s += time.perf_counter() - started
+
+    def summary(self, median_step_s: float) -> str | None:
+        if not self.saves:
+            return None
+        per = self.blocked_s / self.saves
+        return (f"checkpoints: {self.saves} saved ({'asynchronous' if self.saver else 'synchronous'}), the loop "
+                f"blocked {per * 1e3:.1f} ms per save ({100 * per / median_step_s:.1f}% of a median step, rank 0)")
 
 
 class AsyncSaver:

@@ -72,6 +72,14 @@ def _digest(model: dict) -> str:
     return hashlib.sha256(json.dumps(model, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+class ModelMismatch(ValueError):
+    """The checkpoint was written by another model config (its message names the first differing field)."""
+
+    def __init__(self, message: str, step_dir: Path, diff: str):
+        super().__init__(message)
+        self.step_dir, self.diff = step_dir, diff
+
+
 def _first_difference(was, now, path: str) -> str | None:
     if isinstance(was, dict) and isinstance(now, dict):
         for key in sorted(set(was) | set(now)):
@@ -226,8 +234,8 @@ def resume_meta(directory: Path, cfg: RunConfig) -> dict:
     manifest = read_manifest(directory, step_dir)
     diff = _first_difference(manifest["model"], _model_dict(cfg.model), "model")
     if diff:
-        raise ValueError(f"--resume: {step_dir} was written by another model config ({diff}); resume with the "
-                         "checkpoint's model config or start without --resume")
+        raise ModelMismatch(f"--resume: {step_dir} was written by another model config ({diff}); resume with the "
+                            "checkpoint's model config or start without --resume", step_dir, diff)
     key = (str(step_dir.resolve()), _digest(manifest))
     if key not in _VERIFIED:
         verify_files(directory, step_dir, manifest)

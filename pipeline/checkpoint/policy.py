@@ -35,7 +35,7 @@ from pipeline.checkpoint.files import LATEST
 def decide_resume(directory: Path, cfg: RunConfig, resume: bool | None, overwrite: bool) -> tuple[bool, str | None]:
     """(resume?, the line to print) for a run of `cfg` with checkpoint folder `directory`; `resume`: True
     (--resume), False (--no-resume) or None (decide); one-line ValueError when the run must not start."""
-    from pipeline.checkpoint.dcp import resume_meta
+    from pipeline.checkpoint.dcp import ModelMismatch, resume_meta
 
     directory = Path(directory)
     has = (directory / LATEST).exists()
@@ -54,15 +54,12 @@ def decide_resume(directory: Path, cfg: RunConfig, resume: bool | None, overwrit
                          "replace; resume them (drop --no-resume), use another --checkpoint-dir, or add --overwrite")
     try:
         meta = resume_meta(directory, cfg)
-    except ValueError as err:
-        if overwrite and "another model config" in str(err):
+    except ModelMismatch as err:
+        if overwrite:
             return False, f"--overwrite: starting fresh; the saves replace the checkpoints in {directory}"
-        text = str(err)
-        if "another model config" in text:
-            text = text.replace("; resume with the checkpoint's model config or start without --resume",
-                                "; run with that config, use another --checkpoint-dir, or add --overwrite")
-        raise ValueError(text.replace("--resume: ", f"{directory} holds checkpoints, which a run resumes by "
-                                      "default: ", 1)) from None
+        raise ValueError(f"{directory} holds checkpoints, which a run resumes by default: {err.step_dir} was written "
+                         f"by another model config ({err.diff}); run with that config, use another "
+                         "--checkpoint-dir, or add --overwrite") from None
     return True, f"resuming from {meta['path']} (step {meta['step'] + 1} done; --no-resume --overwrite starts fresh)"
 
 

@@ -56,6 +56,23 @@ def dense_sets(layout: Layout) -> set[tuple[int, ...]]:
     return {tuple(sorted(r)) for r in rows if len(r) > 1}
 
 
+def join_tie_groups(ties, stages, groups) -> list[TieSet]:
+    """The holder sets of a user model's `ties` over the plan's `stages`, their groups made (collective) and
+    registered in `groups` (pipeline.distributed.layout.ParallelGroups: tie_groups, names); [] when nothing is
+    held by two ranks."""
+    sets = tie_sets(ties, stages, groups.layout)
+    if not sets:
+        return []
+    if groups.world_group is None:
+        raise ValueError(f"tied parameters {', '.join(n for s in sets for n in s.names)} are held by several "
+                         "ranks: a run without a process group cannot sum their gradients")
+    made = make_tie_groups(sets, groups.layout, groups.rank, groups.dense_grad_group, groups.timeout_s)
+    groups.tie_groups.update(made)
+    for label, g in made.items():
+        groups.names.setdefault(id(g), label)
+    return sets
+
+
 def make_tie_groups(sets: list[TieSet], layout: Layout, rank: int, dense_grad_group,
                     timeout_s: float | None) -> dict[str, object]:
     """{label: this rank's group} for the sets it is in (collective: every rank calls it with the same sets, and

@@ -41,7 +41,7 @@ from pipeline.data import Batch, load_tokens, make_batch
 from pipeline.runtime.executor import Executor
 from pipeline.distributed.expert import ExpertComm
 from pipeline.distributed.grad_reduce import GradReducer
-from pipeline.distributed.tied import make_tie_groups, tie_sets
+from pipeline.distributed.tied import join_tie_groups
 from pipeline.distributed.layout import Layout, ParallelGroups, build_groups
 from pipeline.runtime.boundary import BoundaryLayout
 from pipeline.runtime import nonfinite
@@ -199,15 +199,8 @@ class RankRuntime:
                                    groups=groups if groups.world_group is not None else None, strict=self.strict)
         # the gradient reduction follows the rank's lowered actions (the executor runs the same list)
         actions = lower_comms(self.plan.schedule).actions[self.plan.rank]
-        ties = tie_sets(model.ties(), self.plan.stages, layout) if model is not None else []
-        if ties:  # a user model's parameters held on several ranks: the groups that sum their gradients
-            if groups.world_group is None:
-                raise ValueError(f"tied parameters {', '.join(n for s in ties for n in s.names)} are held by "
-                                 "several ranks: a run without a process group cannot sum their gradients")
-            made = make_tie_groups(ties, layout, groups.rank, groups.dense_grad_group, groups.timeout_s)
-            groups.tie_groups.update(made)
-            for label, g in made.items():
-                groups.names.setdefault(id(g), label)
+        # a user model's parameters held on several ranks: the groups that sum their gradients
+        ties = join_tie_groups(model.ties(), self.plan.stages, groups) if model is not None else []
         self.grads_reducer = GradReducer(self.plan, self.stages, groups, self.comms, actions, ties)
         self.executor = Executor(self.plan, self.stages, transport=self.transport, recorder=self.recorder,
                                  env=self.env, store=self.store,
@@ -403,8 +396,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     """Run cfg.train.steps steps (from the checkpoint's next step with `resume`) in an initialized process group.
     `model`: a user's model (pipeline.user_model) instead of the built-in one; `probe`: see RankRuntime."""
     from pipeline.checkpoint import dcp  # torch.distributed.checkpoint's import: only for runs that use it
-    from pipeline.checkpoint.async_save import AsyncSaver
-    from pipeline.checkpoint.policy import should_save
+    from pipeline.checkpoint.async_save import Checkpointer
 
     groups = make_groups(cfg, rank, world, device, staged)
     rt = RankRuntime(cfg, rank, device, groups=groups, staged=staged, on_action=on_action,
@@ -421,9 +413,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
     steps = cfg.train.steps
     diagnostics_dir = diagnostics_dir or trace_dir
     diag = diagnostics_log(cfg, rank) if diagnostics_dir is not None else None
-    saver = AsyncSaver(Path(checkpoint_dir), rt) if checkpoint_dir is not None and cfg.train.checkpoint_async \
-        else None
-    blocked: list[float] = []  # seconds each save held the training loop
+    saves = Checkpointer(Path(checkpoint_dir), rt) if checkpoint_dir is not None else None
     try:
         with manual_gc(cfg.train.gc_interval) as collect:
             rt.align_clocks()
@@ -433,27 +423,19 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, *, trace_
                 history.append(stats)
                 if rank == 0:
                     log(stats.line(steps))
-                if checkpoint_dir is not None and should_save(k, cfg):
-                    started = time.perf_counter()
-                    if saver is not None:  # staged to host memory, written by a background thread
-                        saver.save(k)
-                    else:
-                        dcp.save(Path(checkpoint_dir), rt, k)
-                    blocked.append(time.perf_counter() - started)
+                if saves is not None:
+                    saves.after_step(k)
                 collect(k)
-            if saver is not None:
-                started = time.perf_counter()
-                saver.wait()  # the last save published before the run ends
-                blocked.append(time.perf_counter() - started)
+            if saves is not None:
+                saves.finish()
     except PipelineError:
         if rt.dev is not None and trace_dir is not None:  # the emulated device's program, up to where it stopped
             rt.dev.close(trace_dir, complete=False)
         raise
-    if blocked and rank == 0 and history:
-        step_s = sorted(s.step_time_s for s in history)[len(history) // 2]
-        per = sum(blocked) / len(blocked) if saver is None else sum(blocked) / max(1, len(blocked) - 1)
-        log(f"checkpoints: {len(blocked) - (saver is not None)} saved ({'asynchronous' if saver else 'synchronous'}), "
-            f"the loop blocked {per * 1e3:.1f} ms per save ({100 * per / step_s:.1f}% of a median step, rank 0)")
+    said = saves.summary(sorted(s.step_time_s for s in history)[len(history) // 2]) \
+        if saves is not None and history else None
+    if said and rank == 0:
+        log(said)
     if trace_dir is not None:
         path = rt.save_trace(trace_dir, world)
         if path is not None:

@@ -274,7 +274,7 @@ def no_tie_sum(rank, world, *args):
     """A runtime that lets each holder of a tied parameter train its own copy (no sum over the holders)."""
     import pipeline.runtime.train as train_mod
 
-    return _patched(train_mod, "tie_sets", lambda orig: (lambda *a: []), rank, world, *args)
+    return _patched(train_mod, "join_tie_groups", lambda orig: (lambda *a: []), rank, world, *args)
 
 
 def test_a_tied_model_agrees_on_every_case_and_a_missing_sum_over_the_holders_is_named():

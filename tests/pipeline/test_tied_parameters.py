@@ -32,7 +32,7 @@ def train_tied(rank: int, world: int, cfg_dict: dict, ckpt: str, resume: bool, n
     import pipeline.runtime.train as train_mod
 
     if no_sum:  # the mutation: each holder trains its own copy
-        train_mod.tie_sets = lambda *args: []
+        train_mod.join_tie_groups = lambda *args: []
     cfg = parse_config(cfg_dict)
     model = build_model(load_builder(TIED), cfg.train.seed, None, cfg.parallel.seq_len)
     cfg = user_config(cfg, model)
