@@ -194,6 +194,10 @@ class TrainConfig(BaseModel):
                       "dispatch in FP8 (DeepSeek-V3 §3.3: 1x128 activation tiles, 128x128 weight blocks, master "
                       "weights and optimizer states in higher precision); cost model only, on hardware with an "
                       "fp8 rate")
+    fp8_storage: bool | None = Field(None, description="DeepSeek-V3's activation-storage recipe (§3.2.3, §3.3.3: "
+                                     "SwiGLU inputs and routed tokens cached in FP8, norms and SwiGLU outputs "
+                                     "recomputed), separately from the FP8 GEMMs; None = the same as fp8; cost "
+                                     "model only")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' = cuda when available")
     emulate_cuda: bool = Field(False, description="run the runtime's CUDA path on CPU tensors under the emulated "
                                "CUDA device (pipeline.device.emulated): streams, events, stream-ordered waits and "
@@ -228,6 +232,11 @@ class TrainConfig(BaseModel):
                                    "background while training goes on (--async-checkpoint)")
     skip_nonfinite: bool = Field(False, description="a step whose loss or gradient norm is not finite is skipped "
                                  "(no update, counted in the log) instead of stopping the run (--skip-nonfinite)")
+
+    @property
+    def fp8_activation_storage(self) -> bool:
+        """Whether activations are stored by V3's FP8 recipe: fp8_storage, or fp8 when that is unset."""
+        return self.fp8 if self.fp8_storage is None else self.fp8_storage
 
 
 class RunConfig(BaseModel):

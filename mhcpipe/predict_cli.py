@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, help="micro-batches M per step")
     p.add_argument("--seq-len", type=int, help="parallel.seq_len: tokens per sequence")
     p.add_argument("--fp8", choices=["on", "off"], help="train.fp8: the linear layers' GEMMs in FP8 (on) or bf16 (off)")
+    p.add_argument("--fp8-storage", choices=["on", "off"],
+                   help="train.fp8_storage: V3's FP8 activation-storage recipe, apart from the GEMMs (default: as --fp8)")
     p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"],
                    help="residual variant to price")
     p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
@@ -96,6 +98,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         train["distributed_optimizer"] = True
     if getattr(args, "fp8", None) is not None:
         train["fp8"] = args.fp8 == "on"
+    if getattr(args, "fp8_storage", None) is not None:
+        train["fp8_storage"] = args.fp8_storage == "on"
     if train:
         out["train"] = train
     if args.recompute is not None:

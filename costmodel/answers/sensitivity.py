@@ -46,7 +46,8 @@ from configs import RunConfig
 
 DEFAULT_PCT = 20.0
 MEASURED = ("HBM bandwidth TB/s", "inter-node bandwidth GB/s", "intra-node bandwidth GB/s", "GEMM efficiency",
-            "mHC kernel bandwidth")
+            "mHC kernel bandwidth", "FP8 GEMM efficiency", "attention forward efficiency",
+            "attention backward efficiency")  # the last three from published kernel benchmarks (hardware.py)
 CHOICES = ("EP", "M (micro-batches)", "C (hidden)")
 ASSUMED = ("HBM efficiency", "SM share of HBM-bound kernels", "kernel launch gap us", "all-to-all SMs",
            "IB efficiency", "IB latency us", "NVLink efficiency", "NVLink latency us", "Sinkhorn iterations",
@@ -164,6 +165,13 @@ def moves(cfg: RunConfig, hw: HardwareSpec,
 
     curve("GEMM efficiency", "matrix_eff", hw.matrix_eff,
           " (Hopper: the H200-measured 0.80 ceiling, gpu.md §3, read across to H100/H800)")
+    if cfg.train.fp8:
+        curve("FP8 GEMM efficiency", "fp8_matrix_eff", hw.matrix_curve("fp8"),
+              " (Hopper: DeepGEMM's best V3 training shape on H800, hardware.py)")
+    curve("attention forward efficiency", "attention_fwd_eff", hw.matrix_curve(op="attn_fwd"),
+          " (Hopper: FlashAttention-3, head dim 128, 4k, hardware.py)")
+    curve("attention backward efficiency", "attention_bwd_eff", hw.matrix_curve(op="attn_bwd"),
+          " (Hopper: FlashAttention-3, head dim 128, 4k, hardware.py)")
     curve("HBM efficiency", "memory_eff", hw.memory_eff,
           " (Hopper: the H200-measured copy 0.896 ceiling read across; every memory-bound kernel"
           + (", the mHC kernels included)" if hw.mhc_memory_eff is None else ")"))

@@ -24,8 +24,16 @@ Sources of the numbers (all dense, no sparsity):
   reports ~160 GB/s achievable (efficiency 0.8); InfiniBand 400 Gb/s = 50 GB/s per GPU (same section).
 * FP8 (train.fp8): Hopper (H800, H100, H200) 1,978.9 TFLOP/s dense (the H100 datasheet's 3,958 with sparsity,
   halved); B200 4.5 PFLOP/s dense (72 PF sparse per HGX board / 8 / 2); the A100 has no FP8 tensor cores (no rate:
-  an FP8 run on it is refused). The same matrix curve as bf16: DeepGEMM reports 1,350+ FP8 TFLOP/s on Hopper at
-  its release and up to 1,550 on H800 later (0.68-0.78 of peak), around the curve's 0.80 top.
+  an FP8 run on it is refused). FP8 GEMMs have their own curve (`fp8_matrix_eff`), not the bf16 ceiling: DeepGEMM's
+  release table (github.com/deepseek-ai/DeepGEMM README, H800, NVCC 12.8) gives its grouped contiguous GEMMs at V3's
+  training shapes (4-8 groups of 4,096-8,192 tokens, N x K = 4096 x 7168 and 7168 x 2048) 1,093-1,297 TFLOP/s,
+  0.55-0.66 of 1,978.9; dense M = 4,096: 590-1,358. The Hopper fp8 curve is Calculon's shape with its top at
+  1,297 / 1,978.9 = 0.655 (the best V3 training shape: a ceiling, not a mean; DeepGEMM reached up to 1,550 = 0.78
+  on some shapes after 2025-04, which V3's run did not have).
+* Attention core: its own curves (`attention_fwd_eff`, `attention_bwd_eff`): FlashAttention-3 (Shah et al. 2024,
+  arXiv 2407.08608, "Attention forward/backward speed, head dim 128, H100 80GB SXM5") at sequence 4k: forward 638,
+  backward 542 TFLOP/s = 0.645 / 0.548 of 989.4 (bf16): the Hopper attention curves have those tops. The A100
+  keeps its matrix curve for both (None: FlashAttention-2 on A100 reaches the GEMM-class ~0.7 of peak).
 * H100 SXM5 (NVIDIA H100 datasheet): bf16 989.4, tf32 494.7, fp32 66.9 TFLOP/s; 80 GB HBM3 3.35 TB/s; NVLink 4
   900 GB/s bidirectional = 450 GB/s per direction; 132 SMs.
 * H200 SXM (NVIDIA H200 datasheet): same compute as H100; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
@@ -162,6 +170,12 @@ class HardwareSpec(BaseModel):
     matrix_eff: Curve
     vector_eff: Curve
     memory_eff: Curve
+    fp8_matrix_eff: Curve | None = Field(None, description="efficiency curve of FP8 GEMMs (train.fp8: DeepGEMM-class "
+                                         "kernels with fine-grained scaling); None = matrix_eff")
+    attention_fwd_eff: Curve | None = Field(None, description="efficiency curve of the attention core's forward "
+                                            "(FlashAttention-class); None = matrix_eff")
+    attention_bwd_eff: Curve | None = Field(None, description="efficiency curve of the attention core's backward; "
+                                            "None = matrix_eff")
     mhc_memory_eff: Curve | None = Field(None, description="efficiency curve of the mHC kernels' HBM traffic (groups "
                                          "mhc and recompute: TileLang, Triton and cuTile kernels differ by up to "
                                          "~2x); None = memory_eff")
@@ -203,10 +217,23 @@ class HardwareSpec(BaseModel):
             return self.peak_flops.get("bf16", self.vector_flops)
         raise ValueError(f"{self.name}: no peak rate for dtype {dtype!r}; known {', '.join(self.peak_flops)}")
 
-    def matmul_us(self, flops: float, nbytes: float, dtype: str = "bf16", mhc: bool = False) -> float:
-        """Tensor-core GEMM (or attention core): roofline of the matrix and memory curves, without launch."""
-        t_c = flops / (self.peak(dtype) * self.matrix_eff(flops / GFLOP)) if flops > 0 else 0.0
-        return max(t_c * 1e6, self.memory_us(nbytes, mhc))
+    def matrix_curve(self, dtype: str = "bf16", op: str = "gemm") -> Curve:
+        """The efficiency curve a tensor-core kernel runs on: the attention core's forward/backward curve (`op`
+        attn_fwd / attn_bwd), an FP8 GEMM's (dtype fp8), else the matrix curve; each falls back to matrix_eff."""
+        own = {"attn_fwd": self.attention_fwd_eff, "attn_bwd": self.attention_bwd_eff}.get(op)
+        if own is None and dtype == "fp8":
+            own = self.fp8_matrix_eff
+        return self.matrix_eff if own is None else own
+
+    def matmul_compute_us(self, flops: float, dtype: str = "bf16", op: str = "gemm") -> float:
+        """The compute side of a tensor-core kernel's roofline (us)."""
+        if flops <= 0:
+            return 0.0
+        return flops / (self.peak(dtype) * self.matrix_curve(dtype, op)(flops / GFLOP)) * 1e6
+
+    def matmul_us(self, flops: float, nbytes: float, dtype: str = "bf16", mhc: bool = False, op: str = "gemm") -> float:
+        """Tensor-core GEMM (or attention core, `op`): roofline of its efficiency curve and memory, without launch."""
+        return max(self.matmul_compute_us(flops, dtype, op), self.memory_us(nbytes, mhc))
 
     def vector_us(self, flops: float, nbytes: float, mhc: bool = False) -> float:
         """Elementwise / reduction kernel: vector-unit curve vs memory curve, without launch."""
@@ -319,6 +346,9 @@ CALCULON_VECTOR = Curve(unit="GFLOP", points=[(0, 0.1), (1, 0.5), (16, 0.95)])
 CALCULON_HBM = Curve(unit="MB", points=[(0, 0.3), (1, 0.6), (10, 0.75), (100, 0.9)])
 HOPPER_MATRIX = CALCULON_MATRIX.scaled(790 / 989.4)  # measured H200 GEMM ceiling (gpu.md §3)
 HOPPER_HBM = CALCULON_HBM.scaled(4.3 / 4.8)  # measured H200 copy ceiling (gpu.md §3), ~0.90 as Calculon's
+HOPPER_FP8 = CALCULON_MATRIX.scaled(1297 / 1978.9)  # DeepGEMM's best V3 training shape on H800 (module docstring)
+HOPPER_ATTN_FWD = CALCULON_MATRIX.scaled(638 / 989.4)  # FlashAttention-3, head dim 128, 4k (module docstring)
+HOPPER_ATTN_BWD = CALCULON_MATRIX.scaled(542 / 989.4)
 
 IB_400G = Link(name="InfiniBand NDR 400Gb/s", bandwidth=50 * GB, latency_us=2.0, efficiency=0.9)
 
@@ -333,7 +363,8 @@ def _hopper(name: str, description: str, hbm_tbs: float, mem_gb: float, nvlink_g
         name=name, description=description,
         peak_flops={"fp8": 1978.9e12, "bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, vector_flops=66.9e12,
         hbm_bandwidth=hbm_tbs * TB, memory_bytes=mem_gb * GIB, sms=132, comm_sms=20,
-        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
+        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM, fp8_matrix_eff=HOPPER_FP8,
+        attention_fwd_eff=HOPPER_ATTN_FWD, attention_bwd_eff=HOPPER_ATTN_BWD,
         intra=_nvlink(nvlink_gbs, nvlink_eff), inter=IB_400G, meta={"source": "vendor datasheets, see hardware.py"})
 
 
@@ -345,7 +376,8 @@ BUILTIN: dict[str, HardwareSpec] = {
         name="b200", description="NVIDIA B200 (HGX) 180GB, NVLink 1.8 TB/s, IB 400 Gb/s per GPU",
         peak_flops={"fp8": 4.5e15, "bf16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}, vector_flops=75e12,
         hbm_bandwidth=8 * TB, memory_bytes=180 * GIB, sms=148, comm_sms=20,
-        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM,
+        matrix_eff=HOPPER_MATRIX, vector_eff=CALCULON_VECTOR, memory_eff=HOPPER_HBM, fp8_matrix_eff=HOPPER_FP8,
+        attention_fwd_eff=HOPPER_ATTN_FWD, attention_bwd_eff=HOPPER_ATTN_BWD,
         intra=_nvlink(1800, 0.6), inter=IB_400G, meta={"source": "HGX B200 datasheet; curves assumed Hopper-like"}),
     "a100": HardwareSpec(
         name="a100", description="NVIDIA A100 SXM 80GB, NVLink 600 GB/s, IB HDR 200 Gb/s per GPU",

@@ -35,8 +35,8 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   and fp32 logits V. One chunk = one stage's layers for one micro-batch. MLA (model.mla) keeps its latents, not
   the heads (DeepSeek-V3 §3.3.3 recomputes the up-projections): norm input and normed C each, the query latent
   and its norm 2 q_lora, the key/value latent with the rotary key and its norm 2 kv_lora + rope, the attention
-  output h v and the fp32 log-sum-exp per head. FP8 (train.fp8) brings DeepSeek-V3's storage recipe with it
-  (§3.2.3, §3.3.3): the SwiGLU inputs (gate and up) and the routed experts' received tokens are cached in FP8
+  output h v and the fp32 log-sum-exp per head. FP8 storage (train.fp8_storage, default train.fp8) is
+  DeepSeek-V3's recipe (§3.2.3, §3.3.3): the SwiGLU inputs (gate and up) and the routed experts' received tokens are cached in FP8
   (1 byte + a scale per 128) and the SwiGLU output is recomputed in backward; every RMSNorm is recomputed (its
   input kept, not its output); the router probabilities weight the experts' SwiGLU output before the down
   projection (Megatron-LM's weighted SwiGLU with DeepEP), so the combine keeps no k C copy of the expert outputs.
@@ -125,7 +125,7 @@ def sublayer_activation_elems(cfg: RunConfig, block: int, d: int) -> tuple[float
     C, q, h = m.hidden, m.num_heads * m.head_dim, m.num_heads
     fp32 = 4 / d
     a = m.mla
-    v3 = cfg.train.fp8  # the V3 storage recipe (module docstring)
+    v3 = cfg.train.fp8_activation_storage  # the V3 storage recipe (module docstring)
     norm = 1 if v3 else 2  # an RMSNorm keeps its input and output, or only its input when it is recomputed
     if a is None:
         attn = norm * C + 4 * q + fp32 * h

@@ -26,8 +26,14 @@ Conventions (costmodel.md §2.1):
   on 1-byte operands. Their overhead is the quantisation of each activation operand, a memory pass reading d and
   writing 1 byte plus one fp32 scale per 128 elements (`Kernel.quant_bytes`, priced as a serial pass before the
   GEMM): the A operand in F and dgrad, both operands in wgrad (re-quantised in the transposed 128 x 1 tiles).
-  Weights are quantised once per optimizer step (not priced). The dispatch carries FP8 tokens with their scales;
-  the combine stays in the activation dtype (V3 §3.3.4).
+  Weights are quantised once per optimizer step (not priced). The dispatch carries FP8 tokens with their scales,
+  and so does the combine's backward (the activation gradient before the experts' down projection); the combine
+  and the dispatch's backward stay in the activation dtype (V3 §3.3.4).
+* Permute: one memory pass of the token copies on each side of the exchange (`moe.permute`, `moe.unpermute` and
+  their backward). With DeepEP the sender's permute is fused into the dispatch (it reads token rows by index), but
+  the receiver then groups the copies per local expert for the grouped GEMM's contiguous layout, a pass of the same
+  bytes; likewise the combine reduces the k copies itself while the expert side reorders them first. So both
+  dispatchers price the same passes: fusing moves a pass, it does not remove it.
 * MTP (model.mtp_depth, DeepSeek-V3 §2.2): each module on the pipeline's last stage gathers the next tokens'
   embeddings, normalises both inputs, projects 2C -> C, runs one more MoE block and the shared head again.
 The residual connection itself (plain add, or the mHC kernels around the sub-layer) is priced in mhc_cost.py.
@@ -64,6 +70,7 @@ class Kernel:
     deps: tuple[int, ...] = (-1,)
     preemptible: bool = True
     quant_bytes: float = 0.0  # FP8: bytes of the quantisation pass before the GEMM (module docstring)
+    op: str = "gemm"  # which efficiency curve a matrix kernel runs on: gemm, attn_fwd, attn_bwd (HardwareSpec)
 
     def scaled(self, factor: float) -> "Kernel":
         return replace(self, flops=self.flops * factor, nbytes=self.nbytes * factor,
@@ -145,10 +152,10 @@ def attention(s: Shape) -> SubLayerWork:
     w.F = [vec("attn.norm", d * 2 * T * C, 4 * T * C),
            linear("attn.qkv", T, C, 3 * q, s),
            vec("attn.rope", d * 4 * T * q, 6 * T * q),
-           Kernel("attn.core", "matrix", core_f, io, dt),
+           Kernel("attn.core", "matrix", core_f, io, dt, op="attn_fwd"),
            linear("attn.out", T, q, C, s)]
     w.I = [linear("attn.out.dgrad", T, C, q, s),
-           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt),
+           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt, op="attn_bwd"),
            vec("attn.rope.bwd", d * 4 * T * q, 6 * T * q),
            linear("attn.qkv.dgrad", T, 3 * q, C, s),
            vec("attn.norm.bwd", d * 3 * T * C, 6 * T * C)]
@@ -171,13 +178,13 @@ def mla_attention(s: Shape) -> SubLayerWork:
            linear("attn.q_a", T, C, ql, s), vec("attn.q_norm", d * 2 * T * ql, 4 * T * ql), up[0],
            linear("attn.kv_a", T, C, kvl + rope, s), vec("attn.kv_norm", d * 2 * T * kvl, 4 * T * kvl), up[1],
            vec("attn.rope", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
-           Kernel("attn.core", "matrix", core_f, io, dt),
+           Kernel("attn.core", "matrix", core_f, io, dt, op="attn_fwd"),
            linear("attn.out", T, h * v, C, s)]
     w.I = [linear("attn.out.dgrad", T, C, h * v, s),
            vec("attn.q_norm.recompute", d * 2 * T * ql, 4 * T * ql), replace(up[0], name="attn.q_b.recompute"),
            vec("attn.kv_norm.recompute", d * 2 * T * kvl, 4 * T * kvl), replace(up[1], name="attn.kv_b.recompute"),
            vec("attn.rope.recompute", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
-           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt),
+           Kernel("attn.core.bwd", "matrix", s.attn_bwd * core_f, 2 * io, dt, op="attn_bwd"),
            vec("attn.rope.bwd", d * 4 * T * (h + 1) * rope, 6 * T * (h + 1) * rope),
            linear("attn.kv_b.dgrad", T, h * (nope + v), kvl, s), vec("attn.kv_norm.bwd", d * 3 * T * kvl, 6 * T * kvl),
            linear("attn.kv_a.dgrad", T, kvl + rope, C, s),
@@ -261,8 +268,8 @@ def moe(s: Shape) -> SubLayerWork:
     # [dispatch.bwd], permute.bwd, top-k.bwd, router dgrad, norm.bwd (+ shared input-grad)
     b: list[tuple[Kernel, tuple[int, ...] | None]] = [
         (Kernel("moe.unpermute.bwd", "memory", 0, 2 * a2a_bytes + d * T * C), None)]
-    if a2a:
-        b.append((Kernel("moe.combine.bwd", "a2a", 0, a2a_bytes, **comm), None))
+    if a2a:  # the gradient going back to the experts: FP8 as the dispatch (module docstring)
+        b.append((Kernel("moe.combine.bwd", "a2a", 0, dispatch_bytes, **comm), None))
     routed_grad = len(b) - 1
     sh = []
     for j, kern in enumerate(shared.I[:-1]):

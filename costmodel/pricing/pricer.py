@@ -160,7 +160,7 @@ class Pricer:
         mhc = self._on_mhc_curve(k)
         if k.cls == "matrix":  # an FP8 GEMM's quantisation pass runs before it (ops.linear)
             quant = hw.memory_us(k.quant_bytes) + launch if k.quant_bytes else 0.0
-            return hw.matmul_us(k.flops, k.nbytes, k.dtype, mhc) + launch + quant
+            return hw.matmul_us(k.flops, k.nbytes, k.dtype, mhc, k.op) + launch + quant
         if k.cls == "vector":
             return hw.vector_us(k.flops, k.nbytes, mhc) + launch
         if k.cls == "memory":
@@ -177,7 +177,7 @@ class Pricer:
         t_mem = hw.memory_us(k.nbytes, self._on_mhc_curve(k))
         t_cmp = 0.0
         if k.flops > 0 and k.cls == "matrix":
-            t_cmp = k.flops / (hw.peak(k.dtype) * hw.matrix_eff(k.flops / 1e9)) * 1e6
+            t_cmp = hw.matmul_compute_us(k.flops, k.dtype, k.op)
         elif k.flops > 0 and k.cls == "vector":
             t_cmp = k.flops / (hw.vector_flops * hw.vector_eff(k.flops / 1e9)) * 1e6
         sm = min(1.0, max(t_cmp, hw.bandwidth_sm_share * t_mem) / duration)

@@ -26,7 +26,7 @@ def _work_us(hw: HardwareSpec, works) -> float:
     for w in works:
         for k in (*w.F, *w.I, *w.W):
             if k.cls == "matrix":
-                total += hw.matmul_us(k.flops, k.nbytes, k.dtype)
+                total += hw.matmul_us(k.flops, k.nbytes, k.dtype, op=k.op)
             elif k.cls == "vector":
                 total += hw.vector_us(k.flops, k.nbytes)
             elif k.cls == "memory":
