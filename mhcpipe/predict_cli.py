@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, help="parallel.seq_len: tokens per sequence")
     p.add_argument("--fp8", choices=["on", "off"], help="train.fp8: the linear layers' GEMMs in FP8 (on) or bf16 (off)")
     p.add_argument("--fp8-storage", choices=["on", "off"],
-                   help="train.fp8_storage: V3's FP8 activation-storage recipe, apart from the GEMMs (default: as --fp8)")
+                   help="train.fp8_storage: V3's FP8 activation-storage recipe, apart from the GEMMs "
+                        "(default: as --fp8)")
     p.add_argument("--variant", choices=["residual", "hc", "mhc", "mhc-lite", "mhc-sp", "xhc"],
                    help="residual variant to price")
     p.add_argument("--n", type=int, help="residual streams n (N for xhc)")
