@@ -38,8 +38,8 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
   output h v and the fp32 log-sum-exp per head. FP8 storage (train.fp8_storage, default train.fp8) is
   DeepSeek-V3's recipe (§3.2.3, §3.3.3): the SwiGLU inputs (gate and up) and the routed experts' received tokens
   are cached in FP8 (1 byte + a scale per 128) and the SwiGLU output is recomputed in backward; every RMSNorm is
-  recomputed (its input kept, not its output); the router probabilities weight the experts' SwiGLU output before the down
-  projection (Megatron-LM's weighted SwiGLU with DeepEP), so the combine keeps no k C copy of the expert outputs.
+  recomputed (its input kept, not its output); the router probabilities weight the experts' SwiGLU output before the
+  down projection (Megatron-LM's weighted SwiGLU with DeepEP), so the combine keeps no k C copy of the expert outputs.
   MTP (model.mtp_depth) on the last stage: per module the projection's input and output 3C, one MoE block with
   its residual side (no recompute) and the head's normed C and fp32 logits.
 * The activation peak follows the schedule (`activation_peak`): walking a rank's program, a chunk is alive from
