@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", help="off | auto | an integer block size L_r (sub-layers)")
     p.add_argument("--fb-mode", default="streams", choices=["streams", "serial", "max"],
                    help="F&B step: kernels on streams (default), serial F+B, or max(F, B)")
+    p.add_argument("--fb-order", default="runtime", choices=["runtime", "deepseek"],
+                   help="issue order inside an F&B pair: the runtime's (default: forward first, weight gradients "
+                        "last) or DeepSeek-V3 Fig. 4's (backward first, each weight gradient in place)")
     p.add_argument("--no-hp", action="store_true", help="MLP post+res on the normal stream (no high-priority stream)")
     p.add_argument("--sigma", type=float, help="extra compute slowdown under all-to-all beyond the SM carve-out "
                    "(default: the hardware's, 0)")
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--comm-sms {args.comm_sms}: must be >= 0 and below the {hw.name}'s {hw.sms} SMs")
     if args.ep_per_node is not None and args.ep_per_node < 1:
         raise ValueError(f"--ep-per-node {args.ep_per_node}: EP ranks per node must be >= 1")
-    opts = Options(fb_mode=args.fb_mode, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
+    opts = Options(fb_mode=args.fb_mode, fb_order=args.fb_order, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
                    split=args.split,
                    comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node,
                    dispatcher=args.dispatcher)

@@ -130,11 +130,10 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
 
 
 def fb_pair_bounds(pricer: Pricer) -> dict[str, float] | None:
-    """The overlapped F&B pairs as priced (their kernels in the runtime's issue order on the compute, hp and comm
-    streams), means over the pairs: the pair's time, its all-to-all with no compute under it, and the bound of a
-    pair whose communication is fully hidden, max(compute, communication): what an issue order such as DeepSeek's
-    Fig. 4 (one half's dispatch and combine under the other half's attention and MLP) approaches at best. None
-    without F&B pairs."""
+    """The overlapped F&B pairs as priced (their kernels in the option's issue order, Options.fb_order, on the
+    compute, hp and comm streams), means over the pairs: the pair's time, its all-to-all with no compute under it,
+    and the bound of a pair whose communication is fully hidden, max(compute, communication): what any issue order
+    approaches at best. None without F&B pairs."""
     pairs = [r for k, r in pricer.results.items() if k[0] == "FB"]
     if not pairs:
         return None
@@ -236,6 +235,7 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "step_overhead_pct": 100.0 * (Tm / Tb - 1.0) if Tb else 0.0,
         "fb_stage_us": fb_us,
         "fb_pair_us": {name: fb_pair_bounds(pr) for name, pr in (("baseline", pb), ("mhc", pm))},
+        "fb_order": pb.opt.fb_order,
         "fb_pairs": [row.to_json() for row in pairs],
         "breakdown_pp": {"kernel_traffic": pct(st["kernels"] - st["baseline"]),
                          "recompute": pct(st["recompute"] - st["kernels"]),

@@ -100,10 +100,14 @@ def format_table(pred: Prediction) -> str:
                      f"{fb['mhc'] / 1e3:,.1f} ms mHC")
         pair = s.get("fb_pair_us", {}).get("baseline")
         if pair:
-            lines.append(f"    one F&B pair (baseline, mean): {pair['priced'] / 1e3:,.2f} ms in the runtime's issue "
-                         f"order, {pair['exposed_comm'] / 1e3:,.2f} ms of it all-to-all with no compute under it; "
-                         f"with its communication fully hidden (max of compute and communication, the bound an "
-                         f"order like DeepSeek's Fig. 4 approaches) {pair['hidden_bound'] / 1e3:,.2f} ms")
+            order = ("the runtime's issue order (--fb-order runtime, the default: what this runtime runs)"
+                     if s.get("fb_order", "runtime") == "runtime" else
+                     "DeepSeek-V3 Fig. 4's order (--fb-order deepseek: backward first, weight gradients in place; "
+                     "not what this runtime runs)")
+            lines.append(f"    one F&B pair (baseline, mean): {pair['priced'] / 1e3:,.2f} ms in {order}, "
+                         f"{pair['exposed_comm'] / 1e3:,.2f} ms of it all-to-all with no compute under it; "
+                         f"with its communication fully hidden (max of compute and communication, the bound any "
+                         f"order approaches) {pair['hidden_bound'] / 1e3:,.2f} ms")
     else:
         lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the step (no overlapped F&B stage in "
                      f"{s['schedule']['kind']})")

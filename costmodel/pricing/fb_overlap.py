@@ -130,10 +130,12 @@ def _flatten(chains: list[list[TimedOp]]):
     return ops, chain_of, base, succ, preds, missing
 
 
-def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool) -> list[int]:
-    """The order ops are issued in: the halves' segments alternate, F first; with `pair`, deferred W kernels are
-    issued after both halves, in their order."""
+def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool, b_first: bool = False) -> list[int]:
+    """The order ops are issued in: the halves' segments alternate, F first (B first with `b_first`); with
+    `pair`, deferred W kernels are issued after both halves, in their order."""
     parts = [_segments(chain, base[c], pair) for c, chain in enumerate(chains)]
+    if b_first:
+        parts.reverse()
     order: list[int] = []
     for k in range(max((len(p[0]) for p in parts), default=0)):
         for segs, _ in parts:
@@ -143,13 +145,14 @@ def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool) -> li
 
 
 def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
-                comm_share: float = 0.0, lags: tuple[float, ...] | None = None, wfill: str = "end") -> OverlapResult:
+                comm_share: float = 0.0, lags: tuple[float, ...] | None = None, wfill: str = "end",
+                b_first: bool = False) -> OverlapResult:
     if wfill not in WFILL:
         raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
     ops, chain_of, base, succ, preds, missing = _flatten(chains)
     N = len(ops)
     lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
-    order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end")
+    order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end", b_first=b_first)
 
     def stream_of(i: int) -> str:
         s = ops[i].stream
@@ -280,7 +283,7 @@ def run_serial(chains: list[list[TimedOp]]) -> OverlapResult:
 
 def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0.0, hp: bool = True, *,
             corun: bool = True, comm_share: float = 0.0, lags: tuple[float, ...] | None = None,
-            wfill: str = "end") -> OverlapResult:
+            wfill: str = "end", b_first: bool = False) -> OverlapResult:
     """Duration of one action made of `chains` (1 chain, or 2 for an F&B step); see the module docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown overlap mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -304,4 +307,4 @@ def overlap(chains: list[list[TimedOp]], mode: str = "streams", sigma: float = 0
         timeline = [(k, *row[1:]) for k, p in enumerate(parts) for row in p.timeline]
         return OverlapResult(best.makespan, sum(p.compute_busy for p in parts), sum(p.comm_busy for p in parts),
                              best.exposed_comm, _group_time(chains), tuple(p.release[0] for p in parts), timeline)
-    return run_streams(chains, sigma, hp, lags=lags, **kw)
+    return run_streams(chains, sigma, hp, lags=lags, b_first=b_first and len(chains) > 1, **kw)

@@ -8,6 +8,7 @@ from costmodel.pricing.fb_overlap import MODES
 from schedules.engine import P2P_MODES
 
 DISPATCHERS = ("deepep", "alltoall")
+FB_ORDERS = ("runtime", "deepseek")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,12 @@ class Options:
     fb_mode: str = "streams"
     """how an F&B step is priced (overlap.MODES): its sub-operations on three streams in DualPipe's program order
     ("streams"), F + B back to back ("serial", as the DeepSeek figures draw it), or max(F, B)"""
+    fb_order: str = "runtime"
+    """the issue order inside an F&B pair (fb_overlap._issue_order): "runtime" (what pipeline/runtime/overlap.py
+    runs: the forward half's first segment first, the backward's weight gradients after both halves) or "deepseek"
+    (our reading of DeepSeek-V3's Fig. 4: the backward half's segment first, so its combine all-to-all runs under
+    the forward's attention, each weight gradient where its backward produced it: MLP(B), MLP(W), ATTN(B), ATTN(W));
+    the runtime does not run the second"""
     single_mode: str | None = None
     """how single actions (F, I, W, B) are priced: "streams" (their kernels and all-to-alls on the streams) or
     "serial"; None = as fb_mode implies ("serial" when fb_mode is "serial", "streams" otherwise)"""
@@ -63,6 +70,8 @@ class Options:
             raise ValueError(f"fb_mode {self.fb_mode!r}: choose one of {', '.join(MODES)}")
         if self.single_mode not in (None, "streams", "serial"):
             raise ValueError(f"single_mode {self.single_mode!r}: choose 'streams', 'serial' or None")
+        if self.fb_order not in FB_ORDERS:
+            raise ValueError(f"fb_order {self.fb_order!r}: choose one of {', '.join(FB_ORDERS)}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher {self.dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
         if self.ep_per_node is not None and self.ep_per_node < 1:

@@ -338,8 +338,10 @@ class Pricer:
     # ---- schedule callbacks -----------------------------------------------------------------------------
     def _run(self, chains: list[list[TimedOp]], fb: bool, lags: tuple[float, float] | None = None) -> OverlapResult:
         mode = self.opt.fb_mode if fb else self.opt.single_action_mode
+        deepseek = self.opt.fb_order == "deepseek"
         return overlap(chains, mode, self.sigma, self.opt.hp_stream, corun=self.opt.corun,
-                       comm_share=self.comm_share, lags=lags)
+                       comm_share=self.comm_share, lags=lags, wfill="program" if deepseek else "end",
+                       b_first=deepseek)
 
     def _chains(self, a: Action) -> list[list[TimedOp]]:
         """The action's kernel chains (built once per kind and stage key)."""
