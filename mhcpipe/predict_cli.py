@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--comm-sms {args.comm_sms}: must be >= 0 and below the {hw.name}'s {hw.sms} SMs")
     if args.ep_per_node is not None and args.ep_per_node < 1:
         raise ValueError(f"--ep-per-node {args.ep_per_node}: EP ranks per node must be >= 1")
-    opts = Options(fb_mode=args.fb_mode, fb_order=args.fb_order, hp_stream=not args.no_hp, sigma=args.sigma, allow_uneven=args.uneven,
-                   split=args.split,
+    opts = Options(fb_mode=args.fb_mode, fb_order=args.fb_order, hp_stream=not args.no_hp, sigma=args.sigma,
+                   allow_uneven=args.uneven, split=args.split,
                    comm_sms=args.comm_sms, corun=not args.no_corun, p2p=args.p2p, ep_per_node=args.ep_per_node,
                    dispatcher=args.dispatcher)
     spec = residual_spec_of(cfg, args.variant, args.n, args.k, fused=not args.unfused)
