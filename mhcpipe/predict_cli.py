@@ -281,12 +281,23 @@ def _report(cfg, hw, spec, opts, args) -> int:
     import json
 
     from costmodel.answers import charts as charts
+    from costmodel.answers.predict import predict
+
+    published = None
 
     if args.explain:
         from costmodel.answers.explain import explain, format_explain, to_json
 
+        from costmodel.answers.published_road import format_road, road
+        from costmodel.answers.published_road import to_json as road_json
+
         result = explain(cfg, hw, spec, opts, profile_pricing=HostPricing())
         print(format_explain(result))
+        # a config with a published throughput (DeepSeek-V3's): the road from the roofline to it
+        published = road(cfg, hw, opts, lambda c: predict(c, hw, spec, opts, ladder=False,
+                                                          profile_pricing=HostPricing()))
+        if published is not None:
+            print(format_road(published))
         draw = charts.waterfall
     else:
         from costmodel.answers.sensitivity import format_sensitivity, sensitivity, to_json
@@ -298,7 +309,10 @@ def _report(cfg, hw, spec, opts, args) -> int:
         print(f"wrote {draw(result, args.output)}")
     if args.json:
         out = Path(args.json)
-        out.write_text(json.dumps(to_json(result), indent=1, default=str))
+        data = to_json(result)
+        if args.explain and published is not None:
+            data["published_road"] = road_json(published)
+        out.write_text(json.dumps(data, indent=1, default=str))
         print(f"wrote {out}")
     return 0
 

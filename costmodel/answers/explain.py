@@ -266,12 +266,12 @@ def format_explain(ex: Explanation) -> str:
     if ex.variants:
         lines += ["", f"  honest answer: the paper's {PAPER_PCT}% is of the overlapped F&B stage, hardware and layout "
                   "unpublished; every mechanism on, nothing fitted. Each stated assumption set:",
-                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'dispatch':>11}{'GEMMs':>15}"
+                  f"  {'hardware':<9}{'EP layout':<34}{'sigma':>6}{'mHC kernels':>14}{'dispatch':>11}{'GEMMs':>15}{'in':>6}"
                   f"{'F&B stage':>11}{'step':>9}{'vs ' + str(PAPER_PCT) + '%':>10}"]
         for v in ex.variants:
             gap = "n/a" if v.gap_pp is None else f"{v.gap_pp:+.2f} pp"
             lines.append(f"  {v.hardware:<9}{v.ep_layout:<34}{v.sigma:>6.2f}{v.mhc_kernels:>14}{v.dispatcher:>11}"
-                         f"{v.gemm:>15}{_pct(v.fb_pct):>11}{_pct(v.step_pct):>9}{gap:>10}")
+                         f"{v.gemm:>15}{v.precision:>6}{_pct(v.fb_pct):>11}{_pct(v.step_pct):>9}{gap:>10}")
         lines.append("  " + honest_verdict(ex.variants))
         for d in discriminators(ex.variants):
             lines.append(f"    {d.assumption}: {d.mean_pp:.2f} pp between its readings ({d.pairs} pairs); "

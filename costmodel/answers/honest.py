@@ -53,6 +53,7 @@ class Variant:
     mhc_kernels: str = MEMORY_CURVE  # the efficiency of the mHC kernels' HBM traffic: MEMORY_CURVE or CUTILE
     dispatcher: str = "DeepEP"  # how an EP group over nodes sends tokens (pricing_options.Options.dispatcher)
     gemm: str = SPEC_GEMM  # the GEMM efficiency curve: the spec's (SPEC_GEMM) or Calculon's (CALCULON_GEMM)
+    precision: str = "bf16"  # the linear layers' GEMMs: "bf16" or "FP8" (train.fp8)
 
     @property
     def gap_pp(self) -> float | None:
@@ -84,8 +85,12 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
     hardware, both EP placements x both sigmas with the mHC kernels on the memory curve, then the caller's
     placement at sigma 0 with them at CUTILE_MHC_EFF, then each placement over nodes at sigma 0 with the other
     dispatcher (an NCCL all-to-all, every token copy on the network, against DeepEP's once per node), then the
-    caller's placement at sigma 0 with GEMMs on Calculon's curve (CALCULON_GEMM) where the spec's differs."""
+    caller's placement at sigma 0 with GEMMs on Calculon's curve (CALCULON_GEMM) where the spec's differs, then
+    the caller's placement at sigma 0 with the other GEMM precision (train.fp8 switched, storage recipe with it)
+    where the hardware has an FP8 rate."""
     out = []
+    mine = "FP8" if cfg.train.fp8 else "bf16"
+    flipped = cfg.model_copy(update={"train": cfg.train.model_copy(update={"fp8": not cfg.train.fp8})})
     for name in HONEST_HARDWARE:
         hw = get_hardware(name)
         place = ep_placements(cfg, hw, options)
@@ -96,15 +101,18 @@ def honest_variants(cfg: RunConfig, spec: ResidualSpec, options: Options,
         runs = [r + (options.dispatcher,) for r in runs]
         other = "alltoall" if options.dispatcher == "deepep" else "deepep"
         runs += [(hw, per_node, words, 0.0, own, other) for per_node, words in layouts if "nodes" in words]
-        runs = [r + (SPEC_GEMM,) for r in runs]
+        runs = [r + (SPEC_GEMM, cfg) for r in runs]
         if hw.matrix_eff != CALCULON_MATRIX:
             runs.append((hw.model_copy(update={"matrix_eff": CALCULON_MATRIX}), *layouts[0], 0.0, own,
-                         options.dispatcher, CALCULON_GEMM))
-        for h, per_node, words, sigma, kernels, disp, gemm in runs:
+                         options.dispatcher, CALCULON_GEMM, cfg))
+        if "fp8" in hw.peak_flops:
+            runs.append((hw, *layouts[0], 0.0, own, options.dispatcher, SPEC_GEMM, flipped))
+        for h, per_node, words, sigma, kernels, disp, gemm, c in runs:
             o = dataclasses.replace(options, ep_per_node=per_node, sigma=sigma, dispatcher=disp)
-            s = predict(cfg, h, spec, o, ladder=False, profile_pricing=profile_pricing).summary
+            s = predict(c, h, spec, o, ladder=False, profile_pricing=profile_pricing).summary
             out.append(Variant(name, words, sigma, s["step_overhead_pct"], s["fb_stage_overhead_pct"], kernels,
-                               DISPATCHER_WORDS[disp], gemm))
+                               DISPATCHER_WORDS[disp], gemm, mine if c is cfg else ("bf16" if mine == "FP8" else
+                                                                                   "FP8")))
     return out
 
 
@@ -120,6 +128,8 @@ ASSUMPTIONS = {
                    "trace (DeepEP's once per remote node, or every copy)"),
     "gemm": ("GEMM efficiency", "the model's GEMMs' achieved TFLOP/s at its shapes on the target GPU (a trace's "
              "GEMM kernels, or a cuBLAS benchmark)"),
+    "precision": ("GEMM precision", "whether the job's linear layers ran in FP8 or bf16 (the GEMM kernels' input "
+                  "dtype in a trace; the paper does not say)"),
 }
 """The honest answer's assumptions: Variant field -> (name, what to measure to tell its readings apart)."""
 
@@ -160,5 +170,5 @@ def honest_verdict(variants: list[Variant]) -> str:
     closest = min((v for v in variants if v.fb_pct is not None), key=lambda v: abs(v.gap_pp))
     return (f"the {len(variants)} assumption sets span {lo:.2f}-{hi:.2f}% of the F&B stage; the paper's {PAPER_PCT}% "
             f"lies {where} (closest: {closest.hardware}, {closest.ep_layout}, {closest.dispatcher}, "
-            f"GEMMs {closest.gemm}, sigma {closest.sigma:g}, "
+            f"GEMMs {closest.gemm} in {closest.precision}, sigma {closest.sigma:g}, "
             f"{closest.mhc_kernels}, {closest.gap_pp:+.2f} pp). What separates the sets, largest first:")

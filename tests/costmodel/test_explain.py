@@ -210,7 +210,7 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
     spec = residual_spec_of(small_cfg)
     vs = honest_variants(small_cfg, spec, Options())
     assert {(v.hardware, v.sigma) for v in vs} == {(h, s) for h in ("h800", "h200") for s in (0.0, 0.15)}
-    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 14
+    assert len({v.ep_layout for v in vs}) == 2 and len(vs) == 16  # 7 per hardware + the other GEMM precision
     # GEMMs on Calculon's curve once per hardware, at the caller's placement: faster GEMMs, a larger share for mHC
     for h in ("h800", "h200"):
         calc = [v for v in vs if v.hardware == h and v.gemm == CALCULON_GEMM]
@@ -243,7 +243,7 @@ def test_honest_answer_is_stated_assumptions_not_a_fit(small_cfg):
         assert v.gap_pp == v.fb_pct - PAPER_PCT
     # every assumption of the sets separates some pair of them, and the answer says by how much
     assert {d.assumption for d in discriminators(vs)} == {"hardware", "EP layout", "sigma", "mHC kernels",
-                                                          "dispatcher", "GEMM efficiency"}
+                                                          "dispatcher", "GEMM efficiency", "GEMM precision"}
 
 
 def test_verdict_reports_the_span_and_what_separates_the_sets():
@@ -252,7 +252,7 @@ def test_verdict_reports_the_span_and_what_separates_the_sets():
             Variant("h200", "EP a", 0.0, 9.0, 5.5, CUTILE)]
     v = honest_verdict(sets)
     assert v.startswith("the 5 assumption sets span 5.00-10.00% of the F&B stage") and "lies inside it" in v
-    assert "closest: h200, EP a, DeepEP, GEMMs spec curve, sigma 0.15, memory curve, -0.70 pp" in v
+    assert "closest: h200, EP a, DeepEP, GEMMs spec curve in bf16, sigma 0.15, memory curve, -0.70 pp" in v
     assert "pp below it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 8.0)])
     assert "pp above it" in honest_verdict([Variant("h800", "x", 0.0, 9.0, 3.0)])
     d = {x.assumption: x for x in discriminators(sets)}
@@ -277,7 +277,7 @@ def test_cli_explain_writes_table_waterfall_and_json(tmp_path, capsys):
     assert "of the overlapped F&B stage" in out.splitlines()[1] and "honest answer" in out
     assert png.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 14
+    assert [r["name"] for r in data["rungs"]][0] == "naive eager" and len(data["honest_answer"]["variants"]) == 16
 
 
 def test_cli_report_errors_are_one_line(capsys):
