@@ -163,8 +163,8 @@ def ramp_factor(cfg: RunConfig, pub: Published, predict_fn, step_us: float) -> t
 
 def format_road(r: Road) -> str:
     pub = r.published.tokens_per_s_per_gpu
-    lines = [f"  the road to the published throughput ({r.config} on {r.hardware}, baseline residual, tokens/s per GPU; "
-             "nothing fitted):"]
+    lines = [f"  the road to the published throughput ({r.config} on {r.hardware}, baseline residual, tokens/s per "
+             "GPU; nothing fitted):"]
     for g in r.rungs:
         lines.append(f"    {g.name:<52}{g.tokens_per_s_per_gpu:>9,.0f}   ({g.source})")
     lines.append(f"    {'published':<52}{pub:>9,.0f}   ({r.published.source})")
