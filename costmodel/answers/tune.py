@@ -11,7 +11,7 @@ expert count (the runtime's rules, pipeline/distributed/layout.py), b from a lis
 divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more), the optimizer
 state whole on every rank or sharded over the data-parallel ranks (train.distributed_optimizer, ZeRO-1 as
 Megatron-LM's distributed optimizer: memory only; the step prices the same gradient all-reduce). EP placement
-follows the runtime's mesh (data_parallel.ep_ranks_per_node -> Options.ep_per_node). Invalid layouts (a
+follows the runtime's mesh (data_parallel.fewest_ep_ranks_per_node -> Options.ep_per_node). Invalid layouts (a
 schedule's M/P rules, too few blocks, D not dividing M) are dropped before anything is priced.
 
 Objective: step = the simulated pipeline of one replica (the same Pricer + simulation as `predict`'s mHC run)
@@ -41,9 +41,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from costmodel.pricing.data_parallel import GradSync, ep_ranks_per_node, grad_sync, reductions, sync_floor
+from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
-from costmodel.physics.memory import rank_memory
+from costmodel.physics.memory import program_events, rank_memory
 from costmodel.pricing.pricer import Pricer, resolve_layout
 from costmodel.pricing.options import Options
 from costmodel.answers.predict import residual_spec_of
@@ -51,6 +51,7 @@ from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
 from schedules.registry import kind_of, names
 from schedules.ir import Action, Schedule
+from schedules.validate import check_structure
 
 GIB = 2 ** 30
 TIE_PCT = 2.0  # the model's +-2% error band (costmodel.md §1 anchors: 2-8% average error)
@@ -137,7 +138,7 @@ def replica_config(cfg: RunConfig) -> RunConfig:
 
 def options_of(cand: Candidate, hw: HardwareSpec, base: Options | None = None) -> Options:
     return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven, data_parallel=cand.dp,
-                   ep_per_node=ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
+                   ep_per_node=fewest_ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
 
 
 def divisors(n: int) -> list[int]:
@@ -214,6 +215,7 @@ class Tuner:
         self.cfg, self.data, self.hw, self.base_opts = cfg, data, hw, options or Options()
         self.spec = residual_spec_of(cfg)
         self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
+        self._programs: dict[tuple, tuple[Schedule, list]] = {}
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
         self._prepared: dict[Candidate, tuple] = {}
 
@@ -237,6 +239,15 @@ class Tuner:
             self._schedules[key] = (s, per_rank)
         return self._schedules[key]
 
+    def _program(self, cand: Candidate):
+        """The candidate's schedule checked and lowered once (what every simulation of it runs) and each rank's
+        program as chunk events (what every memory estimate of it walks), cached per (kind, P, M)."""
+        key = (cand.schedule, cand.pp, cand.per_replica)
+        if key not in self._programs:
+            s, _ = self._schedule(cand)
+            self._programs[key] = (check_structure(s), [program_events(acts) for acts in s.actions])
+        return self._programs[key]
+
     def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
         cfg = replica_config(cfg)
         opts = options_of(cand, self.hw, self.base_opts)
@@ -253,7 +264,8 @@ class Tuner:
         """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
         schedule, _ = self._schedule(cand)
         cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
-        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, schedule.actions[r], hw=self.hw,
+        events = self._program(cand)[1]
+        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, events[r], hw=self.hw,
                               dp=cand.dp, ep_per_node=pr.opt.ep_per_node).total_bytes
                   for r in range(schedule.num_ranks))
         return Evaluated(cand, mem)
@@ -285,9 +297,11 @@ class Tuner:
         schedule, _ = self._schedule(cand)
         full = self.config(cand)
         cfg, layout, pr = self._pricer(cand, schedule, full)
-        sim = pr.simulate(schedule)
+        lowered, events = self._program(cand)
+        # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
+        sim = pr.simulate(lowered, validate=False) if pr.profile_pricing is None else pr.simulate(schedule)
         ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
-                                          schedule.actions[r], hw=self.hw, dp=cand.dp,
+                                          events[r], hw=self.hw, dp=cand.dp,
                                           ep_per_node=pr.opt.ep_per_node).total_bytes
                               for r in range(schedule.num_ranks))
         ev.pipeline_us = sim.makespan

@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 
 import math
 
+import numpy as np
+
 from costmodel.physics.comm_cost import ep_ranks_per_node
 from costmodel.physics.hardware import HardwareSpec, MemoryReserve
 from costmodel.physics.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
@@ -222,26 +224,52 @@ def model_state_bytes(cfg: RunConfig, stages: list[StageMemory], dp: int | None 
             + state_bytes_per_param(dtype, dist, max(1, D // cfg.parallel.expert_parallel)) * experts)
 
 
-def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dict[int, int]]:
-    """The largest sum of live chunks' activation bytes over one rank's program (`actions`, schedules.ir.Action),
-    each chunk weighing its own stage's bytes, and the live chunks per stage at that peak (module docstring). An
-    overlapped F&B holds its forward's chunk before it frees its backward's."""
+@dataclass(frozen=True)
+class ProgramEvents:
+    """One rank's program as chunk events, in order: the stage a chunk belongs to and +1 (its forward starts: the
+    chunk is alive) or -1 (its backward ends: freed). An overlapped F&B is +1 of its forward's stage, then -1 of its
+    backward's. Built once per program (`program_events`), priced for any stage bytes (`activation_peak`): the
+    tuner prices thousands of candidates on a few programs."""
+
+    stage: np.ndarray  # int64
+    sign: np.ndarray  # float64, +1 / -1
+
+
+def program_events(actions) -> ProgramEvents:
     from schedules.ir import Kind
 
-    live: dict[int, int] = {}
-    total = peak = 0.0
-    at_peak: dict[int, int] = {}
+    stage, sign = [], []
     for a in actions:
         if a.kind is Kind.F or a.kind is Kind.FB:
-            live[a.stage] = live.get(a.stage, 0) + 1
-            total += stages[a.stage].chunk_activation_bytes
-            if total > peak:
-                peak, at_peak = total, {s: k for s, k in live.items() if k}
+            stage.append(a.stage)
+            sign.append(1.0)
         freed = a.b_stage if a.kind is Kind.FB else a.stage if a.kind in (Kind.B, Kind.I) else None
         if freed is not None:
-            live[freed] -= 1
-            total -= stages[freed].chunk_activation_bytes
-    return peak, at_peak
+            stage.append(freed)
+            sign.append(-1.0)
+    return ProgramEvents(np.asarray(stage, dtype=np.int64), np.asarray(sign, dtype=np.float64))
+
+
+def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dict[int, int]]:
+    """The largest sum of live chunks' activation bytes over one rank's program (`actions`, schedules.ir.Action,
+    or its ProgramEvents), each chunk weighing its own stage's bytes, and the live chunks per stage at that peak
+    (module docstring; the first peak when several are equal). An overlapped F&B holds its forward's chunk before
+    it frees its backward's. The running sum is numpy's cumsum, which adds in program order as a loop would."""
+    ev = actions if isinstance(actions, ProgramEvents) else program_events(actions)
+    if ev.stage.size == 0:
+        return 0.0, {}
+    keys = sorted(stages)
+    weight = np.zeros(max(keys) + 1)
+    for s in keys:
+        weight[s] = stages[s].chunk_activation_bytes
+    total = np.cumsum(weight[ev.stage] * ev.sign)
+    i = int(np.argmax(total))
+    peak = float(total[i])
+    if peak <= 0.0:
+        return 0.0, {}
+    live = np.rint(np.bincount(ev.stage[: i + 1], weights=ev.sign[: i + 1])).astype(np.int64)
+    alive = np.flatnonzero(live > 0)
+    return peak, dict(zip(alive.tolist(), live[alive].tolist()))
 
 
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],

@@ -29,6 +29,7 @@ The model (assumptions, stated in the tuner's output):
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -40,14 +41,17 @@ from schedules.ir import Schedule
 from schedules.simulate import SimResult
 
 
-def ep_ranks_per_node(pp: int, dp: int, ep: int, gpus_per_node: int) -> int:
+@functools.lru_cache(maxsize=4096)
+def fewest_ep_ranks_per_node(pp: int, dp: int, ep: int, gpus_per_node: int) -> int:
     """The fewest members of an EP group that share a node, over the runtime's placement (the rank with the
-    most of its all-to-all on the network sets the exchange's time): pricing_options.Options.ep_per_node."""
+    most of its all-to-all on the network sets the exchange's time): pricing_options.Options.ep_per_node. A group
+    starting at global rank s spreads like any other starting at s mod gpus_per_node: each residue is counted
+    once (cached: the tuner asks for a few layouts thousands of times)."""
     fewest = ep
-    for p in range(pp):
-        for block in range(dp // ep):
-            nodes = Counter((p * dp + block * ep + e) // gpus_per_node for e in range(ep))
-            fewest = min(fewest, min(nodes.values()))
+    starts = {(p * dp + block * ep) % gpus_per_node for p in range(pp) for block in range(dp // ep)}
+    for s in starts:
+        nodes = Counter((s + e) // gpus_per_node for e in range(ep))
+        fewest = min(fewest, min(nodes.values()))
     return fewest
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from configs import load_config, load_config_data
-from costmodel.pricing.data_parallel import ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
+from costmodel.pricing.data_parallel import fewest_ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
 from costmodel.physics.hardware import Link, get_hardware
 from costmodel.answers.predict import predict
 from costmodel.answers.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, tune
@@ -134,9 +134,9 @@ def test_ring_allreduce_and_ep_placement():
     assert ring_allreduce_us(link, 1, 1e9) == 0.0
     assert ring_allreduce_us(link, 2, 1e9) == pytest.approx(2 * 2.0 + 1e9 / 50e9 * 1e6, rel=REL)
     assert ring_allreduce_us(link, 8, 1e9) == pytest.approx(14 * 2.0 + 2 * 7 / 8 * 1e9 / 50e9 * 1e6, rel=REL)
-    assert ep_ranks_per_node(2, 8, 8, 8) == 8  # every EP group fills one node
-    assert ep_ranks_per_node(2, 6, 6, 8) == 2  # pipeline rank 1's group is ranks 6-11: 6,7 | 8..11
-    assert ep_ranks_per_node(1, 16, 16, 8) == 8
+    assert fewest_ep_ranks_per_node(2, 8, 8, 8) == 8  # every EP group fills one node
+    assert fewest_ep_ranks_per_node(2, 6, 6, 8) == 2  # pipeline rank 1's group is ranks 6-11: 6,7 | 8..11
+    assert fewest_ep_ranks_per_node(1, 16, 16, 8) == 8
 
 
 @pytest.mark.parametrize("schedule, pp, dp, holders", [("1f1b", 4, 1, 1), ("1f1b", 4, 4, 1), ("dualpipe", 4, 1, 2),
