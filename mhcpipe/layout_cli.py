@@ -87,9 +87,8 @@ def summarize(layout, plan, gpus_per_node: int) -> dict:
 
 
 def run_layout(args) -> int:
-    from pipeline.distributed.group_plan import groups_of, plan_groups
+    from pipeline.distributed.group_plan import groups_of, plan_groups, warmup_order
     from pipeline.distributed.layout import Layout
-    from pipeline.distributed.warmup import warmup_order
 
     cfg = _config(args)
     layout = Layout.of(cfg)

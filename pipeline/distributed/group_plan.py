@@ -66,7 +66,7 @@ def plan_groups(layout: Layout, p2p_groups: str = "channel") -> list[GroupSpec]:
             add("grad", [layout.rank(p, d) for d in range(D)])
     copies = 2 * layout.edp if layout.mirrored else layout.edp
     if copies > 1 and EP > 1:
-        sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().transpose(1, 2)
+        sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().swapaxes(1, 2)
         for s in sets.reshape(-1, copies).tolist():
             add("grad-experts", s)
     return plan
@@ -81,3 +81,9 @@ def world_wide_creations(plan: list[GroupSpec], split: bool) -> int:
 
 def groups_of(plan: list[GroupSpec], rank: int) -> list[GroupSpec]:
     return [g for g in plan if rank in g.members]
+
+
+def warmup_order(items: list, name=lambda g: g.name) -> list:
+    """`items` (groups, or anything with a group name) in the order the warm-up connects them
+    (pipeline.distributed.warmup): by name, the same string on every member."""
+    return sorted(items, key=name)

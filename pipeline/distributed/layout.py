@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 
@@ -103,10 +103,10 @@ class Layout:
             raise ValueError(f"parallel.expert_parallel (--ep {self.ep}) must divide model.moe.num_experts="
                              f"{moe.num_experts}")
 
-    # -- rank tensors of the meshes --------------------------------------------------------------------------
-    def expert_ranks(self) -> torch.Tensor:
+    # -- rank arrays of the meshes (numpy: `mhcpipe layout` plans the groups without importing torch) ----------
+    def expert_ranks(self) -> np.ndarray:
         """[P, D_e, EP] global ranks."""
-        return torch.arange(self.world).view(self.pp, self.edp, self.ep)
+        return np.arange(self.world).reshape(self.pp, self.edp, self.ep)
 
     def _holders(self) -> list[list[int]]:
         """Pipeline ranks holding the same chunks: [[r, P-1-r]] (DualPipe) or [[r]]."""
@@ -114,13 +114,13 @@ class Layout:
             return [[r] for r in range(self.pp)]
         return [[r, self.pp - 1 - r] for r in range(self.pp // 2)]
 
-    def dense_grad_ranks(self) -> torch.Tensor:
+    def dense_grad_ranks(self) -> np.ndarray:
         """[holder sets, |set| x D]: the ranks that sum one stage's dense gradients."""
-        return torch.tensor([[self.rank(p, d) for p in ps for d in range(self.dp)] for ps in self._holders()])
+        return np.array([[self.rank(p, d) for p in ps for d in range(self.dp)] for ps in self._holders()])
 
-    def expert_grad_ranks(self) -> torch.Tensor:
+    def expert_grad_ranks(self) -> np.ndarray:
         """[holder sets, EP, |set| x D_e]: the ranks that sum one expert's gradients."""
-        return torch.tensor([[[self.rank(p, k * self.ep + e) for p in ps for k in range(self.edp)]
+        return np.array([[[self.rank(p, k * self.ep + e) for p in ps for k in range(self.edp)]
                               for e in range(self.ep)] for ps in self._holders()])
 
 
@@ -341,7 +341,7 @@ def build_groups(layout: Layout, rank: int, device_type: str, p2p_groups: str = 
         if layout.ep == 1:
             g.expert_grad_group = g.dense_grad_group  # every replica holds every expert
         else:
-            sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().transpose(1, 2)
+            sets = layout.expert_grad_ranks() if layout.mirrored else layout.expert_ranks().swapaxes(1, 2)
             g.expert_grad_group = _dim(sets.reshape(-1, copies).tolist(), MeshAxis.GRAD, device_type, meshes,
                                              split=split, desc="grad-experts")
         g.expert_grad_size = copies

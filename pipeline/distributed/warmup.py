@@ -30,14 +30,9 @@ import torch.distributed as dist
 from pipeline.distributed import op_ledger
 from pipeline.distributed.collective import collective, wait_work
 from pipeline.distributed.errors import PipelineError, describe
+from pipeline.distributed.group_plan import warmup_order
 
 _CHANNEL = re.compile(r"p2p:(\d+)>(\d+)")
-
-
-def warmup_order(items: list, name=lambda g: g.name) -> list:
-    """`items` (groups, or anything with a group name) in the walk's order: by name, the same string on every
-    member."""
-    return sorted(items, key=name)
 
 
 def warmup_plan(groups) -> list[tuple[str, object]]:
