@@ -13,6 +13,7 @@ from .models import (  # noqa: F401
     load_config,
     load_config_data,
     parse_config,
+    config_stage_blocks,
     presets,
     stage_blocks,
 )

@@ -121,6 +121,11 @@ class ParallelConfig(BaseModel):
     uneven_stages: bool = Field(False, description="the layout may give stages different block counts (the first "
                                 "num_blocks % stages stages take one more, as the runtime splits them); false: "
                                 "the cost model rejects a layout whose stage count does not divide the blocks")
+    stage_split: list[int] | None = Field(None, description="blocks of each stage of a pipeline, in pipeline order "
+                                          "(DualPipe: of each model chunk; as many entries as parallel.num_stages, "
+                                          "summing to model.num_blocks), e.g. what `mhcpipe predict --split "
+                                          "balanced` prints; the runtime and the cost model cut the model so. None: "
+                                          "as even as possible")
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -258,6 +263,12 @@ class RunConfig(BaseModel):
         from schedules.build import build
 
         par = self.parallel
+        if par.stage_split is not None:
+            cut = par.stage_split
+            if len(cut) != stages or sum(cut) != self.model.num_blocks or min(cut) < 1:
+                raise ValueError(f"parallel.stage_split={cut}: needs {stages} entries (the stages of one "
+                                 f"{par.schedule} pipeline of {par.ranks} ranks), each >= 1, summing to "
+                                 f"model.num_blocks={self.model.num_blocks}")
         if par.microbatches % par.data_parallel:
             raise ValueError(f"parallel.microbatches={par.microbatches} must be a multiple of parallel.data_parallel="
                              f"{par.data_parallel} (--dp): each data-parallel pipeline runs M / data_parallel")
@@ -290,6 +301,19 @@ class RunConfig(BaseModel):
         residual = self.model.residual.model_copy(update=update)
         residual = MHCConfig.model_validate(residual.model_dump())
         return self.model_copy(update={"model": self.model.model_copy(update={"residual": residual})})
+
+
+def config_stage_blocks(cfg: "RunConfig") -> list[range]:
+    """The blocks of each stage of one pipeline: parallel.stage_split when the config gives one, else
+    `stage_blocks` (as even as possible)."""
+    cut = cfg.parallel.stage_split
+    if cut is None:
+        return stage_blocks(cfg.model.num_blocks, cfg.parallel.num_stages)
+    out, start = [], 0
+    for size in cut:
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from schedules import Schedule, build
 from schedules.registry import kind_of
 
-from configs import RunConfig, stage_blocks
+from configs import RunConfig, config_stage_blocks, stage_blocks
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,12 @@ def chunks_for(kind: str, num_blocks: int, schedule: Schedule) -> list[range]:
 
 
 def plan_stages(cfg: RunConfig, schedule: Schedule, chunks: list[range] | None = None) -> tuple[StageSpec, ...]:
-    """`chunks`: the blocks of every cut (a user model's own partition); default even by block count."""
+    """`chunks`: the blocks of every cut (a user model's own partition); default parallel.stage_split when the
+    config gives one, else even by block count."""
     kind = cfg.parallel.schedule
     if chunks is None:
-        chunks = chunks_for(kind, cfg.model.num_blocks, schedule)
+        chunks = (config_stage_blocks(cfg) if cfg.parallel.stage_split is not None
+                  else chunks_for(kind, cfg.model.num_blocks, schedule))
     prev, nxt = schedule.prev_stage(), schedule.next_stage()
     specs = []
     for p_idx, chain in enumerate(schedule.pipelines):

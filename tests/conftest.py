@@ -27,6 +27,7 @@ RANKS_MODULES = frozenset({
     "tests/pipeline/test_pipeline_checkpoint.py",
     "tests/pipeline/test_pipeline_cli.py",
     "tests/pipeline/test_pipeline_collective.py",
+    "tests/pipeline/test_stage_split_runtime.py",
     "tests/pipeline/test_pipeline_cuda_emulation.py",
     "tests/pipeline/test_pipeline_demo.py",
     "tests/pipeline/test_pipeline_equivalence.py",

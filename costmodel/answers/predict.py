@@ -219,6 +219,9 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "rank_busy_max_over_mean": {name: max(sim.busy.values()) / statistics.fmean(sim.busy.values())
                                     for name, sim in (("baseline", base), ("mhc", mhc))},
         "stage_blocks": [len(pb.layout[st][0]) for st in pred.schedule.pipelines[0]],
+        # how the blocks were cut: balanced (by cost), the config's parallel.stage_split, or even
+        "split": (pb.opt.split if pb.opt.split == "balanced" else
+                  "config" if cfg.parallel.stage_split is not None else "even"),
         "pipeline_us": {"baseline": Pb, "mhc": Pm},
         "grad_sync_us": {name: ({"exposed": sync[name].exposed_us, "busiest_rank": sync[name].busiest_us}
                                 if name in sync else None) for name in ("baseline", "mhc")},

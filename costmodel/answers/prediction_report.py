@@ -48,7 +48,10 @@ def format_table(pred: Prediction) -> str:
     if "rank_busy_max_over_mean" in s:
         bm = s["rank_busy_max_over_mean"]
         lines.append(f"  {'busiest rank / mean rank (compute)':<34}{bm['baseline']:>14.3f}{bm['mhc']:>14.3f}   "
-                     f"(blocks per stage {s['stage_blocks']}; --split balanced cuts by cost)")
+                     f"(blocks per stage {s['stage_blocks']}; "
+                     + ("cut by cost: train it with parallel.stage_split)" if s.get("split") == "balanced" else
+                        "the config's parallel.stage_split)" if s.get("split") == "config" else
+                        "--split balanced cuts by cost)"))
     tp, mfu = s["tokens_per_s_per_gpu"], s["mfu_pct"]
     lines.append(f"  {'tokens/s per GPU':<34}{tp['baseline']:>14,.0f}{tp['mhc']:>14,.0f}"
                  f"{100 * (tp['mhc'] / tp['baseline'] - 1) if tp['baseline'] else 0:>11.2f}%   "

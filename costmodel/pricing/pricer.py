@@ -28,7 +28,7 @@ from costmodel.physics.ops import Kernel, Shape, block_work, embedding, head, mt
 from costmodel.pricing.fb_overlap import OverlapResult, TimedOp, overlap
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import profile_for
-from configs import RunConfig, stage_blocks
+from configs import RunConfig, config_stage_blocks, stage_blocks
 from schedules.ir import Action, Kind, Schedule
 from schedules.simulate import SimResult, simulate
 
@@ -54,6 +54,12 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, sp
         return out
     if split != "even":
         raise ValueError(f"stage split {split!r}: 'even' or 'balanced'")
+    if cfg.parallel.stage_split is not None:  # the config's own cut (checked against num_stages by RunConfig)
+        cut = config_stage_blocks(cfg)
+        for chain in schedule.pipelines:
+            for pos, (st, blocks) in enumerate(zip(chain, cut)):
+                out[st] = (blocks, pos == 0, pos == len(chain) - 1)
+        return out
     for chain in schedule.pipelines:
         S = len(chain)
         if nb < S:

@@ -109,3 +109,15 @@ def test_a_faster_link_never_slows_the_step_and_the_balanced_bubble_stays_put(pr
             assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), (link, split, steps)
             if split == "balanced":
                 assert all(b - a < 1.0 for a, b in zip(bubbles, bubbles[1:])), (link, bubbles)
+
+
+def test_a_config_s_stage_split_prices_what_the_balanced_split_printed():
+    """`predict --split balanced` prints its cut; the same cut written as parallel.stage_split prices the same step
+    (what the runtime then trains), and a cut of the wrong length is refused in one line naming the field."""
+    v3 = load_config("deepseek-v3")
+    bal = predict(v3, H800, options=Options(split="balanced"), ladder=False).summary
+    cut = bal["stage_blocks"]
+    own = predict(load_config("deepseek-v3", {"parallel": {"stage_split": cut}}), H800, ladder=False).summary
+    assert own["iteration_us"] == bal["iteration_us"] and own["split"] == "config" and bal["split"] == "balanced"
+    with pytest.raises(ValueError, match="parallel.stage_split"):
+        load_config("deepseek-v3", {"parallel": {"stage_split": cut[:-1]}})
