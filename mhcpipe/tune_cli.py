@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute choices: off, auto (Eq. 20 per stage), block sizes in sub-layers")
     p.add_argument("--hp", default="on,off", help="MLP post+res on the high-priority stream: on, off or both")
     p.add_argument("--even-only", action="store_true", help="only layouts whose stages divide the blocks")
+    p.add_argument("--splits", default="even,balanced",
+                   help="how blocks are cut into stages: even (the runtime's default cut), balanced (by cost, "
+                        "costmodel.pricing.stage_split; written as parallel.stage_split), or both (default)"),
     p.add_argument("--distributed-optimizer", default="off,on",
                    help="optimizer state whole on every rank (off) or sharded over the data-parallel ranks (on, "
                         "ZeRO-1 as Megatron's distributed optimizer; train.distributed_optimizer), or both")
@@ -112,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=tuple(_list("--recompute", args.recompute, allowed=["off", "auto"], integer=True)),
         hp=tuple(h == "on" for h in _list("--hp", args.hp, allowed=["on", "off"])),
         allow_uneven=not args.even_only,
+        splits=tuple(_list("--splits", args.splits, allowed=["even", "balanced"])),
         distributed_optimizer=tuple(z == "on" for z in _list("--distributed-optimizer", args.distributed_optimizer,
                                                              allowed=["off", "on"])))
     check_inputs(cfg, args.gpus, G, space)
@@ -234,7 +238,7 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
 
 def _header() -> str:
     return (f"  {'step ms':>10} {'pipeline':>10} {'grad AR':>8} {'GiB':>6}  {'schedule':<9} {'pp':>3} {'dp':>3} "
-            f"{'ep':>3} {'mbs':>3} {'M/dp':>5} {'recompute':>9} {'L_r':>5}  hp  uneven dist-opt")
+            f"{'ep':>3} {'mbs':>3} {'M/dp':>5} {'recompute':>9} {'L_r':>5}  hp  stages   dist-opt")
 
 
 def _row(result, e, mark: str) -> str:
@@ -242,7 +246,8 @@ def _row(result, e, mark: str) -> str:
     return (f"{mark} {e.step_us / 1e3:10,.1f} {e.pipeline_us / 1e3:10,.1f} {e.sync.exposed_us / 1e3:8,.1f} "
             f"{e.memory_gib:6.1f}  {k.schedule:<9} {k.pp:>3} {k.dp:>3} {k.ep:>3} {k.microbatch_size:>3} "
             f"{k.per_replica:>5} {k.recompute:>9} {_lr(result, e):>5}  {'on ' if k.hp else 'off'} "
-            f"{'yes' if k.uneven else 'no ':<6} {'on' if k.distributed_optimizer else 'off'}")
+            f"{'balanced' if k.split == 'balanced' else 'uneven' if k.uneven else 'even':<8} "
+            f"{'on' if k.distributed_optimizer else 'off'}")
 
 
 def _json_row(result, e, memory: float) -> dict:
@@ -270,10 +275,8 @@ def write_json(result, path: str, memory: float) -> Path:
 def write_best(result, out: Path, args: argparse.Namespace) -> None:
     import yaml
 
-    from costmodel.answers.tune import merged
-
     b = result.best
-    data = merged(result.tuner.data, b.cand.overrides())
+    data = result.tuner.written(b.cand)
     head = [f"# written by: mhcpipe tune {' '.join(_argv(args))}",
             f"# predicted: step {b.step_us / 1e3:,.1f} ms = pipeline {b.pipeline_us / 1e3:,.1f} ms (one replica, "
             f"{b.cand.per_replica} micro-batches) + exposed gradient all-reduce {b.sync.exposed_us / 1e3:,.1f} ms; "

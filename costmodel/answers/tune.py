@@ -46,6 +46,7 @@ from costmodel.physics.hardware import HardwareSpec
 from costmodel.physics.memory import program_events, rank_memory
 from costmodel.pricing.pricer import Pricer, resolve_layout
 from costmodel.pricing.options import Options
+from costmodel.pricing.stage_split import balanced_split
 from costmodel.answers.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
@@ -72,6 +73,7 @@ class Candidate:
     hp: bool = True
     uneven: bool = False
     distributed_optimizer: bool = False  # train.distributed_optimizer (ZeRO-1 over the data-parallel ranks)
+    split: str = "even"  # how blocks are cut into stages: "even" or "balanced" (by cost; written as stage_split)
 
     @property
     def per_replica(self) -> int:
@@ -80,14 +82,16 @@ class Candidate:
     def label(self) -> str:
         return (f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} mbs={self.microbatch_size} "
                 f"M={self.microbatches} recompute={self.recompute}{'' if self.hp else ' no-hp'}"
-                f"{' dist-opt' if self.distributed_optimizer else ''}")
+                f"{' dist-opt' if self.distributed_optimizer else ''}"
+                f"{' split=balanced' if self.split != 'even' else ''}")
 
     def overrides(self) -> dict:
         rc = ({"mode": self.recompute, "block_size": None} if self.recompute in ("off", "auto")
               else {"mode": "block", "block_size": int(self.recompute)})
         return {"parallel": {"schedule": self.schedule, "ranks": self.pp, "data_parallel": self.dp,
                              "expert_parallel": self.ep, "microbatches": self.microbatches,
-                             "microbatch_size": self.microbatch_size, "uneven_stages": self.uneven},
+                             "microbatch_size": self.microbatch_size, "uneven_stages": self.uneven,
+                             "stage_split": None},  # Tuner.config writes a balanced candidate's cut
                 "recompute": rc, "train": {"distributed_optimizer": self.distributed_optimizer}}
 
 
@@ -137,7 +141,8 @@ def replica_config(cfg: RunConfig) -> RunConfig:
 
 
 def options_of(cand: Candidate, hw: HardwareSpec, base: Options | None = None) -> Options:
-    return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven, data_parallel=cand.dp,
+    return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven, split=cand.split,
+                   data_parallel=cand.dp,
                    ep_per_node=fewest_ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
 
 
@@ -147,7 +152,7 @@ def divisors(n: int) -> list[int]:
 
 def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, microbatch_sizes=(1, 2, 4),
                recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
-               distributed_optimizer=(False, True), counts: Counter | None = None) -> list[Candidate]:
+               distributed_optimizer=(False, True), splits=("even",), counts: Counter | None = None) -> list[Candidate]:
     """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
     schedules = names() if schedules is None else schedules  # every registered kind (schedules.registry)
     counts = counts if counts is not None else Counter()
@@ -179,7 +184,12 @@ def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, mic
                     for rc in recompute:
                         for h in hp:
                             for zero in distributed_optimizer:
-                                out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven, zero))
+                                for split in splits:
+                                    if split == "balanced" and not allow_uneven:
+                                        counts["balanced split (--even-only)"] += 1
+                                        continue
+                                    out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven or split != "even",
+                                                         zero, split))
     return out
 
 
@@ -216,12 +226,25 @@ class Tuner:
         self.spec = residual_spec_of(cfg)
         self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
         self._programs: dict[tuple, tuple[Schedule, list]] = {}
+        self._cuts: dict[tuple, list[int]] = {}  # (kind, P, b, EP) -> blocks per stage of the balanced split
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
         self._prepared: dict[Candidate, tuple] = {}
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
-        return parse_config(merged(self.data, cand.overrides()), f"layout {cand.label()}")
+        return parse_config(self.written(cand), f"layout {cand.label()}")
+
+    def written(self, cand: Candidate) -> dict:
+        """The config mapping of a candidate (what `tune -o` writes): a balanced candidate carries the cut its
+        pricing used as parallel.stage_split, so `mhcpipe run` trains it and `predict --config` prices it."""
+        data = merged(self.data, cand.overrides())
+        if cand.split == "balanced":
+            schedule, _ = self._schedule(cand)
+            layout = self._prep(cand)[1]
+            data["parallel"]["stage_split"] = [len(layout[st][0]) for st in schedule.pipelines[0]]
+        else:
+            data["parallel"].pop("stage_split", None)
+        return data
 
     def _fast_config(self, cand: Candidate) -> RunConfig:
         """The same config without validation (candidates() applied the rules; validating builds the schedule
@@ -251,6 +274,11 @@ class Tuner:
     def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
         cfg = replica_config(cfg)
         opts = options_of(cand, self.hw, self.base_opts)
+        if cand.split == "balanced":  # the cut by cost, priced once per shape: it depends on T and EP, not recompute
+            key = (cand.schedule, cand.pp, cand.microbatch_size, cand.ep)
+            if key not in self._cuts:
+                self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule)]
+            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"stage_split": self._cuts[key]})})
         layout = resolve_layout(cfg, schedule, opts.allow_uneven)
         return cfg, layout, SharedPricer(cfg, self.hw, self.spec, layout, opts, shared=self._prices)
 
@@ -349,7 +377,8 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
     reference: Evaluated | None = None
     budget = memory_gib * GIB
     for c in cands:
-        key = (c.schedule, c.pp, c.dp, c.ep, c.microbatch_size, c.hp, c.distributed_optimizer, tuner.recompute_key(c))
+        key = (c.schedule, c.pp, c.dp, c.ep, c.microbatch_size, c.hp, c.distributed_optimizer, c.split,
+               tuner.recompute_key(c))
         if key in seen:  # e.g. a block size longer than every stage = auto on a one-block stage
             counts["same per-stage L_r as another recompute choice"] += 1
             reference = seen[key] if c == ref else reference

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -108,7 +109,8 @@ def test_written_yaml_loads_runs_and_predicts_the_reported_time(p3b, tuned, tmp_
 
     out = tmp_path / "best.yaml"
     argv = ["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
-            "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto", "-o", str(out)]
+            "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto", "--splits", "even",
+            "-o", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     best = tuned.best
@@ -183,3 +185,25 @@ def test_bad_input_is_one_line_naming_the_flag(argv, starts, capsys):
         assert 10 < gib < math.inf
     if "--gpus 97" in starts:
         assert "96" in err  # what would fit
+
+
+def test_balanced_splits_are_searched_priced_as_predict_and_written(p3b, tuned, tmp_path, capsys):
+    """`--splits even,balanced` (the CLI's default): the search over both cuts is never slower than over the even
+    one; a balanced candidate's price is predict's for the config it writes (parallel.stage_split = its cut)."""
+    cfg, data = p3b
+    both = tune(cfg, data, HW, 32, 40.0, 64, splits=("even", "balanced"), **SPACE)
+    assert both.best.step_us <= tuned.best.step_us * (1 + REL)
+    assert any(e.cand.split == "balanced" for e in both.front)
+    tuner = Tuner(cfg, data, HW)
+    for cand in [c for c in candidates(cfg, 32, 64, splits=("balanced",), **SPACE)
+                 if c.recompute == "auto" and c.hp][:4]:
+        ev = tuner.evaluate(tuner.memory(cand))
+        written = tuner.config(cand)
+        assert written.parallel.stage_split is not None and sum(written.parallel.stage_split) == cfg.model.num_blocks
+        pred, sync = step_by_predict(written, replace(cand, split="even"))  # the written cut, no re-cut
+        assert sync.end_us == pytest.approx(ev.step_us, rel=REL), cand.label()
+        assert pred.summary["memory_gib"]["mhc"] * GIB == pytest.approx(ev.memory_bytes, rel=REL)
+    out = tmp_path / "best.yaml"
+    assert main(["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
+                 "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto", "-o", str(out)]) == 0
+    assert f"step {both.best.step_us / 1e3:,.1f} ms" in capsys.readouterr().out
