@@ -191,11 +191,18 @@ def stage_memory(cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range, 
     L_r = recompute_block(cfg, spec, L) if recompute else None
     elems = residual_activation_elems(spec, C, d, L, L_r)
     params = experts = 0.0
+    per_kind: dict[bool, tuple[float, float, float]] = {}  # a block's terms depend only on whether it is dense
     for b in blocks:
-        a, f = sublayer_activation_elems(cfg, b, d)
-        elems += a + f
-        params += block_params(cfg, b, p.expert_parallel) + 2 * mhc_params_per_sublayer(spec, C)
-        experts += block_params(cfg, b, p.expert_parallel) - block_params(cfg, b, math.inf)
+        dense = m.moe is None or b < m.moe.first_dense_blocks
+        terms = per_kind.get(dense)
+        if terms is None:
+            a, f = sublayer_activation_elems(cfg, b, d)
+            own = block_params(cfg, b, p.expert_parallel)
+            terms = per_kind[dense] = (a + f, own + 2 * mhc_params_per_sublayer(spec, C),
+                                       own - block_params(cfg, b, math.inf))
+        elems += terms[0]
+        params += terms[1]
+        experts += terms[2]
     if first:  # the embedding output; the expanded x_0 is the first sub-layer's x_l, counted on the residual side
         elems += C
         params += m.vocab_size * C

@@ -38,7 +38,13 @@ def piece_costs(cfg: RunConfig, hw: HardwareSpec) -> tuple[list[float], float, f
     """(each block's cost, the first stage's extra, the last stage's extra), microseconds per micro-batch."""
     s = Shape.of(cfg)
     nb = cfg.model.num_blocks
-    blocks = [_work_us(hw, block_work(s, b)) for b in range(nb)]
+    per_kind: dict[bool, float] = {}  # ops.block_work reads the block index only to tell dense from MoE
+    blocks = []
+    for b in range(nb):
+        dense = s.moe is None or b < s.first_dense
+        if dense not in per_kind:
+            per_kind[dense] = _work_us(hw, block_work(s, b))
+        blocks.append(per_kind[dense])
     first = _work_us(hw, [embedding(s)])
     last = _work_us(hw, [head(s)]) + s.mtp * _work_us(hw, [*block_work(s, nb), head(s), mtp_prelude(s)])
     return blocks, first, last
