@@ -196,7 +196,7 @@ def test_tune_under_both_optimizer_choices(p3b, tuned_both, tmp_path, capsys):
     out = tmp_path / "best.yaml"
     argv = ["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
             "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto",
-            "--distributed-optimizer", "on", "-o", str(out), "--json", str(tmp_path / "t.json")]
+            "--distributed-optimizer", "on", "--splits", "even", "-o", str(out), "--json", str(tmp_path / "t.json")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     written = load_config(str(out))
