@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from traces.analysis.critical_path import COMM_NODE_KINDS, CriticalPath, critical_path
+from traces.analysis.replicas import one_replica
 from traces.analysis.span_graph import build_span_graph
+from traces.analysis.stage_chains import stage_chains
 from traces.analysis.step_select import steps_of
 from traces.trace import Trace, TraceError
 
@@ -46,8 +48,10 @@ class PathOverhead:
 def node_medians(trace: Trace, schedule: Any = None) -> dict[tuple[int, str], tuple[float, float]]:
     """(rank, op label) -> (median duration, median recompute part) over the trace's steps."""
     acc: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    rep = one_replica(trace)  # what build_span_graph analyses: its steps and stage chains, once for all steps
+    info, chains = steps_of(rep), stage_chains(rep, schedule)
     for k in steps_of(trace).steps:
-        g = build_span_graph(trace, step=k, schedule=schedule)
+        g = build_span_graph(rep, step=k, schedule=schedule, info=info, chains=chains)
         for n in g.nodes:
             acc[(n.rank, n.label)].append((n.duration, n.parts.get("RC", 0.0)))
     return {key: (float(np.median([d for d, _ in v])), float(np.median([r for _, r in v]))) for key, v in acc.items()}

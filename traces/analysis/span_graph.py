@@ -64,12 +64,14 @@ class SpanGraph:
         return self.t_end - self.t0
 
 
-def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None) -> SpanGraph:
+def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None, info: Any = None,
+                      chains: Any = None) -> SpanGraph:
     """The graph of `step` of `trace` (default: the step with the median makespan). `schedule`: optionally the
     lowered `schedules.Schedule` the trace ran, for exact receive posts and channel orders (traces never imports
-    schedules; the caller passes it)."""
+    schedules; the caller passes it). `info` / `chains`: the replica's steps_of and stage_chains, when a caller
+    builds the graphs of many steps (computed here otherwise: each is a pass over the whole trace)."""
     trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/analysis/replicas.py)
-    k, st = step_trace(trace, step)
+    k, st = step_trace(trace, step, info)
     spans = st.spans
     sched = [s for s in spans if s.stage is not None]
     t0 = min(s.start for s in sched if _is_schedule(s))
@@ -79,7 +81,7 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     b.compute_nodes()
     b.comm_nodes()
     b.wait_nodes()
-    prev, nxt = neighbours(stage_chains(trace, schedule))
+    prev, nxt = neighbours(chains if chains is not None else stage_chains(trace, schedule))
     b.program_order()
     b.data_edges(prev, nxt)
     b.transfer_edges(schedule)

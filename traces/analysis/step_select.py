@@ -53,11 +53,12 @@ def steps_of(trace: Trace) -> StepInfo:
         cur = firsts[s.rank].get(k)
         firsts[s.rank][k] = s.start if cur is None else min(cur, s.start)
     windows = {r: sorted((t, k) for k, t in f.items()) for r, f in firsts.items()}
+    starts = {r: [t for t, _ in w] for r, w in windows.items()}  # once per rank, not once per span
     for i, s in enumerate(trace.spans):
         if i in steps or s.rank not in windows:
             continue
         w = windows[s.rank]
-        j = bisect_right([t for t, _ in w], s.start) - 1
+        j = bisect_right(starts[s.rank], s.start) - 1
         by_step[w[max(j, 0)][1]].append(i)
     out, mk, t0 = {}, {}, {}
     for k in counted:

@@ -35,7 +35,9 @@ import numpy as np
 from traces.analysis.critical_path import MHC_PARTS, CriticalPath, from_timing
 from traces.analysis.matching import key_groups, span_key
 from traces.analysis.replay import critical_chain, replay
+from traces.analysis.replicas import one_replica
 from traces.analysis.span_graph import SpanGraph, build_span_graph
+from traces.analysis.stage_chains import stage_chains
 from traces.analysis.step_select import steps_of
 from traces.trace import Trace, TraceError
 
@@ -97,7 +99,10 @@ class WhatIf:
 def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None, schedule: Any = None,
            baseline_name: str = "the baseline trace") -> WhatIf:
     info = steps_of(trace)
-    graphs = [build_span_graph(trace, step=k, schedule=schedule) for k in info.steps]
+    rep = one_replica(trace)  # what build_span_graph analyses: its steps and stage chains, once for all steps
+    rep_info = info if rep is trace else steps_of(rep)
+    chains = stage_chains(rep, schedule)
+    graphs = [build_span_graph(rep, step=k, schedule=schedule, info=rep_info, chains=chains) for k in info.steps]
     known = {p for g in graphs for n in g.nodes for p in n.parts}
     check_kinds(scales, known)
     share, source = _mhc_shares(trace, baseline, baseline_name) if baseline is not None else \
@@ -119,8 +124,10 @@ def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None
 
     base_step = None
     if baseline is not None:  # the baseline's own recorded step, read the same way (median over its steps)
-        base_step = float(np.median([build_span_graph(baseline, step=k, schedule=schedule).makespan
-                                     for k in steps_of(baseline).steps]))
+        brep = one_replica(baseline)
+        binfo, bchains = steps_of(brep), stage_chains(brep, schedule)
+        base_step = float(np.median([build_span_graph(brep, step=k, schedule=schedule, info=binfo,
+                                                      chains=bchains).makespan for k in steps_of(baseline).steps]))
     return WhatIf(scales=dict(scales), measured_step_us=med("measured_us"), replay_step_us=med("replay_us"),
                   step_us=med("predicted_us"), reproduction_error_pct=100.0 * err, steps=rows, mhc_source=source,
                   baseline_step_us=base_step, **before_after)

@@ -1,0 +1,112 @@
+"""The trace tools on traces the size of real runs (issue 58): a measured run of this runtime tiled to --spans spans
+(whole steps repeated, each copy shifted past the last), then each command as a user runs it, its wall time and
+peak memory (RSS) measured by /usr/bin/time.
+
+    .venv/bin/python bench/trace_scale_runs.py [--spans 1000000] [--source TRACE.json]
+                                               [--json bench/results/trace_scale_runs.json]
+
+The measured run: `mhcpipe run --config configs/tiny.yaml --schedule dualpipev --steps 6 --trace-dir ...` on 4 gloo
+ranks (or --source, a trace of ours). The commands: critical-path, overlap, whatif (--scale F=0.5), compare (the
+tiled trace against itself: the reader twice), view -o PNG. Targets (issue 58): <= 5 s and <= 1 GB at 10^6 spans;
+a row over either is marked, and the exit code is 1 if any row is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from traces.trace import Trace  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python")
+TARGET_S, TARGET_GB = 5.0, 1.0
+
+
+def measured_run(workdir: Path) -> Path:
+    out = workdir / "run"
+    subprocess.run([PY, "-m", "mhcpipe", "run", "--config", "configs/tiny.yaml", "--schedule", "dualpipev",
+                    "--steps", "6", "--trace-dir", str(out)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return out / "trace.json"
+
+
+def tiled(trace: Trace, spans: int) -> Trace:
+    """The trace's spans repeated, each copy shifted by the trace's length (plus a 1% gap), until >= `spans`."""
+    first = min(s.start for s in trace.spans)
+    length = max(s.end for s in trace.spans) - first
+    shift = length * 1.01
+    copies = -(-spans // len(trace.spans))
+    out = []
+    for k in range(copies):
+        out.extend(replace(s, start=s.start + k * shift) for s in trace.spans)
+    meta = dict(trace.meta)
+    if "steps" in meta:
+        meta["steps"] = int(meta["steps"]) * copies
+    return Trace(spans=out, meta=meta)
+
+
+def timed(argv: list[str]) -> dict:
+    """Wall seconds and peak RSS (GB) of one command, from GNU time; its exit code."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
+        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wall, kb = f.read().split()[-2:]
+    return {"wall_s": float(wall), "peak_rss_gb": int(kb) / 1e6, "rc": proc.returncode,
+            "error": proc.stderr.strip().splitlines()[-1] if proc.returncode else ""}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spans", type=int, default=1_000_000)
+    ap.add_argument("--source", type=Path, help="a trace of ours to tile (default: measure a tiny run first)")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "trace_scale_runs.json")
+    args = ap.parse_args()
+    if not shutil.which("/usr/bin/time"):
+        print("bench/trace_scale_runs.py: needs GNU time at /usr/bin/time", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="trace_scale_"))
+    try:
+        source = args.source or measured_run(work)
+        base = Trace.load(source)
+        big = tiled(base, args.spans)
+        path = work / "big.json"
+        big.save(path)
+        png = work / "big.png"
+        commands = {
+            "critical-path": ["critical-path", str(path)],
+            "overlap": ["overlap", str(path)],
+            "whatif": ["whatif", str(path), "--scale", "F=0.5"],
+            "compare": ["compare", str(path), str(path)],
+            "view": ["view", str(path), "-o", str(png)],
+        }
+        rows = {name: timed(argv) for name, argv in commands.items()}
+        result = {"spans": len(big.spans), "source_spans": len(base.spans), "file_mb": path.stat().st_size / 1e6,
+                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "targets": {"wall_s": TARGET_S,
+                                                                                        "peak_rss_gb": TARGET_GB},
+                  "rows": rows}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    over = False
+    print(f"{result['spans']:,} spans ({result['file_mb']:.0f} MB of JSON, tiled from {result['source_spans']:,})")
+    print(f"{'command':<15}{'wall s':>9}{'peak GB':>9}  note")
+    for name, r in rows.items():
+        bad = r["wall_s"] > TARGET_S or r["peak_rss_gb"] > TARGET_GB
+        over |= bad
+        note = (f"exit {r['rc']}: {r['error'][:80]}" if r["rc"] else "") + (" over target" if bad else "")
+        print(f"{name:<15}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}  {note}")
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
