@@ -2,13 +2,14 @@
 (whole steps repeated, each copy shifted past the last), then each command as a user runs it, its wall time and
 peak memory (RSS) measured by /usr/bin/time.
 
-    .venv/bin/python bench/trace_scale_runs.py [--spans 1000000] [--source TRACE.json]
+    .venv/bin/python bench/trace_scale_runs.py [--spans 1000000] [--source TRACE.json] [--rev 972bc6e]
                                                [--json bench/results/trace_scale_runs.json]
 
 The measured run: `mhcpipe run --config configs/tiny.yaml --schedule dualpipev --steps 6 --trace-dir ...` on 4 gloo
 ranks (or --source, a trace of ours). The commands: critical-path, overlap, whatif (--scale F=0.5), compare (the
 tiled trace against itself: the reader twice), view -o PNG. Targets (issue 58): <= 5 s and <= 1 GB at 10^6 spans;
-a row over either is marked, and the exit code is 1 if any row is.
+a row over either is marked, and the exit code is 1 if any row is. --rev: the same commands on the same file at
+another git revision too (a scratch worktree), in the same run.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from traces.trace import Trace  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 TARGET_S, TARGET_GB = 5.0, 1.0
+CAP_S = 300  # a command still running after this is stopped and reported as over it
 
 
 def measured_run(workdir: Path) -> Path:
@@ -54,11 +56,16 @@ def tiled(trace: Trace, spans: int) -> Trace:
     return Trace(spans=out, meta=meta)
 
 
-def timed(argv: list[str]) -> dict:
-    """Wall seconds and peak RSS (GB) of one command, from GNU time; its exit code."""
+def timed(argv: list[str], tree: Path = ROOT) -> dict:
+    """Wall seconds and peak RSS (GB) of one command run from `tree`, from GNU time; its exit code."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
-        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv],
+                                  cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(tree)}, timeout=CAP_S)
+        except subprocess.TimeoutExpired:
+            return {"wall_s": float(CAP_S), "peak_rss_gb": float("nan"), "rc": -1,
+                    "error": f"stopped after {CAP_S} s"}
         wall, kb = f.read().split()[-2:]
     return {"wall_s": float(wall), "peak_rss_gb": int(kb) / 1e6, "rc": proc.returncode,
             "error": proc.stderr.strip().splitlines()[-1] if proc.returncode else ""}
@@ -69,6 +76,7 @@ def main() -> int:
     ap.add_argument("--spans", type=int, default=1_000_000)
     ap.add_argument("--source", type=Path, help="a trace of ours to tile (default: measure a tiny run first)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "trace_scale_runs.json")
+    ap.add_argument("--rev", help="also run the commands at this git revision (a scratch worktree)")
     args = ap.parse_args()
     if not shutil.which("/usr/bin/time"):
         print("bench/trace_scale_runs.py: needs GNU time at /usr/bin/time", file=sys.stderr)
@@ -89,20 +97,31 @@ def main() -> int:
             "view": ["view", str(path), "-o", str(png)],
         }
         rows = {name: timed(argv) for name, argv in commands.items()}
+        before = None
+        if args.rev:
+            tree = work / "rev"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
+                           capture_output=True)
+            try:
+                before = {name: timed(argv, tree) for name, argv in commands.items()}
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
         result = {"spans": len(big.spans), "source_spans": len(base.spans), "file_mb": path.stat().st_size / 1e6,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "targets": {"wall_s": TARGET_S,
                                                                                         "peak_rss_gb": TARGET_GB},
-                  "rows": rows}
+                  "rows": rows, "rev": args.rev, "rows_at_rev": before}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     over = False
     print(f"{result['spans']:,} spans ({result['file_mb']:.0f} MB of JSON, tiled from {result['source_spans']:,})")
-    print(f"{'command':<15}{'wall s':>9}{'peak GB':>9}  note")
+    before = result["rows_at_rev"]
+    print(f"{'command':<15}{'wall s':>9}{'peak GB':>9}" + (f"{'at ' + args.rev:>22}" if before else "") + "  note")
     for name, r in rows.items():
         bad = r["wall_s"] > TARGET_S or r["peak_rss_gb"] > TARGET_GB
         over |= bad
         note = (f"exit {r['rc']}: {r['error'][:80]}" if r["rc"] else "") + (" over target" if bad else "")
-        print(f"{name:<15}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}  {note}")
+        then = f"{before[name]['wall_s']:>12.1f} s {before[name]['peak_rss_gb']:>5.2f} GB" if before else ""
+        print(f"{name:<15}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}{then}  {note}")
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
     return 1 if over else 0
