@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,16 +60,19 @@ def tiled(trace: Trace, spans: int) -> Trace:
 def timed(argv: list[str], tree: Path = ROOT) -> dict:
     """Wall seconds and peak RSS (GB) of one command run from `tree`, from GNU time; its exit code."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
+        proc = subprocess.Popen(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv],
+                                cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(tree)}, start_new_session=True)
         try:
-            proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv],
-                                  cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(tree)}, timeout=CAP_S)
+            _, err = proc.communicate(timeout=CAP_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # time and the command under it
+            proc.communicate()
             return {"wall_s": float(CAP_S), "peak_rss_gb": float("nan"), "rc": -1,
                     "error": f"stopped after {CAP_S} s"}
         wall, kb = f.read().split()[-2:]
     return {"wall_s": float(wall), "peak_rss_gb": int(kb) / 1e6, "rc": proc.returncode,
-            "error": proc.stderr.strip().splitlines()[-1] if proc.returncode else ""}
+            "error": err.strip().splitlines()[-1] if proc.returncode and err.strip() else ""}
 
 
 def main() -> int:
