@@ -181,8 +181,8 @@ class Trace:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise TraceError(f"{source}: field {where}: {first['msg']}") from None
-        unset = {"stage": None, "mb": None}  # optional on disk, positional in Span
-        spans = [Span(**(unset | r)) for r in parsed["spans"]]
+        unset = {"stage": None, "mb": None}  # optional on disk, positional in Span (our writer always has them)
+        spans = [Span(**r) if "mb" in r and "stage" in r else Span(**(unset | r)) for r in parsed["spans"]]
         return cls(spans=spans, meta=dict(parsed.get("meta", {})))
 
     @classmethod

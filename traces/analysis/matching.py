@@ -83,12 +83,21 @@ def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
 
 
 def step_index(trace: Trace) -> dict[int, int]:
-    """Span index -> step (instance order of its key), for schedule spans."""
+    """Span index -> step (instance order of its key), for schedule spans. Kept on the trace (for the same span
+    list, unchanged in length): every analysis of a loaded trace asks for it, and it is a pass over every span."""
+    cached = trace.__dict__.get("_step_index")
+    if cached is not None and cached[0] is trace.spans and cached[1] == len(trace.spans):
+        return cached[2]
     out = {}
     for idx in key_groups(trace).values():
         for k, i in enumerate(idx):
             out[i] = k
+    _keep_step_index(trace, out)
     return out
+
+
+def _keep_step_index(trace: Trace, index: dict[int, int]) -> None:
+    trace.__dict__["_step_index"] = (trace.spans, len(trace.spans), index)
 
 
 def drop_warmup_step(trace: Trace) -> Trace:
@@ -106,7 +115,11 @@ def drop_warmup_step(trace: Trace) -> Trace:
             next_start[s.rank] = min(next_start.get(s.rank, s.start), s.start)
     drop = first | {i for i, s in enumerate(trace.spans)
                     if i not in steps and s.rank in next_start and s.start < next_start[s.rank]}
-    return Trace([s for i, s in enumerate(trace.spans) if i not in drop], dict(trace.meta))
+    kept = [i for i in range(len(trace.spans)) if i not in drop]
+    out = Trace([trace.spans[i] for i in kept], dict(trace.meta))
+    # every key lost its first instance and kept the rest in order: a kept span's step is one less
+    _keep_step_index(out, {new: steps[old] - 1 for new, old in enumerate(kept) if old in steps})
+    return out
 
 
 # ---- schedule identity -------------------------------------------------------------------------------------

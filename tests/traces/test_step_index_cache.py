@@ -1,0 +1,47 @@
+"""The step index kept on a trace (traces.analysis.matching.step_index) is the one a fresh pass computes: after
+drop_warmup_step (which derives it from the dropped trace's) and after the span list changes."""
+from __future__ import annotations
+
+import random
+
+from schedules import build, simulate
+from traces.analysis.matching import drop_warmup_step, key_groups, step_index
+from traces.trace import Span, Trace
+
+
+def _fresh(trace: Trace) -> dict[int, int]:
+    out = {}
+    for idx in key_groups(trace).values():
+        for k, i in enumerate(idx):
+            out[i] = k
+    return out
+
+
+def _steps(n: int) -> Trace:
+    """`n` steps of a simulated DualPipeV run back to back, with a WAIT span per rank and step, shuffled."""
+    one = simulate(build("dualpipev", 2, 4)).trace
+    length = max(s.end for s in one.spans) * 1.1
+    spans = []
+    for k in range(n):
+        spans += [Span(s.rank, s.stream, s.kind, s.stage, s.mb, s.start + k * length, s.duration, s.partner, s.peer)
+                  for s in one.spans]
+        spans += [Span(r, "compute", "WAIT", None, None, k * length + 0.5, 0.1) for r in range(2)]
+    random.Random(3).shuffle(spans)
+    return Trace(spans=spans, meta=dict(one.meta))
+
+
+def test_the_kept_index_after_dropping_the_warmup_is_a_fresh_one():
+    trace = _steps(4)
+    assert step_index(trace) == _fresh(trace) and max(_fresh(trace).values()) == 3
+    dropped = drop_warmup_step(trace)
+    assert len(dropped.spans) < len(trace.spans)
+    assert step_index(dropped) == _fresh(dropped) and max(_fresh(dropped).values()) == 2
+
+
+def test_a_changed_span_list_is_indexed_again():
+    trace = _steps(3)
+    step_index(trace)
+    trace.spans = trace.spans[: len(trace.spans) // 2]
+    assert step_index(trace) == _fresh(trace)
+    trace.spans.append(trace.spans[0])
+    assert step_index(trace) == _fresh(trace)
