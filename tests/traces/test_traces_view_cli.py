@@ -18,8 +18,7 @@ from traces_testlib import one_f_one_b, shared_traces  # noqa: F401
 
 @pytest.fixture
 def mhcpipe(monkeypatch, capsys):
-    """Run `mhcpipe ARGS` with only our subcommands registered (the others are written concurrently)."""
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("mhcpipe.trace_cli",))
+    """Run `mhcpipe ARGS` in this process (the CLI registers the named command's module only)."""
 
     def run(*args: str) -> tuple[int, str, str]:
         rc = cli.main([str(a) for a in args])
