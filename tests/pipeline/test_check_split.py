@@ -234,8 +234,9 @@ def test_stages_balanced_by_measured_block_times_agree_and_every_rank_cuts_at_th
     plans = [r.value[0]["stages"] for r in got]
     assert all(p == plans[0] for p in plans)  # one partition, whatever each rank would have measured
     blocks = sorted((first, last) for first, last, _ in plans[0].values())
-    # the two slow blocks get a stage each (by parameter count every stage would hold two blocks)
-    assert blocks[:2] == [(0, 0), (1, 1)] and blocks[-1][1] == 7 and len(blocks) == 4, blocks
+    # the two slow blocks are cut apart, the first alone (by parameter count every stage would hold two blocks:
+    # (0, 1) first); how many fast blocks join the second depends on how slow the host measured it, so not asserted
+    assert blocks[0] == (0, 0) and blocks[1][0] == 1 and blocks[-1][1] == 7 and len(blocks) == 4, blocks
 
 
 SIX = '''import sys
