@@ -37,7 +37,6 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, sp
                    hw: HardwareSpec | None = None) -> dict[int, tuple[range, bool, bool]]:
     """stage -> (blocks, is first of its pipeline, is last). `split` 'balanced' (with `hw`): the blocks cut by cost
     (costmodel.pricing.stage_split), uneven by design."""
-    out: dict[int, tuple[range, bool, bool]] = {}
     nb = cfg.model.num_blocks
     if split == "balanced":
         from costmodel.pricing.stage_split import balanced_split
@@ -47,19 +46,11 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, sp
         if nb < len(schedule.pipelines[0]):
             raise ValueError(f"{nb} blocks cannot fill {len(schedule.pipelines[0])} pipeline stages "
                              f"({schedule.kind}, {schedule.num_ranks} ranks); use fewer ranks")
-        cut = balanced_split(cfg, hw, schedule)
-        for chain in schedule.pipelines:
-            for pos, (st, blocks) in enumerate(zip(chain, cut)):
-                out[st] = (blocks, pos == 0, pos == len(chain) - 1)
-        return out
+        return _place(schedule, balanced_split(cfg, hw, schedule))
     if split != "even":
         raise ValueError(f"stage split {split!r}: 'even' or 'balanced'")
     if cfg.parallel.stage_split is not None:  # the config's own cut (checked against num_stages by RunConfig)
-        cut = config_stage_blocks(cfg)
-        for chain in schedule.pipelines:
-            for pos, (st, blocks) in enumerate(zip(chain, cut)):
-                out[st] = (blocks, pos == 0, pos == len(chain) - 1)
-        return out
+        return _place(schedule, config_stage_blocks(cfg))
     for chain in schedule.pipelines:
         S = len(chain)
         if nb < S:
@@ -71,8 +62,15 @@ def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, sp
             raise ValueError(f"{nb} blocks do not divide evenly into {S} stages (would be {sizes}); choose a layout "
                              f"whose stage count divides {nb} (stages per pipeline: {divisors}) or allow uneven "
                              "stages (--uneven, or parallel.uneven_stages: true in the config)")
-        for pos, (st, blocks) in enumerate(zip(chain, stage_blocks(nb, S))):
-            out[st] = (blocks, pos == 0, pos == S - 1)
+    return _place(schedule, stage_blocks(nb, len(schedule.pipelines[0])))
+
+
+def _place(schedule: Schedule, cut: list[range]) -> dict[int, tuple[range, bool, bool]]:
+    """Every pipeline's stages given the blocks of `cut` in chain order: stage -> (blocks, first, last)."""
+    out: dict[int, tuple[range, bool, bool]] = {}
+    for chain in schedule.pipelines:
+        for pos, (st, blocks) in enumerate(zip(chain, cut)):
+            out[st] = (blocks, pos == 0, pos == len(chain) - 1)
     return out
 
 
