@@ -29,6 +29,7 @@ RANKS_MODULES = frozenset({
     "tests/pipeline/test_pipeline_collective.py",
     "tests/pipeline/test_stage_split_runtime.py",
     "tests/pipeline/test_pipeline_cuda_emulation.py",
+    "tests/pipeline/test_emulated_launch.py",
     "tests/pipeline/test_pipeline_demo.py",
     "tests/pipeline/test_pipeline_equivalence.py",
     "tests/pipeline/test_pipeline_faults.py",

@@ -202,18 +202,28 @@ class EmulatedCuda:
                    ops=[{"kind": _KINDS.get(kind, kind), "name": name, **({"peer": peer} if peer is not None else {})}
                         for kind, peer, name in ops], storages=[s for s in storages if s is not None])
         works = post()  # a list (a P2P batch) or one work (a collective)
-        for work in {id(w): w for w in (works if isinstance(works, list) else [works])}.values():
-            done = _Done(k)
+        # One launch completes as one, whichever of its works the runtime holds: NCCL runs a grouped batch as one
+        # kernel (ProcessGroupNCCL returns one coalesced work), so nothing ordered behind any op of the batch runs
+        # before all of its ops ran; gloo returns a work per op and completes a receive as soon as its own message
+        # came. Per-op completion here let a stream reused behind one receive of a batch look idle while the
+        # batch's other receive was still unsent: a host wait a GPU never makes, and a cycle in the replay.
+        unique = list({id(w): w for w in (works if isinstance(works, list) else [works])}.values())
+        done = _Done(k)
+        for work in unique:
             self._works[id(work)] = done
-            self._pool.submit(self._watch, work, done)
+        self._pool.submit(self._watch, unique, done)
         return works
 
-    def _watch(self, work, done: _Done) -> None:
-        try:
-            import datetime
+    def _watch(self, works: list, done: _Done) -> None:
+        import datetime
 
-            if work.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
-                done.error = TimeoutError("the backend timed out")
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for work in works:
+                left = datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))  # 0 means no limit
+                if work.wait(left) is False:
+                    done.error = TimeoutError("the backend timed out")
+                    break
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits for it
             done.error = err
         finally:
