@@ -64,7 +64,7 @@ def test_the_path_is_a_chain_with_zero_slack_and_its_parts_add_up(kind, p, m):
     ch = critical_chain(tm)
     sl = slack(tm)
     for u, v in zip(ch.nodes, ch.nodes[1:]):
-        assert g.graph.has_edge(u, v), (g.nodes[u].label, g.nodes[v].label)
+        assert (u, v) in g.edges, (g.nodes[u].label, g.nodes[v].label)
     assert all(sl[v] <= 1e-9 * r.makespan for v in ch.nodes)
     assert (sl >= 0).all() and (sl > 1e-6).any()  # something is off the path
     cp = critical_path(r.trace)

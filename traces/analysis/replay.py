@@ -62,11 +62,11 @@ def _edges(g: SpanGraph):
         n = len(g.nodes)
         st_in: list[list[tuple[int, float, bool]]] = [[] for _ in range(n)]
         ff_in: list[list[int]] = [[] for _ in range(n)]
-        for u, v, d in g.graph.edges(data=True):
-            if d["kind"] == "ff":
+        for (u, v), (kind, lag) in g.edges.items():
+            if kind == "ff":
                 ff_in[v].append(u)
             else:
-                st_in[v].append((u, d["lag"], d["kind"] == "fs"))
+                st_in[v].append((u, lag, kind == "fs"))
         cache = (st_in, ff_in)
         g._edge_cache = cache  # the graph is not changed after it is built
     return cache

@@ -1,6 +1,8 @@
 """The dependency graph of one step of a trace: its operations (traces.analysis.span_nodes, traces.analysis.transfers)
 joined by the
-schedule's dependencies, as a networkx DAG. traces.analysis.replay times it, traces.analysis.critical_path walks it.
+schedule's dependencies, as a DAG (edges in a dict: networkx's graph object costs more than the analysis at 10^5
+nodes; `nx_graph()` builds one for callers that want its algorithms). traces.analysis.replay times it,
+traces.analysis.critical_path walks it.
 
 Edges (u -> v: v cannot start before u ends, plus `lag`), the rules of schedules/deps.py and schedules/graph.py
 read off span names (traces.md §5) and the stage chains (traces.analysis.stage_chains):
@@ -24,6 +26,7 @@ are not in the trace at all (one rank's file of a larger run) are outside the st
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +40,10 @@ from traces.analysis.stage_chains import channel_order, neighbours, receive_post
 from traces.analysis.step_select import step_trace
 from traces.trace import Trace, TraceError
 from traces.analysis.transfers import Transfer, build_transfers
+from traces.names import is_schedule_span
 
 MAX_LISTED = 8
+_STRENGTH = {"fs": 2, "ss": 1, "ff": 0}
 
 
 @dataclass
@@ -46,7 +51,8 @@ class SpanGraph:
     trace: Trace  # the step's trace; Node.spans index into trace.spans
     step: int
     nodes: list[Node]
-    graph: nx.DiGraph  # edge attributes: kind (fs: finish-to-start, ss: start-to-start, ff: finish-to-finish), lag
+    edges: dict[tuple[int, int], list]  # (u, v) -> [kind, lag]; kind fs: finish-to-start, ss: start-to-start,
+    # ff: finish-to-finish
     t0: float  # start of the step's first schedule span
     t_end: float  # end of its last schedule span
     # per node: the recorded delay after the input that released it (its binding start-edge: the largest
@@ -62,6 +68,38 @@ class SpanGraph:
     @property
     def makespan(self) -> float:
         return self.t_end - self.t0
+
+    def nx_graph(self) -> nx.DiGraph:
+        """The graph as a networkx DiGraph (edge attributes kind and lag)."""
+        return _nx(len(self.nodes), self.edges)
+
+
+def _nx(n: int, edges: dict[tuple[int, int], list]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_edges_from((u, v, {"kind": k, "lag": lag}) for (u, v), (k, lag) in edges.items())
+    return g
+
+
+def _topological(nodes: list[Node], edges: dict[tuple[int, int], list]) -> list[int] | None:
+    """Kahn's order, the ready node with the smallest (start, id) first (networkx's
+    lexicographical_topological_sort with that key); None if the edges make a cycle."""
+    succ: list[list[int]] = [[] for _ in nodes]
+    indeg = [0] * len(nodes)
+    for u, v in edges:
+        succ[u].append(v)
+        indeg[v] += 1
+    heap = [(nd.start, nd.id) for nd in nodes if indeg[nd.id] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        _, u = heapq.heappop(heap)
+        order.append(u)
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (nodes[v].start, v))
+    return order if len(order) == len(nodes) else None
 
 
 def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None, info: Any = None,
@@ -90,24 +128,26 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
         raise TraceError(f"critical path impossible: {len(b.unplaced)} spans of step {k} could not be placed in the "
                          f"schedule's dependencies: {'; '.join(b.unplaced[:MAX_LISTED])}{more}; span names must follow "
                          "the schedule (traces.md §5) and every op's inputs must be in the trace")
-    g = b.graph
-    if not nx.is_directed_acyclic_graph(g):
-        cyc = [b.nodes[u].label for u, _ in nx.find_cycle(g)][:MAX_LISTED]
+    edges = b.edges
+    order = _topological(b.nodes, edges)
+    if order is None:
+        cyc = [b.nodes[u].label for u, _ in nx.find_cycle(_nx(len(b.nodes), edges))][:MAX_LISTED]
         raise TraceError(f"critical path impossible: the recorded times of step {k} make the dependencies circular "
                          f"({' -> '.join(cyc)}); the span names do not follow the schedule")
-    lat, bind = [], []
-    for v in b.nodes:
-        ins = [((b.nodes[u].end if d["kind"] == "fs" else b.nodes[u].start) + d["lag"], d["kind"] == "fs", u)
-               for u, _, d in g.in_edges(v.id, data=True) if d["kind"] != "ff"]
-        top = max(ins, default=None)  # ties: a finish-to-start input, then the later node
-        lat.append(v.start - (top[0] if top else t0))
-        bind.append(top[2] if top else -1)
-    order = list(nx.lexicographical_topological_sort(g, key=lambda n: (b.nodes[n].start, n)))
-    return SpanGraph(st, k, b.nodes, g, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
+    nodes = b.nodes
+    top: list[tuple | None] = [None] * len(nodes)
+    for (u, v), (kind, lag) in edges.items():
+        if kind == "ff":
+            continue
+        cand = ((nodes[u].end if kind == "fs" else nodes[u].start) + lag, kind == "fs", u)
+        if top[v] is None or cand > top[v]:  # ties: a finish-to-start input, then the later node
+            top[v] = cand
+    lat = [nd.start - (t[0] if t else t0) for nd, t in zip(nodes, top)]
+    bind = [t[2] if t else -1 for t in top]
+    return SpanGraph(st, k, nodes, edges, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
 
 
 def _is_schedule(s) -> bool:
-    from traces.names import is_schedule_span
     return is_schedule_span(s.kind, s.stage)
 
 
@@ -115,7 +155,7 @@ class _Builder:
     def __init__(self, trace: Trace, tol: float):
         self.trace, self.spans, self.tol = trace, trace.spans, tol
         self.nodes: list[Node] = []
-        self.graph = nx.DiGraph()
+        self.edges: dict[tuple[int, int], list] = {}  # (u, v) -> [kind, lag]
         self.unplaced: list[str] = []
         self.violations: list[str] = []
         self.notes: list[str] = []
@@ -130,7 +170,6 @@ class _Builder:
 
     def _add(self, node: Node) -> Node:
         self.nodes.append(node)
-        self.graph.add_node(node.id)
         return node
 
     def edge(self, u: int, v: int, lag: float = 0.0, kind: str = "fs", fallback: tuple[str, ...] = (),
@@ -142,7 +181,7 @@ class _Builder:
         a, b = self.nodes[u], self.nodes[v]
         over = 0.0
         for k in (kind, *fallback):
-            over = {"fs": a.end + lag - b.start, "ss": a.start + lag - b.start, "ff": a.end - b.end}[k]
+            over = a.end + lag - b.start if k == "fs" else a.start + lag - b.start if k == "ss" else a.end - b.end
             if over <= self.tol:
                 if k == "ss":  # released from inside u: as long after u's start as recorded
                     lag = max(lag, b.start - a.start)
@@ -152,13 +191,11 @@ class _Builder:
                                    f"before {a.label} (rank {a.rank}) {'starts' if kind == 'ss' else 'ends'}"
                                    f"{f' ({why})' if why else ''}")
             return
-        if self.graph.has_edge(u, v):  # keep the stronger constraint
-            d = self.graph.edges[u, v]
-            rank = {"fs": 2, "ss": 1, "ff": 0}
-            if rank[k] > rank[d["kind"]] or (k == d["kind"] and lag > d["lag"]):
-                d["kind"], d["lag"] = k, lag
-        else:
-            self.graph.add_edge(u, v, lag=lag, kind=k)
+        d = self.edges.get((u, v))
+        if d is None:
+            self.edges[(u, v)] = [k, lag]
+        elif _STRENGTH[k] > _STRENGTH[d[0]] or (k == d[0] and lag > d[1]):  # keep the stronger constraint
+            d[0], d[1] = k, lag
 
     # ---- nodes ---------------------------------------------------------------------------------------------
     def compute_nodes(self) -> None:
