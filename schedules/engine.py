@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from schedules.ir import Action, Kind, Schedule
+from schedules.memo import derived
 from traces.trace import Span
 
 P2P_MODES = ("rendezvous", "commit", "dataflow")
@@ -99,11 +100,12 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     C = max(1, schedule.microbatches_per_pipeline)
     SC = S * C
     F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
-    f_need, b_need = _stage_needs(schedule, C, F_, G_, XF_, XG_)
+    f_need, b_need = derived(schedule, "engine stage needs", lambda: _stage_needs(schedule, C, F_, G_, XF_, XG_))
 
     KF, KI, KW, KFB = Kind.F, Kind.I, Kind.W, Kind.FB
     KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
-    channel_of, channel_ends, channel_msgs, message_slot = _channels(schedule, C, XF_, XG_)
+    channel_of, channel_ends, channel_msgs, message_slot = derived(schedule, "engine channels",
+                                                                   lambda: _channels(schedule, C, XF_, XG_))
     num_channels = len(channel_ends)
     send_ready = [[None] * len(m) for m in channel_msgs]
     recv_post = [[None] * len(m) for m in channel_msgs]

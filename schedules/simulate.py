@@ -13,6 +13,7 @@ from schedules.durations import Durations
 from schedules.engine import run_engine
 from schedules.ir import Action, Kind, Schedule
 from schedules.lowering import lower_comms
+from schedules.memo import derived
 from schedules.registry import trace_meta
 from schedules.validate import check_structure, raise_deadlock
 from traces.trace import Trace
@@ -87,4 +88,5 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     makespan = max(result.end, default=0.0)
     busy = dict(enumerate(result.busy))
     idle = {r: makespan - b for r, b in busy.items()}
-    return SimResult(trace, makespan, busy, idle, peak_live_activations(schedule))
+    return SimResult(trace, makespan, busy, idle,
+                     dict(derived(schedule, "peak live activations", lambda: peak_live_activations(schedule))))
