@@ -4,7 +4,8 @@ Modules: `ir` (Action, Kind, Schedule), `registry` (every kind's generator and f
 names), `build`, the generators (`gpipe`, `one_f_one_b`, `zb1p`, `dualpipe`, `dualpipev`, with `_eight_steps`
 shared by the DualPipes and `_checks`), `lowering` (P2P actions), `deps` (the dependency semantics), `graph`
 (networkx), `validate`, `engine` (the event engine), `memo` (what is derived from one schedule object, once),
-`simulate`, `durations`, `formulas` (closed-form bubbles and peaks), `torch_csv` (torch.distributed.pipelining's CSV), `ir_json`.
+`simulate`, `durations`, `formulas` (closed-form bubbles and peaks), `torch_csv` (torch.distributed.pipelining's
+CSV), `ir_json`.
 """
 from schedules.build import build
 from schedules.durations import Durations

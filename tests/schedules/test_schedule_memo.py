@@ -1,5 +1,6 @@
 """schedules/memo.py: a value derived from one schedule object is computed once, per object, and goes with it."""
 import gc
+from functools import partial
 
 from schedules import build, simulate
 from schedules.memo import _VALUES, derived
@@ -13,8 +14,8 @@ def test_derived_once_per_object_and_dropped_with_it():
         calls.append(id(s))
         return len(s.actions)
 
-    assert derived(a, "n", lambda: make(a)) == derived(a, "n", lambda: make(a)) == 4
-    assert derived(b, "n", lambda: make(b)) == 4
+    assert derived(a, "n", partial(make, a)) == derived(a, "n", partial(make, a)) == 4
+    assert derived(b, "n", partial(make, b)) == 4
     assert calls == [id(a), id(b)]
     key = (id(a), "n")
     assert key in _VALUES
