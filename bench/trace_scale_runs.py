@@ -7,9 +7,10 @@ peak memory (RSS) measured by /usr/bin/time.
 
 The measured run: `mhcpipe run --config configs/tiny.yaml --schedule dualpipev --steps 6 --trace-dir ...` on 4 gloo
 ranks (or --source, a trace of ours). The commands: critical-path, overlap, whatif (--scale F=0.5), compare (the
-tiled trace against itself: the reader twice), view -o PNG. Targets (issue 58): <= 5 s and <= 1 GB at 10^6 spans;
-a row over either is marked, and the exit code is 1 if any row is. --rev: the same commands on the same file at
-another git revision too (a scratch worktree), in the same run.
+tiled trace against itself: the reader twice), view -o PNG, and critical-path on the same trace written in our
+JSON's version 1 (an object per span; docs/traces.md §7). Targets (issue 58): <= 5 s and <= 1 GB at 10^6 spans; a
+row over either is marked, and the exit code is 1 if any row is. --rev: the same commands at another git revision
+too (a scratch worktree), in the same run, on the version-1 file (what a revision before version 2 reads).
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def main() -> int:
         big = tiled(base, args.spans)
         path = work / "big.json"
         big.save(path)
+        path_v1 = work / "big_v1.json"
+        path_v1.write_text(json.dumps(big.to_records()))
         png = work / "big.png"
         commands = {
             "critical-path": ["critical-path", str(path)],
@@ -101,31 +104,36 @@ def main() -> int:
             "view": ["view", str(path), "-o", str(png)],
         }
         rows = {name: timed(argv) for name, argv in commands.items()}
+        rows["critical-path v1 file"] = timed(["critical-path", str(path_v1)])
+        old = {name: [str(path_v1) if a == str(path) else a for a in argv] for name, argv in commands.items()}
         before = None
         if args.rev:
             tree = work / "rev"
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
                            capture_output=True)
             try:
-                before = {name: timed(argv, tree) for name, argv in commands.items()}
+                before = {name: timed(argv, tree) for name, argv in old.items()}
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
         result = {"spans": len(big.spans), "source_spans": len(base.spans), "file_mb": path.stat().st_size / 1e6,
+                  "file_v1_mb": path_v1.stat().st_size / 1e6,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "targets": {"wall_s": TARGET_S,
                                                                                         "peak_rss_gb": TARGET_GB},
                   "rows": rows, "rev": args.rev, "rows_at_rev": before}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     over = False
-    print(f"{result['spans']:,} spans ({result['file_mb']:.0f} MB of JSON, tiled from {result['source_spans']:,})")
+    print(f"{result['spans']:,} spans ({result['file_mb']:.0f} MB of JSON, {result['file_v1_mb']:.0f} MB as version 1; "
+          f"tiled from {result['source_spans']:,})")
     before = result["rows_at_rev"]
-    print(f"{'command':<15}{'wall s':>9}{'peak GB':>9}" + (f"{'at ' + args.rev:>22}" if before else "") + "  note")
+    print(f"{'command':<22}{'wall s':>9}{'peak GB':>9}" + (f"{'at ' + args.rev:>22}" if before else "") + "  note")
     for name, r in rows.items():
         bad = r["wall_s"] > TARGET_S or r["peak_rss_gb"] > TARGET_GB
         over |= bad
         note = (f"exit {r['rc']}: {r['error'][:80]}" if r["rc"] else "") + (" over target" if bad else "")
-        then = f"{before[name]['wall_s']:>12.1f} s {before[name]['peak_rss_gb']:>5.2f} GB" if before else ""
-        print(f"{name:<15}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}{then}  {note}")
+        then = (f"{before[name]['wall_s']:>12.1f} s {before[name]['peak_rss_gb']:>5.2f} GB"
+                if before and name in before else " " * 22 if before else "")
+        print(f"{name:<22}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}{then}  {note}")
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
     return 1 if over else 0

@@ -13,6 +13,7 @@ import yaml
 from _pipeline_helpers import check_ok, mhcpipe_in_process, tiny_config
 from pipeline.launch.local import variants_worker
 from rank_pool import launch
+from traces.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_run_trace_interleave_checkpoint_resume(tmp_path):
         meta = json.loads((tmp_path / "trace" / name / "trace.json").read_text())["meta"]
         assert meta["residual"]["n"] == n
 
-    trace = json.loads((tmp_path / "trace" / "mhc_4" / "trace.json").read_text())
+    trace = Trace.load(tmp_path / "trace" / "mhc_4" / "trace.json").to_records()
     assert trace["meta"]["source"] == "measured" and trace["meta"]["time_unit"] == "us"
     assert trace["meta"]["schedule"] == {"kind": "dualpipev", "ranks": 2, "microbatches": 4, "mirrors": False,
                                          "stages_per_rank": 2}  # the kind's facts (schedules.registry.trace_meta)

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from traces.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _step_span_ms(trace_path: Path) -> dict[int, float]:
     """Step k -> the slowest rank's `step/k` span (ms), straight from the measured trace file."""
     out: dict[int, float] = {}
-    for s in json.loads(trace_path.read_text())["spans"]:
+    for s in Trace.load(trace_path).to_records()["spans"]:
         name = s.get("name") or ""
         if s.get("kind") == "step" and name.startswith("step/"):
             k = int(name.split("/")[1])
@@ -30,7 +31,7 @@ def _step_span_ms(trace_path: Path) -> dict[int, float]:
 
 def _median_forward_ms(trace_path: Path) -> float:
     """The median duration of the forward actions (F) over every rank and step of a measured trace (ms)."""
-    durs = sorted(s["duration"] / 1e3 for s in json.loads(trace_path.read_text())["spans"]
+    durs = sorted(s["duration"] / 1e3 for s in Trace.load(trace_path).to_records()["spans"]
                   if s.get("kind") == "F" and s.get("stream") == "compute")
     return durs[len(durs) // 2]
 

@@ -11,6 +11,7 @@ import pytest
 
 from _pipeline_helpers import mhcpipe_in_process
 from pipeline.launch.local import free_port
+from traces.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
@@ -76,8 +77,8 @@ def test_the_hyper_connections_model_trains_traces_and_draws_like_the_built_in_o
                         "2", "--trace-dir", str(tmp_path / "ours")], cwd=ROOT, capture_output=True, text=True,
                        timeout=200, env=ENV)
     assert ours.returncode == 0, ours.stderr[-3000:]
-    tu = json.loads((tmp_path / "user" / "trace.json").read_text())
-    to = json.loads((tmp_path / "ours" / "trace.json").read_text())
+    tu = Trace.load(tmp_path / "user" / "trace.json").to_records()
+    to = Trace.load(tmp_path / "ours" / "trace.json").to_records()
     assert tu["meta"].keys() == to["meta"].keys()
     assert tu["meta"]["model"] == "hyper-connections-mhc (user model)"
     assert tu["meta"]["schedule"] == to["meta"]["schedule"] and tu["meta"]["pipelines"] == to["meta"]["pipelines"]
@@ -95,7 +96,7 @@ def test_the_hyper_connections_model_trains_traces_and_draws_like_the_built_in_o
                      "2", "--trace-dir", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert "F&B pairs run their halves one after the other (its blocks expose no phases" in plain.stdout
-    tp = json.loads((tmp_path / "plain" / "trace.json").read_text())
+    tp = Trace.load(tmp_path / "plain" / "trace.json").to_records()
     assert interleaved_pairs(tp) == 0
     # where the weight-gradient GEMMs ran: the plain transformer's DeferLinear moves them from I to W (as the
     # built-in model's do), the hyper-connections model's nn.Linear leaves W empty and the run says so

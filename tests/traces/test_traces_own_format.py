@@ -3,6 +3,8 @@ the Span's defaults, and a malformed file refused in one line naming the field; 
 TypedDicts (bench/trace_scale_runs.py), so these pin what the schema promised before."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from schedules import build, simulate
@@ -44,3 +46,47 @@ def test_a_malformed_span_is_refused_naming_its_field(span, field):
 def test_an_unknown_top_level_field_is_refused():
     with pytest.raises(TraceError, match="field extra: Extra inputs are not permitted"):
         Trace.from_dict({**HEAD, "extra": 1, "spans": []})
+
+
+def _v2(columns: dict) -> dict:
+    return {"format": "mhc-pipe-trace", "version": 2, "columns": columns}
+
+
+COLS = {"rank": [0, 1], "stream": {"values": ["compute"], "codes": [0, 0]},
+        "kind": {"values": ["F", "B"], "codes": [0, 1]}, "start": [0.0, 2.0], "duration": [1.0, 1.5]}
+
+
+def test_version_1_and_version_2_files_of_a_trace_read_back_the_same(tmp_path):
+    sim = simulate(build("zb1p", 3, 6)).trace
+    measured = [Span(2, "comm", "RECV_B", 1, 0, 4.0, 0.5, peer=1, name="RECV_B/s1/mb0~comm", group="p2p:1>2", batch=3)]
+    trace = Trace(spans=sim.spans + measured, meta={"source": "x"})
+    path = trace.save(tmp_path / "t.json")
+    assert '"version": 2' in path.read_text()[:200] and '"columns"' in path.read_text()
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(trace.to_records()))
+    assert Trace.load(old).spans == Trace.load(path).spans == trace.spans
+
+
+def test_columns_left_out_take_the_span_defaults():
+    got = Trace.from_dict(_v2(COLS))
+    assert got.spans == [Span(0, "compute", "F", None, None, 0.0, 1.0), Span(1, "compute", "B", None, None, 2.0, 1.5)]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"start": [0.0, "x"]}, r"field columns\.start\.1: "),
+    ({"duration": [1.0, -1.0]}, r"field columns\.duration\.1: "),
+    ({"rank": [0, -1]}, r"field columns\.rank\.1: "),
+    ({"code": [1, 2]}, r"field columns\.code: Extra inputs"),
+    ({"kind": {"values": ["F"], "codes": [0, 1]}}, r"field columns\.kind\.codes: code 1 names no value"),
+    ({"kind": {"values": ["F", ""], "codes": [0, 1]}}, r"field columns\.kind\.values\.1: "),
+    ({"duration": [1.0]}, r"field columns\.duration: 1 values for 2 spans"),
+    ({"mb": [0]}, r"field columns\.mb: 1 values for 2 spans"),
+])
+def test_a_damaged_column_is_refused_naming_it(change, message):
+    with pytest.raises(TraceError, match=rf"^<dict>: {message}"):
+        Trace.from_dict(_v2({**COLS, **change}))
+
+
+def test_an_unknown_version_names_the_ones_read():
+    with pytest.raises(TraceError, match=r"version 3 is not supported \(this build reads versions 1, 2\)"):
+        Trace.from_dict({"format": "mhc-pipe-trace", "version": 3, "columns": COLS})

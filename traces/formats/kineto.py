@@ -28,7 +28,7 @@ from typing import Any
 
 from traces.names import parse_name, range_span
 from traces.formats.project import Launches
-from traces.trace import Span, Trace, TraceError
+from traces.trace import Span, Trace, TraceError, collector_paused
 
 GPU_OP_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
                 "memcpy": "memcpy", "memset": "memset"}  # older releases: Kernel, Memcpy, Memset
@@ -57,7 +57,8 @@ def read_json(path: str | Path) -> Any:
             raise TraceError(f"{path}: gzip stream is damaged or truncated ({err}); re-copy or re-capture the "
                              "file") from None
     try:
-        return json.loads(raw)
+        with collector_paused():
+            return json.loads(raw)
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not UTF-8 JSON text") from None
     except json.JSONDecodeError as err:
