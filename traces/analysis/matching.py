@@ -62,10 +62,12 @@ def schedule_spans(trace: Trace) -> list[int]:
 
 def key_groups(trace: Trace) -> dict[Key, list[int]]:
     groups: dict[Key, list[int]] = defaultdict(list)
+    spans = trace.spans
     for i in schedule_spans(trace):
-        groups[span_key(trace.spans[i])].append(i)
+        groups[span_key(spans[i])].append(i)
+    starts = [s.start for s in spans]  # a list lookup per comparison key, not an attribute read in a lambda
     for idx in groups.values():
-        idx.sort(key=lambda i: trace.spans[i].start)
+        idx.sort(key=starts.__getitem__)
     return groups
 
 

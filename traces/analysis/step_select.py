@@ -47,26 +47,36 @@ def steps_of(trace: Trace) -> StepInfo:
     full = len(by_step.get(0, ()))
     counted = sorted(k for k, idx in by_step.items() if len(idx) >= 0.5 * full)
     # per rank: the start of its first schedule span in each step (the step windows)
-    firsts: dict[int, dict[int, float]] = defaultdict(dict)
+    spans = trace.spans
+    begin = [s.start for s in spans]  # list lookups below, not attribute reads per span and comparison
+    rank = [s.rank for s in spans]
+    first: dict[tuple[int, int], float] = {}  # (rank, step) -> its first schedule span's start
     for i, k in steps.items():
-        s = trace.spans[i]
-        cur = firsts[s.rank].get(k)
-        firsts[s.rank][k] = s.start if cur is None else min(cur, s.start)
+        key = (rank[i], k)
+        cur = first.get(key)
+        if cur is None or begin[i] < cur:
+            first[key] = begin[i]
+    firsts: dict[int, dict[int, float]] = defaultdict(dict)
+    for (r, k), t in first.items():
+        firsts[r][k] = t
     windows = {r: sorted((t, k) for k, t in f.items()) for r, f in firsts.items()}
     starts = {r: [t for t, _ in w] for r, w in windows.items()}  # once per rank, not once per span
-    for i, s in enumerate(trace.spans):
-        if i in steps or s.rank not in windows:
+    scheduled = bytearray(len(spans))
+    for i in steps:
+        scheduled[i] = 1
+    for i, (r, t, sched) in enumerate(zip(rank, begin, scheduled)):
+        if sched or r not in windows:
             continue
-        w = windows[s.rank]
-        j = bisect_right(starts[s.rank], s.start) - 1
-        by_step[w[max(j, 0)][1]].append(i)
+        j = bisect_right(starts[r], t) - 1
+        by_step[windows[r][max(j, 0)][1]].append(i)
     out, mk, t0 = {}, {}, {}
     for k in counted:
-        idx = sorted(by_step[k], key=lambda i: (trace.spans[i].start, i))
-        sched = [trace.spans[i] for i in idx if i in steps]
+        idx = sorted(by_step[k])
+        idx.sort(key=begin.__getitem__)  # stable: by (start, index)
+        sched = [i for i in idx if i in steps]
         out[k] = idx
-        t0[k] = min(s.start for s in sched)
-        mk[k] = max(s.end for s in sched) - t0[k]
+        t0[k] = min(begin[i] for i in sched)
+        mk[k] = max(spans[i].end for i in sched) - t0[k]
     return StepInfo(spans=out, makespan=mk, t0=t0)
 
 
