@@ -21,6 +21,7 @@ contain `:`.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -79,8 +80,10 @@ def strip_domain(name: str) -> str:
     return name.rsplit(":", 1)[1] if ":" in name else name
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a run repeats its names every step (F/s3/mb7 once a step): parsed once
 def parse_name(name: str) -> RangeName | None:
-    """The parsed name, or None when `name` does not follow the convention (a foreign range)."""
+    """The parsed name (frozen, shared by every caller), or None when `name` does not follow the convention (a
+    foreign range)."""
     text = name.strip()
     if ":" in text:
         text = strip_domain(text)
