@@ -45,8 +45,28 @@ def logical_stream(s: Span) -> str:
     return "comm" if s.kind.split(".", 1)[0] in ALL_COMM_KINDS else "compute"
 
 
+def _kept(trace: Trace, name: str, make):
+    """`make()`, a value derived from `trace.spans` alone, kept on the trace while its span list is the same object of
+    the same length: every analysis of a loaded trace asks for the same few (compare: four times each), each a pass
+    over every span. Callers read them, never change them."""
+    got = trace.__dict__.get(name)
+    if got is not None and got[0] is trace.spans and got[1] == len(trace.spans):
+        return got[2]
+    value = make()
+    _keep(trace, name, value)
+    return value
+
+
+def _keep(trace: Trace, name: str, value) -> None:
+    trace.__dict__[name] = (trace.spans, len(trace.spans), value)
+
+
 def schedule_spans(trace: Trace) -> list[int]:
     """Indices of the spans that take part in matching (a schedule op kind with a stage)."""
+    return _kept(trace, "_schedule_spans", lambda: _schedule_spans(trace))
+
+
+def _schedule_spans(trace: Trace) -> list[int]:
     ok: dict[str, bool] = {}
     out = []
     for i, s in enumerate(trace.spans):
@@ -61,6 +81,11 @@ def schedule_spans(trace: Trace) -> list[int]:
 
 
 def key_groups(trace: Trace) -> dict[Key, list[int]]:
+    """Key -> its spans' indices in start order (kept on the trace: _kept)."""
+    return _kept(trace, "_key_groups", lambda: _key_groups(trace))
+
+
+def _key_groups(trace: Trace) -> dict[Key, list[int]]:
     groups: dict[Key, list[int]] = defaultdict(list)
     spans = trace.spans
     for i in schedule_spans(trace):
@@ -68,7 +93,7 @@ def key_groups(trace: Trace) -> dict[Key, list[int]]:
     starts = [s.start for s in spans]  # a list lookup per comparison key, not an attribute read in a lambda
     for idx in groups.values():
         idx.sort(key=starts.__getitem__)
-    return groups
+    return dict(groups)  # a lookup of a missing key must not add it
 
 
 def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
@@ -85,21 +110,8 @@ def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
 
 
 def step_index(trace: Trace) -> dict[int, int]:
-    """Span index -> step (instance order of its key), for schedule spans. Kept on the trace (for the same span
-    list, unchanged in length): every analysis of a loaded trace asks for it, and it is a pass over every span."""
-    cached = trace.__dict__.get("_step_index")
-    if cached is not None and cached[0] is trace.spans and cached[1] == len(trace.spans):
-        return cached[2]
-    out = {}
-    for idx in key_groups(trace).values():
-        for k, i in enumerate(idx):
-            out[i] = k
-    _keep_step_index(trace, out)
-    return out
-
-
-def _keep_step_index(trace: Trace, index: dict[int, int]) -> None:
-    trace.__dict__["_step_index"] = (trace.spans, len(trace.spans), index)
+    """Span index -> step (instance order of its key), for schedule spans (kept on the trace: _kept)."""
+    return _kept(trace, "_step_index", lambda: {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)})
 
 
 def drop_warmup_step(trace: Trace) -> Trace:
@@ -120,7 +132,7 @@ def drop_warmup_step(trace: Trace) -> Trace:
     kept = [i for i in range(len(trace.spans)) if i not in drop]
     out = Trace([trace.spans[i] for i in kept], dict(trace.meta))
     # every key lost its first instance and kept the rest in order: a kept span's step is one less
-    _keep_step_index(out, {new: steps[old] - 1 for new, old in enumerate(kept) if old in steps})
+    _keep(out, "_step_index", {new: steps[old] - 1 for new, old in enumerate(kept) if old in steps})
     return out
 
 
