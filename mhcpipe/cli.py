@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "mhcpipe.demo": ("demo",),
     "mhcpipe.run_cli": ("run",),
     "mhcpipe.trace_cli": ("view", "compare"),
+    "mhcpipe.convert_cli": ("convert",),
     "mhcpipe.analysis_cli": ("critical-path", "whatif", "overlap"),
     "mhcpipe.diagnose_cli": ("diagnose",),
     "mhcpipe.comm_cli": ("check-comm",),

@@ -117,7 +117,10 @@ def step_index(trace: Trace) -> dict[int, int]:
 def drop_warmup_step(trace: Trace) -> Trace:
     """The trace without its first step (warm-up: allocator, first-touch pages), when it has more than one step:
     the first step's schedule spans and, on each rank, every other span (WAIT, step and optimizer ranges) that
-    starts before the rank's first schedule span of the next step."""
+    starts before the rank's first schedule span of the next step. A trace cut from a run after its warm-up
+    (`mhcpipe convert --steps`: meta first_step >= 1) has none to drop."""
+    if int(trace.meta.get("first_step", 0) or 0) >= 1:
+        return trace
     steps = step_index(trace)
     if max(steps.values(), default=0) < 1:
         return trace
