@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 from traces.analysis.step_select import steps_of
 from traces.formats.io import load_trace
@@ -70,6 +69,7 @@ def run_convert(args: argparse.Namespace) -> int:
         trace = select_steps(trace, *steps)
     out = trace.save(args.output)
     what = f"steps {steps[0]}..{steps[1]}" if steps else "the whole trace"
-    print(f"wrote {out}: {what}, {len(trace.spans):,} spans on {len(trace.ranks)} ranks ({out.stat().st_size / 1e6:.1f} "
-          "MB, our JSON version 2)", file=sys.stdout)
+    size = out.stat().st_size / 1e6
+    print(f"wrote {out}: {what}, {len(trace.spans):,} spans on {len(trace.ranks)} ranks ({size:.1f} MB, our JSON "
+          "version 2)")
     return 0

@@ -56,7 +56,8 @@ def test_bad_steps_are_refused_in_one_line(tmp_path, capsys, steps, message):
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["hta_step_based_trace_2543932.json.gz", "pipit_saxpy-mpi-cuda_nsys_perlmutter0.sqlite"])
+@pytest.mark.parametrize("name", ["hta_step_based_trace_2543932.json.gz",
+                                  "pipit_saxpy-mpi-cuda_nsys_perlmutter0.sqlite"])
 def test_a_third_party_trace_converts_span_for_span(shared_traces, tmp_path, capsys, name):  # noqa: F811
     out = tmp_path / "c.json"
     assert _cli(capsys, "convert", str(shared_traces / name), "-o", str(out))[0] == 0
