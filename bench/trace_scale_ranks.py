@@ -1,6 +1,8 @@
 """The trace tools across hundreds of ranks (issue 58 item 3): one step of a 256-rank run (P = 16 pipeline ranks x
 D = 16 data-parallel replicas), generated from the schedule simulator with the ops a real step records, then
-`mhcpipe critical-path` and `mhcpipe overlap` on it as a user runs them: wall time and peak RSS (GNU time).
+`mhcpipe critical-path`, `mhcpipe overlap` and `mhcpipe view -o PNG` (the slowest replica's pipeline in full, the
+other replicas summarised: traces/drawing/replica_summary.py) on it as a user runs them: wall time and peak RSS
+(GNU time).
 
     .venv/bin/python bench/trace_scale_ranks.py [--pp 16] [--dp 16] [--microbatches 64] [--layers 4]
                                                 [--json bench/results/trace_scale_ranks.json]
@@ -116,6 +118,7 @@ def main() -> int:
         out = Path(tmp) / "cp.json"
         rows["critical-path"] = timed(["critical-path", str(path), "--json", str(out)])
         rows["overlap"] = timed(["overlap", str(path)])
+        rows["view"] = timed(["view", str(path), "-o", str(Path(tmp) / "view.png")])  # one pipeline, the rest summarised
         path_json = json.loads(out.read_text()) if out.exists() else {}
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "ranks": args.pp * args.dp, "pp": args.pp, "dp": args.dp, "microbatches": args.microbatches,

@@ -27,6 +27,7 @@ from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
 from traces.names import STEP_KIND
 from traces.drawing.path_marks import chrome_path_events, paths_for
+from traces.drawing.replica_summary import summarise_replicas
 from traces.analysis.report import to_markdown, to_text, write_json, write_markdown
 from traces.trace import FORMAT_NAME, Trace, TraceError
 
@@ -95,8 +96,11 @@ def run_view(args: argparse.Namespace) -> int:
         traces = [pred] + [t for t in traces if not is_predicted(t)]
     traces.sort(key=lambda t: not is_predicted(t))  # predicted rows on top
     traces = [t if is_predicted(t) else one_step(t, args.step) for t in traces]
+    if suffix != ".json":  # a picture of hundreds of ranks: one pipeline in full, the other replicas summarised
+        traces = [summarise_replicas(t) for t in traces]
     streams = tuple(s.strip() for s in args.streams.split(",")) if args.streams else None
     paths, path_notes = paths_for(traces) if args.critical else ({}, [])
+    path_notes = [t.meta["summary"] for t in traces if "summary" in t.meta] + path_notes
     if suffix == ".json":
         data = to_chrome(*traces)
         if args.critical:  # a `critical path` thread per rank, flows between its ops (traces.drawing.path_marks)

@@ -79,3 +79,32 @@ def test_the_bench_step_has_the_ops_a_step_records():
             "OPT"} <= kinds
     per_rank = len(trace.spans) / 8
     assert 150 < per_rank < 400  # ~20 ops per micro-batch and stage at 2 layers
+
+
+def test_a_picture_of_many_ranks_draws_one_pipeline_in_full_and_the_other_replicas_summarised(tmp_path, capsys):
+    from mhcpipe.cli import main
+    from traces.drawing.replica_summary import OTHERS, summarise_replicas
+
+    trace = bench.synthetic_step(4, 12, 8, layers=1)  # 48 ranks
+    small = bench.synthetic_step(4, 2, 8, layers=1)
+    assert summarise_replicas(small) is small  # 8 ranks: drawn rank by rank as before
+    summary = summarise_replicas(trace)
+    full = one_replica(trace)
+    assert summary.meta["replica"] == 11 and sorted(summary.ranks) == [0, 1, 2, 3]
+    assert [s for s in summary.spans if s.stream != OTHERS] == full.spans
+    rows = {(s.rank, s.stream) for s in summary.spans}
+    assert {(p, OTHERS) for p in range(4)} <= rows
+    # an op on the other replicas: from its first start to its last end on any of them (replica d: rank p*12+d)
+    op = next(s for s in trace.spans if s.rank == 1 * 12 + 0 and s.kind == "F" and s.stream == "compute")
+    same = [s for s in trace.spans if s.rank // 12 == 1 and s.rank % 12 != 11 and s.stream == "compute"
+            and (s.kind, s.stage, s.mb) == (op.kind, op.stage, op.mb)]
+    row = next(s for s in summary.spans if s.stream == OTHERS and s.rank == 1 and s.name.startswith(op.label + " "))
+    assert (row.start, row.end) == (min(s.start for s in same), max(s.end for s in same)) and len(same) == 11
+    # the summary rows are not schedule spans: the step and its critical path are the full pipeline's
+    a, b = critical_path(summary), critical_path(full)
+    assert (a.makespan_us, a.by_kind) == (b.makespan_us, b.by_kind)
+    assert [p.label for p in a.path] == [p.label for p in b.path]
+    path = trace.save(tmp_path / "t.json")
+    assert main(["view", str(path), "-o", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    assert "4 rank rows, critical path of 1 trace(s) outlined" in out and "replica 11 (the slowest) in full" in out

@@ -17,9 +17,9 @@ from traces.analysis.critical_path import CriticalPath, critical_path
 from traces.trace import Trace, TraceError
 
 PATH_COLOR = "#d00000"
-# pictures find the path only up to this many spans: the graph costs ~0.1 ms per span (8 s at 10^5), more than
-# drawing; `mhcpipe critical-path` has no such limit
-MAX_VIEW_SPANS = 30_000
+# pictures find the path only up to this many spans: the graph costs ~20 us per span (1.1 s for the 54,737 spans of
+# bench/trace_scale_ranks.py's replica), more than drawing; `mhcpipe critical-path` has no such limit
+MAX_VIEW_SPANS = 100_000
 PATH_TID = 900  # Perfetto thread of the path, below the stream threads (chrome.STREAM_TIDS, 10+ for others)
 
 
