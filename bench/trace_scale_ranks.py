@@ -118,7 +118,7 @@ def main() -> int:
         out = Path(tmp) / "cp.json"
         rows["critical-path"] = timed(["critical-path", str(path), "--json", str(out)])
         rows["overlap"] = timed(["overlap", str(path)])
-        rows["view"] = timed(["view", str(path), "-o", str(Path(tmp) / "view.png")])  # one pipeline, the rest summarised
+        rows["view"] = timed(["view", str(path), "-o", str(Path(tmp) / "view.png")])  # replicas summarised
         path_json = json.loads(out.read_text()) if out.exists() else {}
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "ranks": args.pp * args.dp, "pp": args.pp, "dp": args.dp, "microbatches": args.microbatches,

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from schedules.engine import run_engine
-from schedules.graph import describe_cycle, find_cycle
 from schedules.ir import COMM_KINDS, Kind, Schedule
 from schedules.lowering import lower_comms
 
@@ -176,6 +175,8 @@ def check_structure(schedule: Schedule) -> Schedule:
         return lower_comms(schedule)
     problems = _p2p_problems(schedule)
     if problems:
+        from schedules.graph import describe_cycle, find_cycle  # networkx, for the error only (85 ms of every start)
+
         cycle = find_cycle(schedule) if any("different orders" in p for p in problems) else None
         if cycle is not None:
             problems.append(f"deadlock: dependency cycle through ranks {sorted({r for r, _ in cycle})}: "
@@ -185,6 +186,8 @@ def check_structure(schedule: Schedule) -> Schedule:
 
 
 def raise_deadlock(lowered: Schedule, blocked: dict) -> None:
+    from schedules.graph import describe_cycle, find_cycle  # networkx, for the error only (85 ms of every start)
+
     cycle = find_cycle(lowered)
     if cycle is not None:
         ranks = sorted({r for r, _ in cycle})

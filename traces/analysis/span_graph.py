@@ -29,9 +29,8 @@ import bisect
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 
 from traces.analysis.receive_wait import POST_TO_COMPLETION, comm_span_meaning
 from traces.analysis.replicas import one_replica
@@ -41,6 +40,9 @@ from traces.analysis.step_select import step_trace
 from traces.trace import Trace, TraceError
 from traces.analysis.transfers import Transfer, build_transfers
 from traces.names import is_schedule_span
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 MAX_LISTED = 8
 _STRENGTH = {"fs": 2, "ss": 1, "ff": 0}
@@ -75,6 +77,8 @@ class SpanGraph:
 
 
 def _nx(n: int, edges: dict[tuple[int, int], list]) -> nx.DiGraph:
+    import networkx as nx  # for callers that want its algorithms and for the cycle error: 85 ms of every start
+
     g = nx.DiGraph()
     g.add_nodes_from(range(n))
     g.add_edges_from((u, v, {"kind": k, "lag": lag}) for (u, v), (k, lag) in edges.items())
@@ -131,6 +135,8 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     edges = b.edges
     order = _topological(b.nodes, edges)
     if order is None:
+        import networkx as nx
+
         cyc = [b.nodes[u].label for u, _ in nx.find_cycle(_nx(len(b.nodes), edges))][:MAX_LISTED]
         raise TraceError(f"critical path impossible: the recorded times of step {k} make the dependencies circular "
                          f"({' -> '.join(cyc)}); the span names do not follow the schedule")
