@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
-from costmodel.physics.memory import program_events, rank_memory
+from costmodel.physics.memory import activation_peak, program_events, rank_memory
 from costmodel.pricing.pricer import Pricer, resolve_layout
 from costmodel.pricing.options import Options
 from costmodel.pricing.stage_split import balanced_split
@@ -226,6 +226,7 @@ class Tuner:
         self.spec = residual_spec_of(cfg)
         self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
         self._programs: dict[tuple, tuple[Schedule, list]] = {}
+        self._peak_cache: dict[tuple, list] = {}  # (program, stage weights) -> activation peak per rank
         self._cuts: dict[tuple, list[int]] = {}  # (kind, P, b, EP) -> blocks per stage of the balanced split
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
         self._prepared: dict[Candidate, tuple] = {}
@@ -293,10 +294,20 @@ class Tuner:
         schedule, _ = self._schedule(cand)
         cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
         events = self._program(cand)[1]
+        peaks = self._peaks(events, pr.stage_mem)
         mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, events[r], hw=self.hw,
-                              dp=cand.dp, ep_per_node=pr.opt.ep_per_node).total_bytes
+                              dp=cand.dp, ep_per_node=pr.opt.ep_per_node, peak=peaks[r]).total_bytes
                   for r in range(schedule.num_ranks))
         return Evaluated(cand, mem)
+
+    def _peaks(self, events: list, stage_mem: dict) -> list[tuple[float, dict[int, int]]]:
+        """Each rank's activation peak (memory.activation_peak) for one program and its stages' chunk weights,
+        computed once: layouts that differ in EP, the optimizer's sharding or the stream share it."""
+        key = (id(events), tuple((s, m.chunk_activation_bytes) for s, m in sorted(stage_mem.items())))
+        got = self._peak_cache.get(key)
+        if got is None:
+            got = self._peak_cache[key] = [activation_peak(ev, stage_mem) for ev in events]
+        return got
 
     def recompute_key(self, cand: Candidate) -> tuple:
         """What a recompute choice does to the stages: their L_r (choices with the same L_r are one layout)."""
@@ -328,9 +339,10 @@ class Tuner:
         lowered, events = self._program(cand)
         # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
         sim = pr.simulate(lowered, validate=False) if pr.profile_pricing is None else pr.simulate(schedule)
+        peaks = self._peaks(events, pr.stage_mem)
         ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
                                           events[r], hw=self.hw, dp=cand.dp,
-                                          ep_per_node=pr.opt.ep_per_node).total_bytes
+                                          ep_per_node=pr.opt.ep_per_node, peak=peaks[r]).total_bytes
                               for r in range(schedule.num_ranks))
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})

@@ -281,17 +281,18 @@ def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dic
 
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],
                 rank: int, actions, *, hw: HardwareSpec | None = None, dp: int | None = None,
-                ep_per_node: int | None = None) -> RankMemory:
+                ep_per_node: int | None = None, peak: tuple[float, dict[int, int]] | None = None) -> RankMemory:
     """Peak memory of one rank whose program is `actions` (its compute actions in issue order). `hw`: a GPU spec
     adds the reserve (none without it, or on a CPU spec); `dp`: the data-parallel replicas that share the
     optimizer state (default the config's); `ep_per_node`: pricing_options.Options.ep_per_node (whether DeepEP needs its
-    RDMA buffer)."""
+    RDMA buffer); `peak`: activation_peak(actions, stages) when the caller has it (tune: one per program and
+    stage weights, shared by every layout that differs only in what does not weigh a chunk)."""
     mine = [stages[s] for s in stages_of_rank]
     from costmodel.physics.ops import DTYPE_BYTES
 
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
-    act, live = activation_peak(actions, stages)
+    act, live = activation_peak(actions, stages) if peak is None else peak
     transient = max(s.transient_bytes for s in mine)
     buffers = 2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes)
     reserve = fixed_reserve_bytes(cfg, hw, ep_per_node)
