@@ -92,16 +92,17 @@ class Transport:
                 wire = tensor.detach().to("cpu", copy=True) if self.staged else tensor.detach().contiguous()
             else:
                 wire = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if self.staged else tensor
+            # the backend (or the strict transport) gets an alias: the emulated device sees the runtime release it
+            view = self.comms.dev.backend_view(wire) if self.comms.dev is not None else wire
+            views.append(view)
             if self.strict is None:
-                view = self.comms.dev.backend_view(wire) if self.comms.dev is not None else wire
-                views.append(view)
                 p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, view, to, group))
             handles.append(Handle(is_send, name, to, stage, mb, tensor, wire))  # messages name the global rank
         if not handles:
             return handles
         spans = [(name.split("/", 1)[0], h.stage, h.mb, h.peer, f"{name}~comm")
                  for (_, name, _, _), h in zip(ops, handles)]
-        batch = [(h.is_send, h.name, h.peer, h.wire) for h in handles] if self.strict is not None else None
+        batch = [(h.is_send, h.name, h.peer, v) for h, v in zip(handles, views)] if self.strict is not None else None
 
         def post():
             return [self.strict.post(group, gname, batch)] if batch is not None else dist.batch_isend_irecv(p2p)

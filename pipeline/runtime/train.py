@@ -336,7 +336,7 @@ class RankRuntime:
                 "residual": {"variant": self.cfg.model.residual.variant, "n": self.cfg.model.residual.n},
                 "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb,
                 "comm_groups": self.groups.comm_groups() if self.groups.world_group is not None else {},
-                "comm_rules": self.cfg.train.comm_rules}
+                "comm_rules": comm_rules_of(self.cfg)}
         mine = self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
         files = gather_files(mine, self.groups.world_group, self.device, self.rank, self.timeout_s,
                             self.posting_dev)
@@ -349,10 +349,19 @@ class RankRuntime:
         return None
 
 
-def strict_transport(cfg: RunConfig, groups: ParallelGroups, device: torch.device, staged: bool):
-    """The NCCL-rules transport of train.comm_rules 'nccl' / 'nccl-pair' (None for 'backend'), for a run with a
-    process group on gloo: a CPU run, or a host-staged one."""
+def comm_rules_of(cfg: RunConfig) -> str:
+    """The rules the run's P2P follows: train.comm_rules, at least 'nccl' under train.emulate_cuda. The emulated
+    device completes what gloo completes, and gloo completes a send before its receive is posted and a batch out
+    of its communicator's order, which no NCCL launch does: a program recorded on those completions holds host
+    waits and reused streams a GPU never has (docs/cuda_program.md)."""
     rules = cfg.train.comm_rules
+    return "nccl" if cfg.train.emulate_cuda and rules == "backend" else rules
+
+
+def strict_transport(cfg: RunConfig, groups: ParallelGroups, device: torch.device, staged: bool):
+    """The NCCL-rules transport of comm_rules_of(cfg) 'nccl' / 'nccl-pair' (None for 'backend'), for a run with a
+    process group on gloo: a CPU run, or a host-staged one."""
+    rules = comm_rules_of(cfg)
     if rules == "backend" or groups.world_group is None:
         return None
     if device.type == "cuda" and not staged:

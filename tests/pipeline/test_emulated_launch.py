@@ -61,3 +61,43 @@ def test_one_receive_of_a_batch_does_not_complete_the_launch(tmp_path):
     assert ok and after == (True, True, True)
     assert values == [1.0, 2.0]
     assert (launches, ops) == (1, 2)
+
+
+def _backend_rules_worker(rank, world, cfg_dict, folder):
+    import torch
+
+    from configs import parse_config
+    from pipeline.runtime.train import RankRuntime, make_groups
+
+    cfg = parse_config(cfg_dict)
+    groups = make_groups(cfg, rank, world, torch.device("cpu"))
+    rt = RankRuntime(cfg, rank, torch.device("cpu"), groups=groups, record=False)
+    strict = rt.strict is not None
+    rt.step(0)
+    rt.close(program_dir=Path(folder))
+    return strict
+
+
+def test_emulated_cuda_runs_p2p_under_nccls_rules_whatever_the_config_says(tmp_path):
+    """gloo's completions are not NCCL's (a send completes before its receive is posted): under --emulate-cuda the
+    P2P runs on the strict transport even with train.comm_rules 'backend', and its buffers are still the
+    backend's aliases, so the replay sees their releases (rule 8)."""
+    from _pipeline_helpers import tiny_config
+    from pipeline.runtime.train import comm_rules_of
+    from configs import parse_config
+    from traces.analysis.cuda_replay import Rules, replay_programs
+    from traces.formats.cuda_program import load_programs
+
+    cfg = tiny_config("1f1b", 2, steps=1, comm_rules="backend")
+    cfg["train"]["emulate_cuda"] = True
+    assert comm_rules_of(parse_config(cfg)) == "nccl"
+    assert comm_rules_of(parse_config({**cfg, "train": {**cfg["train"], "emulate_cuda": False}})) == "backend"
+    results = launch(_backend_rules_worker, 2, (cfg, str(tmp_path)), timeout_s=120)
+    check_ok(results)
+    assert [r.value for r in results] == [True, True]
+    programs = load_programs(tmp_path)
+    messages = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")  # the schedule's, not the warm-up's
+    p2p = [p for prog in programs for p in prog.instructions if p["op"] == "nccl" and p["comm"].startswith("p2p")
+           and p["ops"][0]["name"].startswith(messages)]
+    assert p2p and all(len(p["storages"]) == len(p["ops"]) for p in p2p)
+    assert replay_programs(programs, Rules()).ok
