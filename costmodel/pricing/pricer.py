@@ -125,8 +125,7 @@ class Pricer:
                              f"{hw.name}'s {hw.sms} SMs")
         self.comm_share = comm_sms / hw.sms
         self.stage_mem: dict[int, StageMemory] = {
-            st: stage_memory(cfg, spec, st, blocks, first, last, self.recompute)
-            for st, (blocks, first, last) in layout.items()}
+            st: self._stage_memory(st, blocks, first, last) for st, (blocks, first, last) in layout.items()}
         self.runtime = profile_for(hw, cfg)
         if self.runtime is not None and profile_pricing is None:
             raise ValueError(f"hardware {hw.name!r} carries a runtime profile for this config: price it with "
@@ -152,6 +151,9 @@ class Pricer:
         self._blocks: dict[bool, list[tuple]] = {}  # dense? -> _block
         self._timed: dict[tuple[Kernel, bool], TimedOp] = {}  # (kernel, backward) -> its timed op
         self._runs: dict[tuple, OverlapResult] = {}  # per shape key (_shape_key): the action's stream simulation
+
+    def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
+        return stage_memory(self.cfg, self.spec, stage, blocks, first, last, self.recompute)
 
     # ---- kernels -> timed ops ---------------------------------------------------------------------------
     def kernel_us(self, k: Kernel, backward: bool) -> float:
