@@ -108,3 +108,20 @@ def test_a_picture_of_many_ranks_draws_one_pipeline_in_full_and_the_other_replic
     assert main(["view", str(path), "-o", str(tmp_path / "t.png")]) == 0
     out = capsys.readouterr().out
     assert "4 rank rows, critical path of 1 trace(s) outlined" in out and "replica 11 (the slowest) in full" in out
+
+
+def test_the_critical_path_of_a_data_parallel_run_is_outlined_on_its_global_ranks():
+    """The path's spans are the slowest replica's copies renumbered to pipeline ranks: the picture (and Perfetto's
+    path threads) must find them on their global ranks, not draw nothing (as before) or on the wrong processes."""
+    from traces.drawing.path_marks import chrome_path_events, paths_for, place
+    from traces.drawing.view import build_layout
+    from traces.formats.chrome import PREDICTED_PID_OFFSET
+
+    trace = bench.synthetic_step(2, 3, 4, layers=1)  # 6 ranks: drawn rank by rank
+    lay = build_layout([trace], ["t"])
+    paths, _ = paths_for([trace])
+    marks = place(paths, lay.cell_of, lay.origins, [trace])
+    assert len(marks) == len(paths[0].path) > 10
+    assert {lay.rows[m.row].rank % 3 for m in marks} == {2}  # global ranks of the slowest replica (d = 2)
+    pids = {e["pid"] for e in chrome_path_events([trace], paths) if e.get("cat") == "critical_path"}
+    assert pids and all((pid - PREDICTED_PID_OFFSET) % 3 == 2 for pid in pids)  # a simulated trace's pids

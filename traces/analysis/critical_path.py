@@ -70,6 +70,7 @@ class CriticalPath:
     notes: list[str] = field(default_factory=list)
     scope: str = ""  # which pipeline of a data-parallel run the path runs through (traces/analysis/replicas.py)
     wire_us: dict[str, float] = field(default_factory=dict)
+    global_ranks: dict[int, int] = field(default_factory=dict)  # a data-parallel run: pipeline rank -> global rank
 
     def to_dict(self, max_slack: int | None = None) -> dict[str, Any]:
         """JSON-ready; `slack` as a list sorted by slack (the first `max_slack` entries, all if None)."""
@@ -95,6 +96,7 @@ def critical_path(trace: Trace, schedule: Any = None, step: int | None = None) -
     cp = from_timing(replay(g), steps=int(g.trace.meta.get("steps", 1)))
     ranks = g.trace.meta.get("global_ranks")
     if ranks:  # a data-parallel run: the slowest replica's pipeline, its ranks numbered within the pipeline
+        cp.global_ranks = {int(p): int(r) for p, r in ranks.items()}
         cp.scope = (f"data-parallel replica {g.trace.meta['replica']} (the slowest), pipeline ranks "
                     + ", ".join(f"{p} = global {r}" for p, r in sorted(ranks.items())))
     return cp

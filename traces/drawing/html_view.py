@@ -36,7 +36,7 @@ def write_html(path: Path, traces: list[Trace], title: str = "", comparison_html
     lay = build_layout(traces, titles, streams)
     if critical and paths is None:
         paths = paths_for(traces)[0]
-    marks = place(paths, lay.cell_of, lay.origins) if critical else []
+    marks = place(paths, lay.cell_of, lay.origins, traces) if critical else []
     palette = sorted(set(lay.color))
     pal_idx = {c: i for i, c in enumerate(palette)}
     names = list(dict.fromkeys(lay.name))

@@ -48,17 +48,30 @@ def paths_for(traces: list[Trace]) -> tuple[dict[int, CriticalPath], list[str]]:
     return out, notes
 
 
-def place(paths: dict[int, CriticalPath], cell_of: dict[int, tuple[int, int]], origins: dict[int, float]) -> list[Mark]:
-    """Marks on a layout: `cell_of` maps id(span) -> (row, lane) of its cell, `origins` each trace's time zero."""
+def place(paths: dict[int, CriticalPath], cell_of: dict[int, tuple[int, int]], origins: dict[int, float],
+          traces: list[Trace] | None = None) -> list[Mark]:
+    """Marks on a layout: `cell_of` maps id(span) -> (row, lane) of its cell, `origins` each trace's time zero.
+    The path of a data-parallel run holds the slowest replica's spans renumbered to pipeline ranks (copies:
+    traces/analysis/replicas.py); with `traces` (the drawn ones) those are found by their global rank and times."""
     marks = []
     for ti, cp in paths.items():
+        drawn = None
         for p in cp.path:
             cell = next((cell_of[id(s)] for s in reversed(p.spans) if id(s) in cell_of), None)
+            if cell is None and cp.global_ranks and traces is not None:
+                if drawn is None:
+                    drawn = {_key(s, s.rank): cell_of[id(s)] for s in traces[ti].spans if id(s) in cell_of}
+                cell = next((drawn[k] for s in reversed(p.spans)
+                             if (k := _key(s, cp.global_ranks.get(s.rank, s.rank))) in drawn), None)
             if cell is None:
                 continue  # its stream is not drawn
             a = cp.t0_us + p.start_us - origins[ti]
             marks.append(Mark(ti, cell[0], cell[1], a, a + p.duration_us, p.label))
     return marks
+
+
+def _key(s, rank: int) -> tuple:
+    return (rank, s.stream, s.kind, s.stage, s.mb, s.start, s.duration, s.name)
 
 
 def draw_marks(ax, marks: list[Mark], lanes: list[int], row_h: float) -> None:
@@ -88,7 +101,7 @@ def chrome_path_events(traces: list[Trace], paths: dict[int, CriticalPath]) -> l
         named = set()
         prev = None
         for k, p in enumerate(cp.path):
-            pid = p.rank + off
+            pid = cp.global_ranks.get(p.rank, p.rank) + off  # a data-parallel run's processes are global ranks
             if pid not in named:
                 named.add(pid)
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": PATH_TID,

@@ -364,7 +364,7 @@ def render_figure(traces: list[Trace], titles: list[str], title: str = "", strea
                   with_breakdown: bool = True, critical: bool = True, paths: dict | None = None):
     lay = build_layout(traces, titles, streams)
     if critical:  # the critical path of each trace, outlined in red (traces.drawing.path_marks)
-        lay.marks = place(paths_for(traces)[0] if paths is None else paths, lay.cell_of, lay.origins)
+        lay.marks = place(paths_for(traces)[0] if paths is None else paths, lay.cell_of, lay.origins, traces)
     nrows = len(lay.rows)
     nbars = sum(len(t.ranks) for t in traces) if with_breakdown else 0
     width = 15.0
