@@ -43,8 +43,9 @@ from dataclasses import dataclass, field, replace
 
 from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
-from costmodel.physics.memory import StageMemory, activation_peak, program_events, rank_memory
-from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.physics.memory import activation_peak, program_events, rank_memory
+from costmodel.pricing.pricer import resolve_layout
+from costmodel.pricing.shared_pricer import SharedPricer
 from costmodel.pricing.options import Options
 from costmodel.pricing.stage_split import balanced_split
 from costmodel.answers.predict import residual_spec_of
@@ -191,40 +192,6 @@ def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, mic
                                     out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven or split != "even",
                                                          zero, split))
     return out
-
-
-class SharedPricer(Pricer):
-    """A Pricer whose action prices are shared by every candidate's pricer: an action's duration depends on the
-    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (Pricer.stage_key), not on which
-    stage index or schedule it has."""
-
-    def __init__(self, *args, shared: dict, **kw):
-        self.shared = shared  # before the Pricer's own set-up, which prices the stages' memory through it
-        super().__init__(*args, **kw)
-        p = self.cfg.parallel
-        self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream)
-
-    def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
-        """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
-        index: computed once per such key for every candidate (a fresh copy each, with this stage's index)."""
-        c = self.cfg
-        key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len, c.parallel.expert_parallel,
-               c.recompute.mode, c.recompute.block_size, c.train.dtype, c.train.fp8, c.train.fp8_storage,
-               blocks[0] if len(blocks) else -1, len(blocks), first, last, self.recompute)
-        got = self.shared.get(key)
-        if got is None:
-            got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
-        return replace(got, stage=stage)
-
-    def compute_time(self, a: Action) -> float:
-        key = self.common + self._shape_key(a)
-        hit = self.shared.get(key)
-        if hit is None:
-            t = super().compute_time(a)
-            hit = self.shared[key] = (t, self.results.get(self._key(a)))
-        elif hit[1] is not None:  # what fb_timing reads back for the pair's release times
-            self.results[self._key(a)] = hit[1]
-        return hit[0]
 
 
 class Tuner:

@@ -1,0 +1,47 @@
+"""A Pricer whose prices are shared by the pricers of many layouts (`mhcpipe tune`, costmodel/answers/tune.py).
+
+An action's duration depends on the shape (micro-batch size, EP, its placement, the hp stream) and on what its stage
+holds (Pricer.stage_key), and a stage's memory on the shape, the recompute choice and which blocks it holds: not on
+the stage's index or the schedule. One dict, passed in, keeps them for every candidate of a search.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from costmodel.physics.memory import StageMemory
+from costmodel.pricing.pricer import Pricer
+from schedules.ir import Action
+
+
+class SharedPricer(Pricer):
+    """A Pricer whose action prices are shared by every candidate's pricer: an action's duration depends on the
+    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (Pricer.stage_key), not on which
+    stage index or schedule it has."""
+
+    def __init__(self, *args, shared: dict, **kw):
+        self.shared = shared  # before the Pricer's own set-up, which prices the stages' memory through it
+        super().__init__(*args, **kw)
+        p = self.cfg.parallel
+        self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream)
+
+    def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
+        """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
+        index: computed once per such key for every candidate (a fresh copy each, with this stage's index)."""
+        c = self.cfg
+        key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len, c.parallel.expert_parallel,
+               c.recompute.mode, c.recompute.block_size, c.train.dtype, c.train.fp8, c.train.fp8_storage,
+               blocks[0] if len(blocks) else -1, len(blocks), first, last, self.recompute)
+        got = self.shared.get(key)
+        if got is None:
+            got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
+        return replace(got, stage=stage)
+
+    def compute_time(self, a: Action) -> float:
+        key = self.common + self._shape_key(a)
+        hit = self.shared.get(key)
+        if hit is None:
+            t = super().compute_time(a)
+            hit = self.shared[key] = (t, self.results.get(self._key(a)))
+        elif hit[1] is not None:  # what fb_timing reads back for the pair's release times
+            self.results[self._key(a)] = hit[1]
+        return hit[0]
