@@ -122,8 +122,10 @@ def test_a_full_disk_on_one_rank_ends_the_run_in_one_line_and_the_previous_check
                env={"MHCPIPE_TEST_CRASH_IN_SAVE": "1:1:enospc"})
     assert full.returncode == 1
     said = errors(full)
-    assert len(said) == 2 and all("No space left on device" in ln and "ck/latest still names the previous complete "
-                                  "checkpoint" in ln for ln in said), said
+    # each rank that reports says the same one line; torchrun stops the other rank once the first exits with the
+    # error, so under load the second line may never be printed (1 run in 4 clean runs of the suite, measured)
+    assert 1 <= len(said) <= 2 and all("No space left on device" in ln and "ck/latest still names the previous "
+                                       "complete checkpoint" in ln for ln in said), said
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step_0"
     resumed = run(tmp_path, "--steps", "4", "--checkpoint-dir", "ck")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
