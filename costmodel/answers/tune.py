@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
-from costmodel.physics.memory import activation_peak, program_events, rank_memory
+from costmodel.physics.memory import activation_peak, program_events, rank_memories
 from costmodel.pricing.pricer import resolve_layout
 from costmodel.pricing.shared_pricer import SharedPricer
 from costmodel.pricing.options import Options
@@ -53,6 +53,7 @@ from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
 from schedules.registry import kind_of, names
 from schedules.ir import Action, Schedule
+from schedules.memo import derived
 from schedules.validate import check_structure
 
 GIB = 2 ** 30
@@ -209,6 +210,7 @@ class Tuner:
         self._cuts: dict[tuple, list[int]] = {}  # (kind, P, b, EP) -> blocks per stage of the balanced split
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
         self._prepared: dict[Candidate, tuple] = {}
+        self._hp: dict[Candidate, Candidate] = {}  # cand -> its hp twin (memory and L_r do not depend on the stream)
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -271,13 +273,27 @@ class Tuner:
     def memory(self, cand: Candidate) -> Evaluated:
         """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
         schedule, _ = self._schedule(cand)
-        cfg, layout, pr = self._prep(replace(cand, hp=True))  # memory does not depend on the stream
+        cfg, layout, pr = self._prep(self._hp_twin(cand))
         events = self._program(cand)[1]
+        return Evaluated(cand, self._peak_memory(cand, cfg, schedule, pr, events))
+
+    def _peak_memory(self, cand: Candidate, cfg: RunConfig, schedule: Schedule, pr: SharedPricer,
+                     events: list) -> float:
+        """The largest rank's memory (memory.rank_memories, predict's model) of the candidate's program."""
+        ranks = derived(schedule, "stages per rank", lambda: {r: schedule.stages_of(r)
+                                                               for r in range(schedule.num_ranks)})
         peaks = self._peaks(events, pr.stage_mem)
-        mem = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r, events[r], hw=self.hw,
-                              dp=cand.dp, ep_per_node=pr.opt.ep_per_node, peak=peaks[r]).total_bytes
-                  for r in range(schedule.num_ranks))
-        return Evaluated(cand, mem)
+        return max(m.total_bytes for m in rank_memories(cfg, self.spec, pr.stage_mem, ranks, dict(enumerate(events)),
+                                                        hw=self.hw, dp=cand.dp, ep_per_node=pr.opt.ep_per_node,
+                                                        peaks=dict(enumerate(peaks))))
+
+    def _hp_twin(self, cand: Candidate) -> Candidate:
+        """The candidate with hp = True, one object per candidate (dataclasses.replace per call costs more than
+        the lookup, thousands of times a search)."""
+        twin = self._hp.get(cand)
+        if twin is None:
+            twin = self._hp[cand] = cand if cand.hp else replace(cand, hp=True)
+        return twin
 
     def _peaks(self, events: list, stage_mem: dict) -> list[tuple[float, dict[int, int]]]:
         """Each rank's activation peak (memory.activation_peak) for one program and its stages' chunk weights,
@@ -290,7 +306,7 @@ class Tuner:
 
     def recompute_key(self, cand: Candidate) -> tuple:
         """What a recompute choice does to the stages: their L_r (choices with the same L_r are one layout)."""
-        _, _, pr = self._prep(replace(cand, hp=True))
+        _, _, pr = self._prep(self._hp_twin(cand))
         return tuple(pr.stage_mem[s].recompute_block for s in sorted(pr.stage_mem))
 
     def bound(self, ev: Evaluated, exact: bool = True) -> float:
@@ -318,11 +334,7 @@ class Tuner:
         lowered, events = self._program(cand)
         # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
         sim = pr.simulate(lowered, validate=False) if pr.profile_pricing is None else pr.simulate(schedule)
-        peaks = self._peaks(events, pr.stage_mem)
-        ev.memory_bytes = max(rank_memory(cfg, self.spec, pr.stage_mem, schedule.stages_of(r), r,
-                                          events[r], hw=self.hw, dp=cand.dp,
-                                          ep_per_node=pr.opt.ep_per_node, peak=peaks[r]).total_bytes
-                              for r in range(schedule.num_ranks))
+        ev.memory_bytes = self._peak_memory(cand, cfg, schedule, pr, events)
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
         return ev

@@ -71,7 +71,7 @@ from costmodel.physics.comm_cost import ep_ranks_per_node
 from costmodel.physics.hardware import HardwareSpec, MemoryReserve
 from costmodel.physics.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
-from costmodel.physics.ops import FP8_SCALE_BYTES, block_params, mtp_params
+from costmodel.physics.ops import DTYPE_BYTES, FP8_SCALE_BYTES, block_params, mtp_params
 from configs import RunConfig, recompute_block_size
 
 GIB = 2 ** 30
@@ -287,23 +287,32 @@ def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemor
     optimizer state (default the config's); `ep_per_node`: pricing_options.Options.ep_per_node (whether DeepEP needs its
     RDMA buffer); `peak`: activation_peak(actions, stages) when the caller has it (tune: one per program and
     stage weights, shared by every layout that differs only in what does not weigh a chunk)."""
-    mine = [stages[s] for s in stages_of_rank]
-    from costmodel.physics.ops import DTYPE_BYTES
+    return rank_memories(cfg, spec, stages, {rank: stages_of_rank}, {rank: actions}, hw=hw, dp=dp,
+                         ep_per_node=ep_per_node, peaks=None if peak is None else {rank: peak})[0]
 
+
+def rank_memories(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory],
+                  stages_of_rank: dict[int, list[int]], programs: dict, *, hw: HardwareSpec | None = None,
+                  dp: int | None = None, ep_per_node: int | None = None,
+                  peaks: dict | None = None) -> list[RankMemory]:
+    """rank_memory of each rank in `stages_of_rank` (rank -> its stages; `programs`, `peaks`: rank -> its
+    actions or ProgramEvents, its activation peak when known), in that order. What does not depend on the rank is
+    computed once: the tuner prices ~10^5 ranks a search."""
     d = DTYPE_BYTES[cfg.train.dtype]
     T, C = cfg.parallel.tokens_per_microbatch, cfg.model.hidden
-    act, live = activation_peak(actions, stages) if peak is None else peak
-    transient = max(s.transient_bytes for s in mine)
-    buffers = 2 * len(mine) * T * (spec.width * C * d + spec.carry_bytes)
-    reserve = fixed_reserve_bytes(cfg, hw, ep_per_node)
-    if is_gpu(hw):
-        reserve += hw.reserve.fragmentation * (act + transient + buffers)
-    return RankMemory(
-        rank=rank,
-        model_state_bytes=model_state_bytes(cfg, mine, dp),
-        activation_bytes=act,
-        transient_bytes=transient,
-        buffer_bytes=buffers,
-        peak_live_chunks=sum(live.values()),
-        reserve_bytes=reserve,
-        live_chunks=live)
+    per_token = spec.width * C * d + spec.carry_bytes
+    fixed = fixed_reserve_bytes(cfg, hw, ep_per_node)
+    frag = hw.reserve.fragmentation if is_gpu(hw) else None
+    out = []
+    for rank, mine_ids in stages_of_rank.items():
+        mine = [stages[s] for s in mine_ids]
+        act, live = activation_peak(programs[rank], stages) if peaks is None else peaks[rank]
+        transient = max(s.transient_bytes for s in mine)
+        buffers = 2 * len(mine) * T * per_token
+        reserve = fixed
+        if frag is not None:
+            reserve += frag * (act + transient + buffers)
+        out.append(RankMemory(rank=rank, model_state_bytes=model_state_bytes(cfg, mine, dp), activation_bytes=act,
+                              transient_bytes=transient, buffer_bytes=buffers, peak_live_chunks=sum(live.values()),
+                              reserve_bytes=reserve, live_chunks=live))
+    return out

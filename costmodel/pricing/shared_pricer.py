@@ -26,15 +26,19 @@ class SharedPricer(Pricer):
 
     def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
         """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
-        index: computed once per such key for every candidate (a fresh copy each, with this stage's index)."""
+        index: computed once per such key for every candidate (a copy per stage index: candidates share them, and
+        dataclasses.replace costs more than the lookup)."""
         c = self.cfg
         key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len, c.parallel.expert_parallel,
                c.recompute.mode, c.recompute.block_size, c.train.dtype, c.train.fp8, c.train.fp8_storage,
                blocks[0] if len(blocks) else -1, len(blocks), first, last, self.recompute)
-        got = self.shared.get(key)
-        if got is None:
-            got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
-        return replace(got, stage=stage)
+        mine = self.shared.get((key, stage))
+        if mine is None:
+            got = self.shared.get(key)
+            if got is None:
+                got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
+            mine = self.shared[(key, stage)] = replace(got, stage=stage)
+        return mine
 
     def compute_time(self, a: Action) -> float:
         key = self.common + self._shape_key(a)
