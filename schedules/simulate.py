@@ -75,7 +75,10 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     `p2p` are the engine's (an F&B pair that releases its outputs as they are ready; P2P semantics).
     """
     durations = durations or Durations()
-    lowered = check_structure(schedule) if validate else (schedule if schedule.lowered else lower_comms(schedule))
+    if validate:  # once per schedule object: predict simulates one schedule at four prices
+        lowered = derived(schedule, "checked and lowered", lambda: check_structure(schedule))
+    else:
+        lowered = schedule if schedule.lowered else lower_comms(schedule)
     result = run_engine(lowered, compute_time or durations.compute, transfer_time or durations.transfer,
                         fb_timing=fb_timing, p2p=p2p)
     if not result.completed:

@@ -52,6 +52,9 @@ from dataclasses import dataclass, field
 
 MODES = ("streams", "serial", "max")
 _EPS = 1e-12
+COMM, HP, COMPUTE = 0, 1, 2  # run_streams' stream slots, in the order it starts kernels
+_STREAMS = ("comm", "hp", "compute")
+_SLOT = {name: k for k, name in enumerate(_STREAMS)}
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,17 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     N = len(ops)
     lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
     order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end", b_first=b_first)
-    # per op, precomputed: this loop runs ~100 events per pair and the tuner prices ~10^3 pairs
-    stream = ["compute" if (op.stream == "hp" and not hp) else op.stream for op in ops]
+    # per op, precomputed, and the streams as list slots (COMM, HP, COMPUTE: the order kernels are started in):
+    # this loop runs ~100 events per pair and the tuner prices ~10^3 pairs
+    slot = [_SLOT["compute" if (op.stream == "hp" and not hp) else op.stream] for op in ops]
     op_lag = [lag[c] for c in chain_of]
-    queues: dict[str, list[int]] = {"compute": [], "hp": [], "comm": []}
+    dur = [op.duration for op in ops]
+    queues: list[list[int]] = [[], [], []]
     for i in order:
-        queues[stream[i]].append(i)
-    head = {s: 0 for s in queues}
-    running: dict[str, list] = {}  # stream -> [op, remaining full-rate work, start, order of start]
+        queues[slot[i]].append(i)
+    head = [0, 0, 0]
+    running: list[list | None] = [None, None, None]  # per slot: [op, remaining full-rate work, start, start order]
+    n_running = 0
     start_at = [0.0] * N
     end_at = [0.0] * N
     t = 0.0
@@ -168,58 +174,68 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     started = 0
     busy_c = busy_m = exposed = 0.0
     inf = float("inf")
+    finish = [inf, inf, inf]
 
     while done < N:
         # start what can start: each stream's next kernel in issue order (fixed before the run: no timing-dependent
         # choice, see "Monotone physics" in the module docstring)
-        for s in ("comm", "hp", "compute"):
-            if s in running:
+        for s in (COMM, HP, COMPUTE):
+            if running[s] is not None:
                 continue
             q, h = queues[s], head[s]
             if h < len(q):
                 i = q[h]
                 if missing[i] == 0 and t + _EPS >= op_lag[i]:
                     head[s] = h + 1
-                    running[s] = [i, ops[i].duration, t, started]
+                    running[s] = [i, dur[i], t, started]
+                    n_running += 1
                     start_at[i] = t
                     started += 1
-        if not running:
+        if not n_running:
             pending = [op_lag[i] for i in range(N) if missing[i] == 0 and not end_at[i] and op_lag[i] > t]
             if not pending:
                 raise RuntimeError("overlap: kernels wait on each other (bad deps); this is a cost-model bug")
             t = min(pending)
             continue
         rates = _rates(ops, running, sigma, corun, comm_share)
-        finish = {}
         t_next = inf
-        for s, e in running.items():
+        computing = False
+        for s in (COMM, HP, COMPUTE):
+            e = running[s]
             r = rates[s]
-            if r > 0:
+            if e is not None and r > 0:
                 f = finish[s] = t + e[1] / r
                 if f < t_next:
                     t_next = f
+                if s != COMM:
+                    computing = True
+            else:
+                finish[s] = inf
         for x in lag:
             if x > t + _EPS and x < t_next:
                 t_next = x
         if t_next == inf:
             raise RuntimeError("overlap: running kernels make no progress; this is a cost-model bug")
         dt = t_next - t
-        computing = any(rates[s] > 0 for s in running if s != "comm")
         if computing:
             busy_c += dt
-        if "comm" in running:
+        if running[COMM] is not None:
             busy_m += dt
             if not computing:
                 exposed += dt
         t = t_next
-        for s in list(running):
+        limit = t_next * (1 + 1e-12) + _EPS
+        for s in (COMM, HP, COMPUTE):
             entry = running[s]
+            if entry is None:
+                continue
             entry[1] -= dt * rates[s]
             # finished: its own end is this event (decided on the end times, not on the leftover work, which
             # rounding leaves a hair above zero at large t)
-            if s in finish and finish[s] <= t_next * (1 + 1e-12) + _EPS:
+            if finish[s] <= limit:
                 i = entry[0]
-                del running[s]
+                running[s] = None
+                n_running -= 1
                 end_at[i] = t if t > 0 else _EPS
                 done += 1
                 for j in succ[i]:
@@ -229,25 +245,24 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
         marked = [base[c] + i for i, op in enumerate(chain) if op.output]
         idx = marked or range(base[c], base[c] + len(chain))
         release.append(max((end_at[i] for i in idx), default=0.0))
-    timeline = [(chain_of[i], ops[i].name, stream[i], start_at[i], end_at[i]) for i in range(N)]
+    timeline = [(chain_of[i], ops[i].name, _STREAMS[slot[i]], start_at[i], end_at[i]) for i in range(N)]
     return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release), timeline)
 
 
-def _rates(ops: list[TimedOp], running: dict[str, list], sigma: float, corun: bool,
-           comm_share: float) -> dict[str, float]:
-    """Rates of the running kernels (see the module docstring): carve-out, kernels that never yield (in start
-    order), hp, compute; each min(1, SMs left / sm, HBM left / hbm)."""
-    rates: dict[str, float] = {}
+def _rates(ops: list[TimedOp], running: list, sigma: float, corun: bool, comm_share: float) -> list[float]:
+    """Rates of the running kernels per stream slot (see the module docstring; 0.0 for an idle slot): carve-out,
+    kernels that never yield (in start order), hp, compute; each min(1, SMs left / sm, HBM left / hbm)."""
+    rates = [0.0, 0.0, 0.0]
     sm_left, hbm_left = 1.0, 1.0
-    comm = "comm" in running
+    comm = running[COMM] is not None
     if comm:
-        rates["comm"] = 1.0
+        rates[COMM] = 1.0
         sm_left -= comm_share
     slow = 1.0 / (1.0 + sigma) if comm else 1.0
-    compute = [s for s in ("hp", "compute") if s in running]
+    compute = [s for s in (HP, COMPUTE) if running[s] is not None]
     if len(compute) == 2:  # a kernel that never yields keeps the SMs it took before the hp kernel came
-        i, _, _, order = running["compute"]
-        if not ops[i].preemptible and order < running["hp"][3]:
+        i, _, _, order = running[COMPUTE]
+        if not ops[i].preemptible and order < running[HP][3]:
             compute.reverse()
     granted = False
     for s in compute:
