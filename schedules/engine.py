@@ -41,6 +41,9 @@ class EngineResult:
     blocked: dict[int, Action] = field(default_factory=dict)  # rank -> action it is stuck at
     busy: list[float] = field(default_factory=list)  # per rank, summed compute durations
     end: list[float] = field(default_factory=list)  # per rank, end of its last compute action
+    # per stage, the end of the last action writing its gradients (W, I, B, an F&B's B half; None: none), kept
+    # also without spans: the gradient all-reduce starts from it (costmodel.pricing.data_parallel)
+    grad_done: list[float | None] = field(default_factory=list)
 
 
 def _stage_needs(schedule: Schedule, C: int, F_: int, G_: int, XF_: int, XG_: int) -> tuple[list[int], list[int]]:
@@ -121,6 +124,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     ptr = [0] * P
     free = [0.0] * P
     busy = [0.0] * P
+    grad_done: list[float | None] = [None] * S
     ready = deque(range(P))
     queued = [True] * P
     spans: list[Span] = []
@@ -262,6 +266,11 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     d = table[st] = compute_time(a)
             t_free = t + d
             busy[r] += d
+            g = a[3] if table is None else st if table is not dur_f else -1  # the stage whose gradients it writes
+            if g >= 0:
+                v = grad_done[g]
+                if v is None or t_free > v:
+                    grad_done[g] = t_free
             if record:
                 spans.append(span(r, "compute", kind._value_, st, mb, t, d, (a[3], a[4]) if table is None else None))
             if m1 >= 0:
@@ -277,4 +286,4 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
 
     actions = schedule.actions
     blocked_at = {r: actions[r][ptr[r]] for r in range(P) if ptr[r] < len(actions[r])}
-    return EngineResult(not blocked_at, spans, blocked_at, busy, free)
+    return EngineResult(not blocked_at, spans, blocked_at, busy, free, grad_done)

@@ -28,6 +28,8 @@ class SimResult:
     busy: dict[int, float]
     idle: dict[int, float]
     peak_activations: dict[int, int]
+    # stage -> end of the last action writing its gradients (W, I, B, an F&B's B half), with or without spans
+    grad_done: dict[int, float] | None = None
 
     @property
     def bubble_fraction(self) -> float:
@@ -67,12 +69,13 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
              compute_time: Callable[[Action], float] | None = None,
              transfer_time: Callable[[Action], float] | None = None,
              fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
-             p2p: str = "commit", validate: bool = True, time_unit: str = "us") -> SimResult:
+             p2p: str = "commit", validate: bool = True, time_unit: str = "us", record: bool = True) -> SimResult:
     """Simulate `schedule` (lowered here if it is compute-only) and return its predicted trace and numbers.
 
     `durations` prices actions by kind (default: unit costs, B = I + W, FB = F + B, free P2P);
     `compute_time`/`transfer_time` override it per action (the cost model passes its own); `fb_timing` and
     `p2p` are the engine's (an F&B pair that releases its outputs as they are ready; P2P semantics).
+    `record=False`: the trace holds no spans (the tuner needs the step's numbers only, not 10^5 spans).
     """
     durations = durations or Durations()
     if validate:  # once per schedule object: predict simulates one schedule at four prices
@@ -80,7 +83,7 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     else:
         lowered = schedule if schedule.lowered else lower_comms(schedule)
     result = run_engine(lowered, compute_time or durations.compute, transfer_time or durations.transfer,
-                        fb_timing=fb_timing, p2p=p2p)
+                        fb_timing=fb_timing, p2p=p2p, record=record)
     if not result.completed:
         raise_deadlock(lowered, result.blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
@@ -92,4 +95,5 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
     busy = dict(enumerate(result.busy))
     idle = {r: makespan - b for r, b in busy.items()}
     return SimResult(trace, makespan, busy, idle,
-                     dict(derived(schedule, "peak live activations", lambda: peak_live_activations(schedule))))
+                     dict(derived(schedule, "peak live activations", lambda: peak_live_activations(schedule))),
+                     {s: v for s, v in enumerate(result.grad_done) if v is not None})

@@ -333,7 +333,9 @@ class Tuner:
         cfg, layout, pr = self._pricer(cand, schedule, full)
         lowered, events = self._program(cand)
         # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
-        sim = pr.simulate(lowered, validate=False) if pr.profile_pricing is None else pr.simulate(schedule)
+        # (no spans: the step needs the makespan and each stage's last gradient write, which the engine keeps)
+        sim = (pr.simulate(lowered, validate=False, record=False) if pr.profile_pricing is None
+               else pr.simulate(schedule))
         ev.memory_bytes = self._peak_memory(cand, cfg, schedule, pr, events)
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})

@@ -105,6 +105,8 @@ class GradSync:
 
 def last_grad_writes(schedule: Schedule, sim: SimResult) -> dict[int, float]:
     """stage -> end of the last simulated action writing its gradients (W, I, B, or an F&B's B half)."""
+    if sim.grad_done is not None:  # the engine's own record (a simulation without spans has only this)
+        return sim.grad_done
     last: dict[int, float] = {}
     for s in sim.trace.spans:
         if s.stream != "compute":

@@ -426,12 +426,13 @@ class Pricer:
             return self.profile_pricing.transfer_us(self)
         return comm.p2p_us(self.link, self.message_bytes)
 
-    def simulate(self, schedule: Schedule, validate: bool = True) -> SimResult:
-        """`validate=False`: `schedule` was checked before (schedules.validate.check_structure's lowered result)."""
+    def simulate(self, schedule: Schedule, validate: bool = True, record: bool = True) -> SimResult:
+        """`validate=False`: `schedule` was checked before (schedules.validate.check_structure's lowered result);
+        `record=False`: no spans in the trace (schedules.simulate)."""
         if self.profile_pricing is not None and not self.opt.unit_costs:
             return self.profile_pricing.simulate(self, schedule)
         kw = dict(compute_time=self.compute_time, transfer_time=self.transfer_time, fb_timing=self.fb_timing,
-                  p2p=self.opt.p2p, validate=validate)
+                  p2p=self.opt.p2p, validate=validate, record=record)
         result = simulate(schedule, **kw)
         cores = self.hw.host_cores
         if cores and schedule.num_ranks > cores:  # CPU ranks sharing cores: stretch by the mean concurrency
