@@ -194,7 +194,7 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
              f"batch {G} sequences x {cfg.parallel.seq_len} tokens",
              f"searched {c['layouts']} layouts: {c['same per-stage L_r as another recompute choice']} same per-stage "
              f"L_r as another recompute choice, {c['over the memory budget']} over the memory budget, "
-             f"{c['bounded out']} bounded out (busiest-rank lower bound >= a simulated layout with no more memory), "
+             f"{c['bounded out']} bounded out (per-rank lower bound >= a simulated layout with no more memory), "
              f"{c['simulated']} simulated; {seconds:.1f} s",
              "Pareto front, step time vs peak memory per GPU (* = the best runnable layout, written with -o):",
              _header()]

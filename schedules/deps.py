@@ -76,3 +76,29 @@ def _backward_needs(stage: int, mb: int, rank: int, topo: Topology) -> list[Key]
     if nxt is not None:
         out.append(("G", nxt, mb) if topo.stage_to_rank[nxt] == rank else ("XG", nxt, mb))
     return out
+
+
+def first_forward_chains(schedule: Schedule) -> list[list[tuple[int, int]]]:
+    """Per rank, what its first action waits for before it can start: the plain forwards F(u, m) of the stages
+    upstream of it in its pipeline (nearest first), each as (stage u, u's rank), for the micro-batch m of that
+    first action. Every one must run, and each hop between ranks must be sent, before the rank starts, so their
+    summed durations bound when it starts (the tuner's lower bound on the step, costmodel/answers/tune.py). A chain
+    stops at a forward run inside an F&B pair (it may leave before the pair's forward would end alone); a rank
+    whose first action is not a plain F gets no chain."""
+    topo = Topology(schedule)
+    out: list[list[tuple[int, int]]] = []
+    for acts in schedule.actions:
+        first = next((a for a in acts if a.kind in (Kind.F, Kind.FB, Kind.B, Kind.I, Kind.W)), None)
+        chain: list[tuple[int, int]] = []
+        if first is not None and first.kind is Kind.F:
+            u = topo.prev.get(first.stage)
+            while u is not None:
+                r = topo.stage_to_rank[u]
+                kind = next((a.kind for a in schedule.actions[r] if a.mb == first.mb and a.stage == u
+                             and a.kind in (Kind.F, Kind.FB)), None)
+                if kind is not Kind.F:
+                    break
+                chain.append((u, r))
+                u = topo.prev.get(u)
+        out.append(chain)
+    return out

@@ -27,11 +27,12 @@ simulated one with no more memory and no longer step, which is in the band too a
 
 Pruning, exact for the front: (1) recompute choices that give every stage the same L_r as an earlier choice
 are one layout; (2) memory first, from the stage memory and the schedule's peak live chunks in program order, no
-simulation; (3) a lower bound on the step: per rank, its summed action durations (F&B pairs priced with their
-inputs on time; a rank runs its actions one after another) plus the all-reduce its last action posts, the
-largest over the ranks. Candidates are visited in increasing bound; one is simulated only if no simulated
-layout with at most its memory is at least as fast as its bound (first the bound priced without recompute,
-which adds kernels only and is shared by the recompute choices, then the exact one). hp-off layouts never
+simulation; (3) a lower bound on the step: per rank, the upstream forwards and sends its first action waits for
+(schedules.deps.first_forward_chains), its summed action durations (F&B pairs priced with their inputs on time; a
+rank runs its actions one after another) and the all-reduce its last action posts, the largest over the ranks.
+Candidates are visited in increasing bound; one is simulated only if no simulated layout with at most its memory
+is at least as fast as its bound (first the bound priced without recompute, which adds kernels only and is shared
+by the recompute choices, then the exact one). hp-off layouts never
 bound out hp layouts, so the best runnable layout is exact too. Action prices are shared between candidates
 whose stages hold the same blocks (SharedPricer).
 """
@@ -52,7 +53,8 @@ from costmodel.answers.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
 from schedules.registry import kind_of, names
-from schedules.ir import Action, Schedule
+from schedules.deps import first_forward_chains
+from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
 from schedules.validate import check_structure
 
@@ -320,8 +322,17 @@ class Tuner:
         full = cfg.model_copy(update={"parallel": self._fast_config(ev.cand).parallel})
         floor = sync_floor(schedule, reductions(full, self.hw, schedule, layout,
                                                 {s: m.params for s, m in pr.stage_mem.items()}))
-        ev.bound_us = max(sum(n * pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
-                              for (k, st, b), n in counts.items()) + floor[r]
+        chains = derived(schedule, "first forward chains", lambda: first_forward_chains(schedule))
+        hop = pr.transfer_time(None)
+        fill = []  # per rank: the upstream forwards (and sends) before its first action can start
+        for r, chain in enumerate(chains):
+            t, down = 0.0, r
+            for st, src in chain:
+                t += pr.compute_time(Action(Kind.F, st, 0)) + (hop if src != down else 0.0)
+                down = src
+            fill.append(t)
+        ev.bound_us = max(fill[r] + sum(n * pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
+                                        for (k, st, b), n in counts.items()) + floor[r]
                           for r, counts in enumerate(per_rank))
         return ev.bound_us
 

@@ -112,3 +112,28 @@ def test_grad_done_is_each_stages_last_gradient_write_with_or_without_spans(kind
     bare = simulate(schedule, compute_time=compute_time, transfer_time=lambda a: 0.5, p2p="rendezvous", record=False)
     assert not bare.trace.spans
     assert (bare.makespan, bare.busy, bare.grad_done) == (sim.makespan, sim.busy, sim.grad_done)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb1p", "dualpipe", "dualpipev", "gpipe"])
+def test_first_forward_chains_bound_when_each_rank_starts(kind):
+    """deps.first_forward_chains: a rank's first action starts no earlier than its chain of upstream forwards and
+    the sends between their ranks (the tuner's bound adds this to each rank's busy time); in a pipeline without
+    F&B pairs the last rank waits for every upstream stage."""
+    from schedules.deps import first_forward_chains
+
+    schedule = build(kind, 4, 8)
+    chains = first_forward_chains(schedule)
+    sim = simulate(schedule, Durations(F=2.0, I=1.0, W=1.0, p2p_latency=0.5), p2p="rendezvous")
+    first = {}
+    for s in sim.trace.spans:
+        if s.stream == "compute":
+            first[s.rank] = min(first.get(s.rank, s.start), s.start)
+    for r, chain in enumerate(chains):
+        down, fill = r, 0.0
+        for _stage, src in chain:
+            fill += 2.0 + (0.5 if src != down else 0.0)
+            down = src
+        assert first[r] >= fill - 1e-9, (r, chain)
+    if kind in ("1f1b", "gpipe", "zb1p"):
+        assert [len(c) for c in chains] == [0, 1, 2, 3]
+        assert first[3] == pytest.approx(3 * 2.5)  # tight: three forwards and three sends
