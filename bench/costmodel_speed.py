@@ -5,8 +5,9 @@ machine and its load.
 
     .venv/bin/python bench/costmodel_speed.py [--rev 972bc6e] [--repeat 3] [--json bench/results/costmodel_speed.json]
 
-Each time is the median of --repeat runs, one at a time. The in-process time is `predict(...)` plus its report
-(format_table) after the imports, timed inside one process.
+Each time is the median of --repeat runs (tune: of --tune-repeat), one at a time, the revisions taking turns run
+by run (this VM's speed drifts by tens of percent over minutes: turns keep that drift out of the comparison). The
+in-process time is `predict(...)` plus its report (format_table) after the imports, timed inside one process.
 """
 from __future__ import annotations
 
@@ -52,24 +53,33 @@ def _in_process(tree: Path, preset: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def measure(tree: Path, repeat: int) -> dict:
-    out = {}
+def measure(trees: list[Path], repeat: int, tune_repeat: int) -> list[dict]:
+    """Per tree, each measure's median; the trees take turns within every repetition."""
+    times: list[dict[str, list[float]]] = [{} for _ in trees]
+
+    def turns(key: str, n: int, run) -> None:
+        for _ in range(n):
+            for k, tree in enumerate(trees):
+                times[k].setdefault(key, []).append(run(tree))
+
     for name, argv in PREDICTS.items():
-        out[f"predict {name} wall s"] = statistics.median(_wall(tree, ["predict", *argv]) for _ in range(repeat))
-        out[f"predict {name} in-process s"] = statistics.median(_in_process(tree, name) for _ in range(repeat))
+        turns(f"predict {name} wall s", repeat, lambda tree, argv=argv: _wall(tree, ["predict", *argv]))
+        turns(f"predict {name} in-process s", repeat, lambda tree, name=name: _in_process(tree, name))
     for name, argv in TUNES.items():
-        out[f"tune {name} wall s"] = _wall(tree, ["tune", *argv])  # once: tens of seconds each
-    return out
+        turns(f"tune {name} wall s", tune_repeat, lambda tree, argv=argv: _wall(tree, ["tune", *argv]))
+    return [{key: statistics.median(v) for key, v in t.items()} for t in times]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", help="also measure this git revision (a scratch worktree)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tune-repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "costmodel_speed.json")
     args = ap.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = {"machine": f"{os.cpu_count()} CPUs", "repeat": args.repeat, "runs": {}}
+    result = {"machine": f"{os.cpu_count()} CPUs", "repeat": args.repeat, "tune_repeat": args.tune_repeat,
+              "runs": {}}
     trees = [(head.strip() + " (this tree)", ROOT, None)]
     scratch = None
     if args.rev:
@@ -78,8 +88,8 @@ def main() -> int:
                        capture_output=True)
         trees.insert(0, (args.rev, scratch / "tree", scratch))
     try:
-        for label, tree, _ in trees:
-            result["runs"][label] = measure(tree, args.repeat)
+        for (label, _, _), got in zip(trees, measure([tree for _, tree, _ in trees], args.repeat, args.tune_repeat)):
+            result["runs"][label] = got
     finally:
         if scratch is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "tree")], cwd=ROOT,
