@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import analysis_outputs as A  # noqa: E402
+import analysis_outputs as A
 
 pytestmark = pytest.mark.timeout(300)
 
