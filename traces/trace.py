@@ -300,7 +300,11 @@ class Trace:
             else:
                 unset = {"stage": None, "mb": None}  # optional on disk, positional in Span
                 spans = [Span(**r) if "mb" in r and "stage" in r else Span(**(unset | r)) for r in parsed["spans"]]
-        return cls(spans=spans, meta=dict(parsed.get("meta", {})))
+        trace = cls(spans=spans, meta=dict(parsed.get("meta", {})))
+        if version == 2:  # the file's own columns, checked above: traces.columns starts from them
+            keep(trace, "_file_columns", {f: parsed["columns"][f] for f in ("rank", "start", "duration", "kind",
+                                                                              "stream")})
+        return trace
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
@@ -319,6 +323,23 @@ class Trace:
         for t in others:
             spans.extend(t.spans)
         return Trace(spans=spans, meta=dict(self.meta))
+
+
+def kept(trace: Trace, name: str, make):
+    """`make()`, a value derived from `trace.spans` alone, kept on the trace while its span list is the same object of
+    the same length: every analysis of a loaded trace asks for the same few (compare: four times each), each a pass
+    over every span. Callers read them, never change them."""
+    got = trace.__dict__.get(name)
+    if got is not None and got[0] is trace.spans and got[1] == len(trace.spans):
+        return got[2]
+    value = make()
+    keep(trace, name, value)
+    return value
+
+
+def keep(trace: Trace, name: str, value) -> None:
+    """Keep `value` under `name` on the trace for `kept`."""
+    trace.__dict__[name] = (trace.spans, len(trace.spans), value)
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:

@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
-from traces.trace import Span, Trace, TraceError
+from traces.trace import Span, Trace, TraceError, keep, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
 MIN_SHARED_KEYS = 0.5  # below this fraction of shared keys the two traces are different schedules
@@ -45,25 +45,9 @@ def logical_stream(s: Span) -> str:
     return "comm" if s.kind.split(".", 1)[0] in ALL_COMM_KINDS else "compute"
 
 
-def _kept(trace: Trace, name: str, make):
-    """`make()`, a value derived from `trace.spans` alone, kept on the trace while its span list is the same object of
-    the same length: every analysis of a loaded trace asks for the same few (compare: four times each), each a pass
-    over every span. Callers read them, never change them."""
-    got = trace.__dict__.get(name)
-    if got is not None and got[0] is trace.spans and got[1] == len(trace.spans):
-        return got[2]
-    value = make()
-    _keep(trace, name, value)
-    return value
-
-
-def _keep(trace: Trace, name: str, value) -> None:
-    trace.__dict__[name] = (trace.spans, len(trace.spans), value)
-
-
 def schedule_spans(trace: Trace) -> list[int]:
     """Indices of the spans that take part in matching (a schedule op kind with a stage)."""
-    return _kept(trace, "_schedule_spans", lambda: _schedule_spans(trace))
+    return kept(trace, "_schedule_spans", lambda: _schedule_spans(trace))
 
 
 def _schedule_spans(trace: Trace) -> list[int]:
@@ -81,8 +65,8 @@ def _schedule_spans(trace: Trace) -> list[int]:
 
 
 def key_groups(trace: Trace) -> dict[Key, list[int]]:
-    """Key -> its spans' indices in start order (kept on the trace: _kept)."""
-    return _kept(trace, "_key_groups", lambda: _key_groups(trace))
+    """Key -> its spans' indices in start order (kept on the trace: traces.trace.kept)."""
+    return kept(trace, "_key_groups", lambda: _key_groups(trace))
 
 
 def _key_groups(trace: Trace) -> dict[Key, list[int]]:
@@ -110,8 +94,8 @@ def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
 
 
 def step_index(trace: Trace) -> dict[int, int]:
-    """Span index -> step (instance order of its key), for schedule spans (kept on the trace: _kept)."""
-    return _kept(trace, "_step_index", lambda: {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)})
+    """Span index -> step (instance order of its key), for schedule spans (kept on the trace: traces.trace.kept)."""
+    return kept(trace, "_step_index", lambda: {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)})
 
 
 def drop_warmup_step(trace: Trace) -> Trace:
@@ -132,10 +116,10 @@ def drop_warmup_step(trace: Trace) -> Trace:
             next_start[s.rank] = min(next_start.get(s.rank, s.start), s.start)
     drop = first | {i for i, s in enumerate(trace.spans)
                     if i not in steps and s.rank in next_start and s.start < next_start[s.rank]}
-    kept = [i for i in range(len(trace.spans)) if i not in drop]
-    out = Trace([trace.spans[i] for i in kept], dict(trace.meta))
+    remain = [i for i in range(len(trace.spans)) if i not in drop]
+    out = Trace([trace.spans[i] for i in remain], dict(trace.meta))
     # every key lost its first instance and kept the rest in order: a kept span's step is one less
-    _keep(out, "_step_index", {new: steps[old] - 1 for new, old in enumerate(kept) if old in steps})
+    keep(out, "_step_index", {new: steps[old] - 1 for new, old in enumerate(remain) if old in steps})
     return out
 
 

@@ -17,12 +17,13 @@ A measured SEND/RECV span runs from its post to its completion, which on CPU glo
 """
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from traces.analysis.matching import logical_stream
-from traces.names import ALL_COMM_KINDS, RANGE_KIND, STEP_KIND, WAIT_KIND
+from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, RANGE_KIND, STEP_KIND, WAIT_KIND
+from traces.columns import Columns, columns_of
 from traces.trace import Span, Trace
 
 COMPUTE_OPS = frozenset({"F", "I", "B", "W", "FB", "RC", "OPT"})
@@ -74,98 +75,166 @@ def is_nccl(s: Span) -> bool:
     return s.kind == "kernel" and "nccl" in s.name.lower()
 
 
-def classify(spans: list[Span]) -> tuple[str, list[Span], list[Span], list[Span], list[Span]]:
-    """(basis, communication, compute, blocked (WAIT), unmatched) spans of one rank."""
-    comm, comp, blocked, other = [], [], [], []
-    if any(s.kind == "kernel" for s in spans):
-        for s in spans:
-            if s.kind == "kernel":
-                (comm if is_nccl(s) else comp).append(s)
-            else:
-                other.append(s)
-        return "kernels", comm, comp, blocked, other
-    for s in spans:
-        op = s.kind.split(".", 1)[0]
-        ls = logical_stream(s) if s.kind not in (RANGE_KIND, STEP_KIND) else None
-        if s.kind == WAIT_KIND:
-            blocked.append(s)
-        elif ls == "comm" and op in ALL_COMM_KINDS:
-            comm.append(s)
-        elif ls in ("compute", "hp") and op in COMPUTE_OPS:
-            comp.append(s)
-        elif s.kind != STEP_KIND:
-            other.append(s)
-    return "ops", comm, comp, blocked, other
+def classify(trace: Trace, idx: np.ndarray, cols: Columns, category: np.ndarray) -> tuple[str, np.ndarray, np.ndarray,
+                                                                                        np.ndarray, np.ndarray]:
+    """(basis, communication, compute, blocked (WAIT), unmatched) span indices of one rank (`idx`, in trace
+    order); `category`: every span's in the ops basis (_categories)."""
+    kernel = cols.kinds.index("kernel") if "kernel" in cols.kinds else -1
+    if kernel >= 0 and np.any(cols.kind[idx] == kernel):
+        is_kernel = cols.kind[idx] == kernel
+        nccl = np.fromiter((is_nccl(trace.spans[i]) for i in idx), bool, len(idx))
+        none = np.empty(0, dtype=np.int64)
+        return "kernels", idx[is_kernel & nccl], idx[is_kernel & ~nccl], none, idx[~is_kernel]
+    c = category[idx]
+    return "ops", idx[c == 1], idx[c == 2], idx[c == 0], idx[c == 3]
 
 
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
+def _category(s: Span) -> int:
+    """0 blocked (WAIT), 1 communication, 2 compute, 3 unmatched, 4 left out (step marks)."""
+    op = s.kind.split(".", 1)[0]
+    ls = logical_stream(s) if s.kind not in (RANGE_KIND, STEP_KIND) else None
+    if s.kind == WAIT_KIND:
+        return 0
+    if ls == "comm" and op in ALL_COMM_KINDS:
+        return 1
+    if ls in ("compute", "hp") and op in COMPUTE_OPS:
+        return 2
+    return 3 if s.kind != STEP_KIND else 4
+
+
+def _categories(trace: Trace, cols: Columns) -> np.ndarray:
+    """Every span's _category: once per (kind, stream) where those decide it (a logical stream, or a range or step
+    mark), per span only where the label does (a reader's own stream name)."""
+    pairs = cols.kind * len(cols.streams) + cols.stream
+    out = np.empty(len(cols), dtype=np.int64)
+    for p in np.unique(pairs).tolist():
+        at = np.flatnonzero(pairs == p)
+        kind, stream = cols.kinds[p // len(cols.streams)], cols.streams[p % len(cols.streams)]
+        if stream in LOGICAL_STREAMS or kind in (RANGE_KIND, STEP_KIND):
+            out[at] = _category(trace.spans[int(at[0])])
         else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Disjoint sorted intervals `iv` without the disjoint sorted intervals `cut`."""
-    out = []
-    j = 0
-    for a, b in iv:
-        while j < len(cut) and cut[j][1] <= a:
-            j += 1
-        k, cur = j, a
-        while k < len(cut) and cut[k][0] < b:
-            if cut[k][0] > cur:
-                out.append((cur, cut[k][0]))
-            cur = max(cur, cut[k][1])
-            k += 1
-        if cur < b:
-            out.append((cur, b))
+            out[at] = [_category(trace.spans[i]) for i in at.tolist()]
     return out
 
 
-def _covered(union: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
-    i = max(bisect.bisect_right(starts, a) - 1, 0)
-    total = 0.0
-    while i < len(union) and union[i][0] < b:
-        lo, hi = max(a, union[i][0]), min(b, union[i][1])
-        if hi > lo:
-            total += hi - lo
-        i += 1
+def _union(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [a_i, b_i] as disjoint sorted ones: sorted by (start, end), a new one begins where a
+    start lies beyond every end before it (an interval touching the previous one joins it)."""
+    if not len(a):
+        return a, b
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    reach = np.maximum.accumulate(b)
+    begins = np.flatnonzero(np.concatenate(([True], a[1:] > reach[:-1])))
+    ends = np.concatenate((begins[1:] - 1, [len(a) - 1]))
+    return a[begins], reach[ends]
+
+
+def _minus(a: np.ndarray, b: np.ndarray, ca: np.ndarray, cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted intervals [a, b] without the disjoint sorted intervals [ca, cb]: their intersections of
+    positive length with the gaps between the cut intervals, in order."""
+    if not len(ca) or not len(a):
+        return a, b
+    gap_a = np.concatenate(([-np.inf], cb))  # the gaps of the cut: before the first, between, after the last
+    gap_b = np.concatenate((ca, [np.inf]))
+    first = np.searchsorted(gap_b, a, side="right")  # the first gap ending after the interval starts
+    stop = np.searchsorted(gap_a, b, side="left")  # the first gap starting at or after the interval ends
+    n = np.maximum(stop - first, 0)
+    owner = np.repeat(np.arange(len(a)), n)
+    gap = np.repeat(first, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+    lo = np.maximum(a[owner], gap_a[gap])
+    hi = np.minimum(b[owner], gap_b[gap])
+    keep = lo < hi
+    return lo[keep], hi[keep]
+
+
+def _covered(us: np.ndarray, ue: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per interval [a_i, b_i]: its length inside the disjoint sorted intervals [us, ue]. Vectorised over the
+    intervals, one union interval a round; each total adds its pieces in the same order as a loop over the
+    union would (0.0 + first piece + second ...), so the sums are that loop's to the last bit."""
+    total = np.zeros(len(a))
+    if not len(us) or not len(a):
+        return total
+    first = np.maximum(np.searchsorted(us, a, side="right") - 1, 0)
+    stop = np.searchsorted(us, b, side="left")  # the first union interval starting at or after b
+    act = np.flatnonzero(first < stop)
+    j = 0
+    while len(act):
+        i = first[act] + j
+        lo = np.maximum(a[act], us[i])
+        hi = np.minimum(b[act], ue[i])
+        total[act] += np.where(hi > lo, hi - lo, 0.0)
+        j += 1
+        act = act[first[act] + j < stop[act]]
     return total
 
 
+def _groups(keys: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(a code per element, the codes' keys in order of first appearance): the dicts' order a loop would make."""
+    uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    rank_of = np.empty(len(uniq), dtype=np.int64)
+    rank_of[np.argsort(first, kind="stable")] = np.arange(len(uniq))
+    return rank_of[inverse.reshape(-1)], uniq[np.argsort(first, kind="stable")].tolist()
+
+
+def _add_shares(shares: dict, keys: list, codes: np.ndarray, dur: np.ndarray, ov: np.ndarray) -> None:
+    """Per group, its spans' count and their durations and overlaps summed in trace order (bincount adds them one
+    by one, as a loop would)."""
+    n = len(keys)
+    counts = np.bincount(codes, minlength=n).tolist()
+    comm_us = np.bincount(codes, weights=dur, minlength=n).tolist()
+    ov_us = np.bincount(codes, weights=ov, minlength=n).tolist()
+    for c, k in enumerate(keys):
+        sh = shares.setdefault(k, Share())
+        sh.spans, sh.comm_us, sh.overlapped_us = sh.spans + counts[c], comm_us[c], ov_us[c]
+
+
 def overlap_stats(trace: Trace) -> OverlapStats:
-    by_rank: dict[int, list[Span]] = defaultdict(list)
-    for s in trace.spans:
-        by_rank[s.rank].append(s)
+    cols = columns_of(trace)
+    category = _categories(trace, cols)
+    order = np.argsort(cols.rank, kind="stable")  # each rank's spans in trace order
+    ranks, bounds = np.unique(cols.rank[order], return_index=True)
+    bounds = np.append(bounds, len(order))
     basis, per_rank, per_stream, by_name, unmatched = {}, {}, {}, {}, {}
     notes: list[str] = []
-    for r, spans in sorted(by_rank.items()):
-        b, comm, comp, blocked, other = classify(spans)
+    for j, r in enumerate(ranks.tolist()):
+        b, comm, comp, blocked, other = classify(trace, order[bounds[j]:bounds[j + 1]], cols, category)
         basis[r] = b
-        union = _minus(_union([(s.start, s.end) for s in comp]), _union([(s.start, s.end) for s in blocked]))
-        starts = [a for a, _ in union]
-        tot = per_rank[r] = Share()
-        tot.wall_us = sum(b - a for a, b in _union([(s.start, s.end) for s in comm]))
-        for s in comm:
-            ov = _covered(union, starts, s.start, s.end)
-            tot.add(s.duration, ov)
-            per_stream.setdefault((r, s.stream), Share()).add(s.duration, ov)
-            key = s.name if b == "kernels" else s.kind.split(".", 1)[0]
-            by_name.setdefault((r, key), Share()).add(s.duration, ov)
+        us, ue = _minus(*_union(cols.start[comp], cols.end[comp]), *_union(cols.start[blocked], cols.end[blocked]))
+        ca, cb = _union(cols.start[comm], cols.end[comm])
+        tot = Share()
+        tot.wall_us = sum((cb - ca).tolist())
+        ov = _covered(us, ue, cols.start[comm], cols.end[comm])
+        dur = cols.duration[comm]
+        codes, streams = _groups(cols.stream[comm])
+        _add_shares(per_stream, [(r, cols.streams[k]) for k in streams], codes, dur, ov)
+        if b == "kernels":
+            names = [trace.spans[i].name for i in comm.tolist()]
+            index: dict[str, int] = {}
+            codes = np.fromiter((index.setdefault(n, len(index)) for n in names), np.int64, len(names))
+            keys = [(r, n) for n in index]
+        else:  # by op: kinds of one op (A2A_DISPATCH and A2A_DISPATCH.part) share a group
+            ops = list(dict.fromkeys(k.split(".", 1)[0] for k in cols.kinds))
+            op_of_kind = np.asarray([ops.index(k.split(".", 1)[0]) for k in cols.kinds], dtype=np.int64)
+            codes, first = _groups(op_of_kind[cols.kind[comm]])
+            keys = [(r, ops[c]) for c in first]
+        _add_shares(by_name, keys, codes, dur, ov)
+        if len(comm):
+            _add_shares(per_rank, [r], np.zeros(len(comm), dtype=np.int64), dur, ov)
+            per_rank[r].wall_us = tot.wall_us
+        else:
+            per_rank[r] = tot
         u: dict[str, dict[str, float]] = {}
-        for s in other:
+        for i in other.tolist():
+            s = trace.spans[i]
             key = f"{s.kind}: {s.label if s.kind not in GPU_OPS else s.name or s.kind}"
             d = u.setdefault(key, {"count": 0, "us": 0.0})
             d["count"] += 1
             d["us"] += s.duration
         unmatched[r] = dict(sorted(u.items(), key=lambda kv: -kv[1]["us"]))
-        if comm and not comp:
+        if len(comm) and not len(comp):
             notes.append(f"rank {r}: {len(comm)} communication spans but no compute to overlap with")
-        if not comm:
+        if not len(comm):
             notes.append(f"rank {r}: no communication spans ({'no NCCL kernels' if b == 'kernels' else 'no comm ops'})")
     if trace.meta.get("p2p_completion") == "at the wait":
         notes.append("this run's P2P spans end when a wait saw them complete (gloo on CPU), so their overlap counts "
