@@ -10,7 +10,8 @@ from traces.trace import Span, Trace
 
 def _trace() -> Trace:
     spans = [Span(r, st, k, 0, m, 10.0 * m + r + 0.1, 3.3 + m, peer=1 - r if st == "comm" else None)
-             for r in (0, 1) for m in range(5) for st, k in (("compute", "F"), ("comm", "SEND_F"), ("hp", "F.post_res"))]
+             for r in (0, 1) for m in range(5)
+             for st, k in (("compute", "F"), ("comm", "SEND_F"), ("hp", "F.post_res"))]
     return Trace(spans=spans, meta={"source": "measured"})
 
 
