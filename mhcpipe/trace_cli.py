@@ -22,7 +22,7 @@ from pathlib import Path
 from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
-from traces.formats.io import load_trace, sniff
+from traces.formats.io import json_file_trace, load_trace, sniff
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
 from traces.names import STEP_KIND
@@ -80,6 +80,7 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
         if isinstance(data, dict) and data.get("format") != FORMAT_NAME and not is_kineto(data) \
                 and "traceEvents" in data:
             return chrome_to_traces(data, source=str(p))
+        return [json_file_trace(p, data, rank=rank)]  # read once
     return [load_trace(p, rank=rank)]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.trace import Trace, kept
+from traces.trace import Trace, keep, kept
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,20 @@ class Columns:
     def __len__(self) -> int:
         return len(self.rank)
 
+    def take(self, idx) -> Columns:
+        """The columns of the spans `idx` (a trace cut from this one: its span i is this one's idx[i])."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return Columns(self.rank[idx], self.start[idx], self.duration[idx], self.end[idx], self.kind[idx], self.kinds,
+                       self.stream[idx], self.streams)
+
 
 def columns_of(trace: Trace) -> Columns:
     return kept(trace, "_columns", lambda: _columns(trace))
+
+
+def keep_columns(cut: Trace, whole: Trace, idx) -> None:
+    """`cut` holds the spans `idx` of `whole`: its columns are those rows of whole's (no pass over its spans)."""
+    keep(cut, "_columns", columns_of(whole).take(idx))
 
 
 def _codes(values) -> tuple[np.ndarray, tuple[str, ...]]:

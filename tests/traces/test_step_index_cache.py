@@ -45,3 +45,25 @@ def test_a_changed_span_list_is_indexed_again():
     assert step_index(trace) == _fresh(trace)
     trace.spans.append(trace.spans[0])
     assert step_index(trace) == _fresh(trace)
+
+
+def test_dropping_the_warmup_takes_its_spans_and_keeps_the_rest():
+    """The first step's schedule spans go, and on each rank the other spans that start before its first schedule
+    span of the next step; a rank without a next step keeps its other spans; the kept columns are the kept spans'."""
+    from traces.columns import columns_of
+
+    trace = _steps(3)
+    lone = Span(7, "compute", "WAIT", None, None, 0.2, 0.1)  # a rank that has no schedule spans at all
+    trace.spans.append(lone)
+    dropped = drop_warmup_step(trace)
+    steps = _fresh(trace)
+    second = {}
+    for i, k in steps.items():
+        if k == 1:
+            s = trace.spans[i]
+            second[s.rank] = min(second.get(s.rank, s.start), s.start)
+    want = [s for i, s in enumerate(trace.spans)
+            if not (steps.get(i) == 0 or (i not in steps and s.rank in second and s.start < second[s.rank]))]
+    assert dropped.spans == want and lone in dropped.spans
+    assert columns_of(dropped).start.tolist() == [s.start for s in want]
+    assert columns_of(dropped).end.tolist() == [s.end for s in want]

@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
+from traces.columns import columns_of, keep_columns
 from traces.trace import Span, Trace, TraceError, keep, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -108,18 +111,22 @@ def drop_warmup_step(trace: Trace) -> Trace:
     steps = step_index(trace)
     if max(steps.values(), default=0) < 1:
         return trace
-    first = {i for i, k in steps.items() if k == 0}
-    next_start: dict[int, float] = {}
-    for i, k in steps.items():
-        if k == 1:
-            s = trace.spans[i]
-            next_start[s.rank] = min(next_start.get(s.rank, s.start), s.start)
-    drop = first | {i for i, s in enumerate(trace.spans)
-                    if i not in steps and s.rank in next_start and s.start < next_start[s.rank]}
-    remain = [i for i in range(len(trace.spans)) if i not in drop]
-    out = Trace([trace.spans[i] for i in remain], dict(trace.meta))
+    cols = columns_of(trace)  # on columns: a long run's trace holds 10^6 spans
+    sched = np.fromiter(steps.keys(), np.int64, len(steps))
+    step = np.full(len(cols), -1, dtype=np.int64)
+    step[sched] = np.fromiter(steps.values(), np.int64, len(steps))
+    drop = step == 0
+    second = np.flatnonzero(step == 1)  # each rank's first schedule span of the next step bounds its other spans
+    next_start = np.full(int(cols.rank.max()) + 1, np.inf)
+    np.minimum.at(next_start, cols.rank[second], cols.start[second])
+    next_start[np.isinf(next_start)] = -np.inf  # a rank without a next step keeps its other spans
+    drop |= (step < 0) & (cols.start < next_start[cols.rank])
+    remain = np.flatnonzero(~drop)
+    out = Trace([trace.spans[i] for i in remain.tolist()], dict(trace.meta))
     # every key lost its first instance and kept the rest in order: a kept span's step is one less
-    keep(out, "_step_index", {new: steps[old] - 1 for new, old in enumerate(remain) if old in steps})
+    kept_sched = np.flatnonzero(step[remain] >= 0)
+    keep(out, "_step_index", dict(zip(kept_sched.tolist(), (step[remain[kept_sched]] - 1).tolist())))
+    keep_columns(out, trace, remain)
     return out
 
 

@@ -10,11 +10,12 @@ span.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from traces.analysis.matching import step_index
+from traces.columns import columns_of
 from traces.trace import Trace, TraceError
 
 
@@ -37,46 +38,50 @@ class StepInfo:
 
 
 def steps_of(trace: Trace) -> StepInfo:
+    """The steps of `trace` (module docstring), on its columns (traces.columns): 10^6 spans in a fraction of a
+    second."""
     steps = step_index(trace)
     if not steps:
         raise TraceError("the trace has no schedule spans named as in traces.md §5 (e.g. F/s3/mb7), so it has no "
                          "steps to analyse; label ranges with the naming convention (NVTX or record_function)")
-    by_step: dict[int, list[int]] = defaultdict(list)
-    for i, k in steps.items():
-        by_step[k].append(i)
-    full = len(by_step.get(0, ()))
-    counted = sorted(k for k, idx in by_step.items() if len(idx) >= 0.5 * full)
-    # per rank: the start of its first schedule span in each step (the step windows)
-    spans = trace.spans
-    begin = [s.start for s in spans]  # list lookups below, not attribute reads per span and comparison
-    rank = [s.rank for s in spans]
-    first: dict[tuple[int, int], float] = {}  # (rank, step) -> its first schedule span's start
-    for i, k in steps.items():
-        key = (rank[i], k)
-        cur = first.get(key)
-        if cur is None or begin[i] < cur:
-            first[key] = begin[i]
-    firsts: dict[int, dict[int, float]] = defaultdict(dict)
-    for (r, k), t in first.items():
-        firsts[r][k] = t
-    windows = {r: sorted((t, k) for k, t in f.items()) for r, f in firsts.items()}
-    starts = {r: [t for t, _ in w] for r, w in windows.items()}  # once per rank, not once per span
-    scheduled = bytearray(len(spans))
-    for i in steps:
-        scheduled[i] = 1
-    for i, (r, t, sched) in enumerate(zip(rank, begin, scheduled)):
-        if sched or r not in windows:
-            continue
-        j = bisect_right(starts[r], t) - 1
-        by_step[windows[r][max(j, 0)][1]].append(i)
+    cols = columns_of(trace)
+    sched = np.fromiter(steps.keys(), np.int64, len(steps))
+    sched_k = np.fromiter(steps.values(), np.int64, len(steps))
+    step_of = np.full(len(cols), -1, dtype=np.int64)
+    step_of[sched] = sched_k
+    count = np.bincount(sched_k)
+    full = int(count[0])
+    counted = [k for k in range(len(count)) if count[k] and count[k] >= 0.5 * full]
+    # the step windows: per (rank, step) the start of its first schedule span, each rank's sorted by (start, step)
+    rank_s, begin_s = cols.rank[sched], cols.start[sched]
+    order = np.lexsort((begin_s, sched_k, rank_s))
+    rk, kk, bb = rank_s[order], sched_k[order], begin_s[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (rk[1:] != rk[:-1]) | (kk[1:] != kk[:-1])
+    w_rank, w_step, w_t = rk[first], kk[first], bb[first]
+    by_t = np.lexsort((w_step, w_t, w_rank))
+    w_rank, w_step, w_t = w_rank[by_t], w_step[by_t], w_t[by_t]
+    # every other span: the step whose window on its rank holds its start (before the first window: the first)
+    rest = np.flatnonzero(step_of < 0)
+    rest_rank = cols.rank[rest]
+    for r in np.unique(w_rank).tolist():
+        lo, hi = np.searchsorted(w_rank, [r, r + 1])
+        mine = rest[rest_rank == r]
+        j = np.searchsorted(w_t[lo:hi], cols.start[mine], side="right") - 1
+        step_of[mine] = w_step[lo + np.maximum(j, 0)]
+    keep = np.flatnonzero(np.isin(step_of, counted))
+    order = np.lexsort((keep, cols.start[keep], step_of[keep]))  # by step, then (start, index)
+    keep = keep[order]
+    sorted_steps = step_of[keep]
+    is_sched = np.zeros(len(cols), dtype=bool)
+    is_sched[sched] = True
     out, mk, t0 = {}, {}, {}
     for k in counted:
-        idx = sorted(by_step[k])
-        idx.sort(key=begin.__getitem__)  # stable: by (start, index)
-        sched = [i for i in idx if i in steps]
-        out[k] = idx
-        t0[k] = min(begin[i] for i in sched)
-        mk[k] = max(spans[i].end for i in sched) - t0[k]
+        idx = keep[np.searchsorted(sorted_steps, k, "left"):np.searchsorted(sorted_steps, k, "right")]
+        s_idx = idx[is_sched[idx]]
+        out[k] = idx.tolist()
+        t0[k] = float(cols.start[s_idx].min())
+        mk[k] = float(cols.end[s_idx].max()) - t0[k]
     return StepInfo(spans=out, makespan=mk, t0=t0)
 
 

@@ -59,8 +59,16 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
                              "profiler), an Nsight Systems SQLite export, or an nsys stats NVTX trace CSV")
         trace = load_nsys_csv(path, rank=rank)
     else:
-        data = read_json(path)
-        trace = from_json_data(data, str(path), rank=rank, which=which, file_name=path.name)
+        return json_file_trace(path, read_json(path), rank=rank, which=which)
+    if rank is None:
+        _rank_from_file_name(trace, path)
+    return trace
+
+
+def json_file_trace(path: Path, data: Any, rank: int | None = None, which: str | None = None) -> Trace:
+    """load_trace of a JSON file whose content the caller has read already (`data`): a 10^6-span file is parsed
+    once, not once per question about it."""
+    trace = from_json_data(data, str(path), rank=rank, which=which, file_name=path.name)
     if rank is None:
         _rank_from_file_name(trace, path)
     return trace
