@@ -300,11 +300,7 @@ class Trace:
             else:
                 unset = {"stage": None, "mb": None}  # optional on disk, positional in Span
                 spans = [Span(**r) if "mb" in r and "stage" in r else Span(**(unset | r)) for r in parsed["spans"]]
-        trace = cls(spans=spans, meta=dict(parsed.get("meta", {})))
-        if version == 2:  # the file's own columns, checked above: traces.columns starts from them
-            keep(trace, "_file_columns", {f: parsed["columns"][f] for f in ("rank", "start", "duration", "kind",
-                                                                              "stream")})
-        return trace
+        return cls(spans=spans, meta=dict(parsed.get("meta", {})))
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":

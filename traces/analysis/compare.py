@@ -32,6 +32,7 @@ from traces.analysis.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS
 from traces.analysis.path_overhead import compare_paths
 from traces.analysis.receive_wait import comm_span_meaning, receive_wait
+from traces.columns import columns_of
 from traces.trace import Span, Trace, TraceError, union_length
 from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, match_spans,
                              schedule_spans, span_key)
@@ -250,21 +251,28 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
     base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths."""
     check_same_schedule(pred, meas, *names)
+    # the matched pairs as index arrays and masks, per kind in pair order (10^6 spans: no tuple, set or float
+    # object per pair)
     pairs = match_spans(pred, meas)
-    matched_p = {p for p, _ in pairs}
-    matched_m = {m for _, m in pairs}
-    errs: dict[str, list[float]] = defaultdict(list)
-    pdur: dict[str, list[float]] = defaultdict(list)
-    mdur: dict[str, list[float]] = defaultdict(list)
-    zero_meas = 0
-    for p, m in pairs:
-        sp, sm = pred.spans[p], meas.spans[m]
-        pdur[sp.kind].append(sp.duration)
-        mdur[sp.kind].append(sm.duration)
-        if sm.duration > 0:
-            errs[sp.kind].append((sp.duration - sm.duration) / sm.duration)
-        else:
-            zero_meas += 1
+    pp = np.fromiter((p for p, _ in pairs), np.int64, len(pairs))
+    mm = np.fromiter((m for _, m in pairs), np.int64, len(pairs))
+    del pairs
+    matched_p = np.zeros(len(pred.spans), dtype=bool)
+    matched_p[pp] = True
+    matched_m = np.zeros(len(meas.spans), dtype=bool)
+    matched_m[mm] = True
+    pc, mc = columns_of(pred), columns_of(meas)
+    pd_all, md_all = pc.duration[pp], mc.duration[mm]
+    kind_of_pair = np.asarray(pc.kinds, dtype=object)[pc.kind[pp]] if len(pp) else np.empty(0, dtype=object)
+    errs: dict[str, np.ndarray] = {}
+    pdur: dict[str, np.ndarray] = {}
+    mdur: dict[str, np.ndarray] = {}
+    for kind in dict.fromkeys(kind_of_pair.tolist()):  # kinds in order of first pair, as a loop would add them
+        sel = kind_of_pair == kind
+        pdur[kind], mdur[kind] = pd_all[sel], md_all[sel]
+        pos = mdur[kind] > 0
+        errs[kind] = (pdur[kind][pos] - mdur[kind][pos]) / mdur[kind][pos]
+    zero_meas = int(np.count_nonzero(~(md_all > 0)))
     meaning = {"pred": comm_span_meaning(pred), "meas": comm_span_meaning(meas)}
     unlike = meaning["pred"] != meaning["meas"]
     kinds, comm_spans = [], []
@@ -279,11 +287,11 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         kinds.append(KindError(kind=kind, n=len(errs[kind]), signed_median_pct=_pct(stats[0]),
                                median_abs_pct=_pct(stats[1]), p90_abs_pct=_pct(stats[2]),
                                pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
-    fb_halves = _fb_halves(meas, matched_m) - matched_m
+    fb_halves = {i for i in _fb_halves(meas, matched_m) if not matched_m[i]}
     unpriced_parts = _unpriced_parts(pred, meas, matched_m)
-    unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if i not in matched_p]
+    unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if not matched_p[i]]
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
-                   if i not in matched_m and i not in fb_halves and i not in unpriced_parts]
+                   if not matched_m[i] and i not in fb_halves and i not in unpriced_parts]
     ps, ms = time_stats(pred), time_stats(meas)
     ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
@@ -308,7 +316,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         if str(t.meta.get("projection", "")).startswith("none") and label == "measured":
             notes.append(f"measured spans are not GPU-projected ({t.meta['projection']})")
     comp = Comparison(
-        pred=_describe(pred), meas=_describe(meas), matched=len(pairs), steps=ms.steps,
+        pred=_describe(pred), meas=_describe(meas), matched=len(pp), steps=ms.steps,
         unmatched_pred=unmatched_p, unmatched_meas=unmatched_m, kinds=kinds,
         makespan_pred_us=ps.makespan_us, makespan_meas_us=ms.makespan_us, makespan_meas_min_us=ms.makespan_min_us,
         makespan_meas_max_us=ms.makespan_max_us,
@@ -350,19 +358,23 @@ def _breakdown(base: TimeStats, mhc: TimeStats) -> dict[str, float]:
     return out
 
 
-def _unpriced_parts(pred: Trace, meas: Trace, matched: set[int]) -> set[int]:
+def _unpriced_parts(pred: Trace, meas: Trace, matched: np.ndarray) -> set[int]:
     """Measured kernel parts (kind "F.post_res", ...) when the prediction has no parts at all (it priced whole
-    actions, e.g. the `local` runtime profile): inside their actions, not missing from the schedule."""
+    actions, e.g. the `local` runtime profile): inside their actions, not missing from the schedule. `matched`:
+    a mask over meas's spans."""
     if any("." in pred.spans[i].kind for i in schedule_spans(pred)):
         return set()
-    return {i for i in schedule_spans(meas) if "." in meas.spans[i].kind and i not in matched}
+    return {i for i in schedule_spans(meas) if "." in meas.spans[i].kind and not matched[i]}
 
 
-def _fb_halves(meas: Trace, matched: set[int]) -> set[int]:
+def _fb_halves(meas: Trace, matched: np.ndarray) -> set[int]:
     """Measured F/B spans that are the children of a matched FB span on the same rank: the whole halves of a
-    pair run one after the other, or the stretches (`F/s3/mb7/L12.block`) of an overlapped pair's halves."""
+    pair run one after the other, or the stretches (`F/s3/mb7/L12.block`) of an overlapped pair's halves.
+    `matched`: a mask over meas's spans."""
     halves: set[tuple[int, str, int, int]] = set()
-    for i in matched:
+    cols = columns_of(meas)
+    fb = [k for k, name in enumerate(cols.kinds) if name == "FB"]
+    for i in np.flatnonzero(matched & np.isin(cols.kind, fb)).tolist():
         s = meas.spans[i]
         if s.kind == "FB" and s.partner is not None:
             halves.add((s.rank, "F", s.stage, s.mb))

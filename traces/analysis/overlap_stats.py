@@ -191,6 +191,7 @@ def _add_shares(shares: dict, keys: list, codes: np.ndarray, dur: np.ndarray, ov
 
 def overlap_stats(trace: Trace) -> OverlapStats:
     cols = columns_of(trace)
+    end = cols.end
     category = _categories(trace, cols)
     order = np.argsort(cols.rank, kind="stable")  # each rank's spans in trace order
     ranks, bounds = np.unique(cols.rank[order], return_index=True)
@@ -200,11 +201,11 @@ def overlap_stats(trace: Trace) -> OverlapStats:
     for j, r in enumerate(ranks.tolist()):
         b, comm, comp, blocked, other = classify(trace, order[bounds[j]:bounds[j + 1]], cols, category)
         basis[r] = b
-        us, ue = _minus(*_union(cols.start[comp], cols.end[comp]), *_union(cols.start[blocked], cols.end[blocked]))
-        ca, cb = _union(cols.start[comm], cols.end[comm])
+        us, ue = _minus(*_union(cols.start[comp], end[comp]), *_union(cols.start[blocked], end[blocked]))
+        ca, cb = _union(cols.start[comm], end[comm])
         tot = Share()
         tot.wall_us = sum((cb - ca).tolist())
-        ov = _covered(us, ue, cols.start[comm], cols.end[comm])
+        ov = _covered(us, ue, cols.start[comm], end[comm])
         dur = cols.duration[comm]
         codes, streams = _groups(cols.stream[comm])
         _add_shares(per_stream, [(r, cols.streams[k]) for k in streams], codes, dur, ov)
