@@ -40,3 +40,18 @@ def test_rebuilt_when_the_spans_change(tmp_path):
     assert len(again) == len(first) + 1 and again.kinds[again.kind[-1]] == "W"
     t.spans = t.spans[:3]
     assert len(columns_of(t)) == 3
+
+
+def test_bincount_adds_in_input_order_as_a_loop_does():
+    """What overlap_stats and compare rely on to keep their sums byte-identical to the per-span loops: bincount
+    with weights adds each bin's values one by one in input order (np.sum, pairwise, does not: the control)."""
+    import random
+
+    rng = random.Random(1)
+    w = [rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(100_000)]
+    codes = np.asarray([rng.randint(0, 2) for _ in w])
+    loop = [0.0, 0.0, 0.0]
+    for c, x in zip(codes.tolist(), w):
+        loop[c] += x
+    assert np.bincount(codes, weights=np.asarray(w), minlength=3).tolist() == loop
+    assert float(np.sum(np.asarray(w)[codes == 0])) != loop[0]  # the control: another order, another float
