@@ -10,7 +10,8 @@ ranks (or --source, a trace of ours). The commands: critical-path, overlap, what
 tiled trace against itself: the reader twice), view -o PNG, and critical-path on the same trace written in our
 JSON's version 1 (an object per span; docs/traces.md §7). Targets (issue 58): <= 5 s and <= 1 GB at 10^6 spans; a
 row over either is marked, and the exit code is 1 if any row is. --rev: the same commands at another git revision
-too (a scratch worktree), in the same run, on the version-1 file (what a revision before version 2 reads).
+too (a scratch worktree), in the same run, on the same file, or on the version-1 file for a revision before
+version 2.
 """
 from __future__ import annotations
 
@@ -105,9 +106,14 @@ def main() -> int:
         }
         rows = {name: timed(argv) for name, argv in commands.items()}
         rows["critical-path v1 file"] = timed(["critical-path", str(path_v1)])
-        old = {name: [str(path_v1) if a == str(path) else a for a in argv] for name, argv in commands.items()}
         before = None
         if args.rev:
+            # a revision that reads version 2 gets the same file; an older one the version-1 file
+            src = subprocess.run(["git", "show", f"{args.rev}:traces/trace.py"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout
+            reads_v2 = "FORMAT_VERSION = 2" in src
+            old = {name: [str(path_v1) if a == str(path) and not reads_v2 else a for a in argv]
+                   for name, argv in commands.items()}
             tree = work / "rev"
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
                            capture_output=True)
@@ -119,7 +125,8 @@ def main() -> int:
                   "file_v1_mb": path_v1.stat().st_size / 1e6,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "targets": {"wall_s": TARGET_S,
                                                                                         "peak_rss_gb": TARGET_GB},
-                  "rows": rows, "rev": args.rev, "rows_at_rev": before}
+                  "rows": rows, "rev": args.rev, "rows_at_rev": before,
+                  "rev_file": None if before is None else ("version 2" if reads_v2 else "version 1")}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     over = False
