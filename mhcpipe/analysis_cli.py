@@ -24,6 +24,7 @@ from traces.formats.io import load_trace
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.overlap_stats import overlap_stats
 from traces.analysis.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
+from traces.analysis.step_select import parse_steps, select_steps
 from traces.trace import Trace
 from traces.analysis.whatif import SCALE_HELP, parse_scales, whatif
 
@@ -66,6 +67,7 @@ def register(subparsers) -> None:
     o.add_argument("trace", help="trace file or folder of per-rank files")
     o.add_argument("--json", dest="json_out", help="write the result as JSON here")
     o.add_argument("--rank", type=int, default=None, help="rank of a single-process file without rank info")
+    _steps_arg(o)
     o.set_defaults(func=run_overlap)
 
 
@@ -76,11 +78,25 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="which trace of a Chrome file that holds both (default measured)")
     p.add_argument("--keep-warmup", action="store_true", help="keep a measured trace's first step")
     p.add_argument("--rank", type=int, default=None, help="rank of a single-process file without rank info")
+    _steps_arg(p)
+
+
+STEPS_HELP = ("analyse steps A to B only (or one step: A), counted from 0 as the file holds them (step 0: a measured "
+              "run's warm-up), as `mhcpipe convert --steps` cuts them: a long run's trace in seconds")
+
+
+def _steps_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", default=None, metavar="A..B", help=STEPS_HELP)
 
 
 def load_for_analysis(path: str, which: str | None = None, rank: int | None = None,
-                      keep_warmup: bool = False) -> Trace:
+                      keep_warmup: bool = False, steps: str | None = None) -> Trace:
+    """The trace at `path`, cut to `steps` (A..B) when given, its warm-up step dropped unless `keep_warmup` (a cut
+    that starts after step 0 has none: traces.analysis.matching.drop_warmup_step)."""
+    span = parse_steps(steps) if steps is not None else None  # a bad range is refused before the file is read
     trace = load_trace(path, rank=rank, which=which)
+    if span is not None:
+        trace = select_steps(trace, *span)
     if trace.meta.get("source") not in ("predicted", "simulated") and not keep_warmup:
         trace = drop_warmup_step(trace)
     return trace
@@ -93,7 +109,7 @@ def _write_json(path: str, data) -> None:
 
 
 def run_critical_path(args: argparse.Namespace) -> int:
-    trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup)
+    trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup, args.steps)
     cp = critical_path(trace, step=args.step).to_dict()
     secs = path_sections(cp, max_rows=max(args.rows, 2))
     sys.stdout.write(to_text(secs, cp["notes"]))
@@ -106,7 +122,7 @@ def run_critical_path(args: argparse.Namespace) -> int:
 
 def run_whatif(args: argparse.Namespace) -> int:
     scales = parse_scales(args.scale)
-    trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup)
+    trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup, args.steps)
     base = load_for_analysis(args.baseline, args.which, None, args.keep_warmup) if args.baseline else None
     res = whatif(trace, scales, baseline=base, baseline_name=args.baseline or "").to_dict()
     sys.stdout.write(to_text(whatif_sections(res), res["notes"]))
@@ -116,7 +132,9 @@ def run_whatif(args: argparse.Namespace) -> int:
 
 
 def run_overlap(args: argparse.Namespace) -> int:
-    res = overlap_stats(load_trace(args.trace, rank=args.rank)).to_dict()
+    span = parse_steps(args.steps) if args.steps is not None else None
+    trace = load_trace(args.trace, rank=args.rank)
+    res = overlap_stats(select_steps(trace, *span) if span is not None else trace).to_dict()
     sys.stdout.write(to_text(overlap_sections(res), res["notes"]))
     if args.json_out:
         _write_json(args.json_out, res)

@@ -11,13 +11,9 @@ step it starts at (meta `first_step`), and the analyses drop a warm-up step only
 from __future__ import annotations
 
 import argparse
-import re
 
-from traces.analysis.step_select import steps_of
+from traces.analysis.step_select import parse_steps, select_steps
 from traces.formats.io import load_trace
-from traces.trace import Trace, TraceError
-
-_RANGE = re.compile(r"^(\d+)(?:\.\.(\d+))?$")
 
 
 def register(subparsers) -> None:
@@ -34,32 +30,6 @@ def register(subparsers) -> None:
                    help="which trace of a Chrome file that holds both (default measured)")
     c.add_argument("--rank", type=int, default=None, help="rank of a single-process file without rank info")
     c.set_defaults(func=run_convert)
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    m = _RANGE.match(text.strip())
-    if m is None:
-        raise ValueError(f"--steps {text!r}: write A..B (steps A to B, e.g. 3..7) or one step A")
-    a = int(m.group(1))
-    b = int(m.group(2)) if m.group(2) is not None else a
-    if b < a:
-        raise ValueError(f"--steps {text!r}: the last step {b} comes before the first {a}; write {b}..{a}")
-    return a, b
-
-
-def select_steps(trace: Trace, first: int, last: int) -> Trace:
-    """Steps `first` to `last` of `trace` (steps counted as traces.analysis.step_select counts them, warm-up
-    included), their spans in the file's order; meta `first_step` records where the cut starts."""
-    info = steps_of(trace)
-    have = info.steps
-    missing = [k for k in range(first, last + 1) if k not in info.spans]
-    if missing:
-        raise TraceError(f"--steps {first}..{last}: the trace holds steps {have[0]}..{have[-1]} (counted from 0, "
-                         f"warm-up included); step {missing[0]} is not among them")
-    keep = sorted(i for k in range(first, last + 1) for i in info.spans[k])
-    offset = int(trace.meta.get("first_step", 0))
-    meta = {**trace.meta, "first_step": offset + first, "steps": last - first + 1}
-    return Trace(spans=[trace.spans[i] for i in keep], meta=meta)
 
 
 def run_convert(args: argparse.Namespace) -> int:

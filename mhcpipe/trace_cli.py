@@ -25,6 +25,7 @@ from traces.analysis.compare import compare
 from traces.formats.io import json_file_trace, load_trace, sniff
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
+from traces.analysis.step_select import parse_steps, select_steps
 from traces.names import STEP_KIND
 from traces.drawing.path_marks import chrome_path_events, paths_for
 from traces.drawing.replica_summary import summarise_replicas
@@ -69,6 +70,9 @@ def register(subparsers) -> None:
                                                    "the baseline pair)")
     c.add_argument("--keep-warmup", action="store_true", help="compare every measured step, the first (warm-up) "
                    "included; default: it is dropped, as critical-path, whatif and the demo's report drop it")
+    c.add_argument("--steps", default=None, metavar="A..B", help="compare the measured run's steps A to B only (or "
+                   "one step: A), counted from 0 as the file holds them (step 0: the warm-up), as `mhcpipe convert "
+                   "--steps` cuts them")
     c.set_defaults(func=run_compare)
 
 
@@ -179,8 +183,12 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.plot_out and not args.baseline_pred:  # before any output: the chart is mHC's overhead over a baseline
         raise TraceError("--plot draws mHC's overhead against a baseline: add --baseline-pred and --baseline-meas "
                          "(the baseline run's prediction and measurement), or drop --plot")
+    span = parse_steps(args.steps) if args.steps is not None else None
+
     def measured(path: str) -> Trace:  # one reading of "the step" everywhere: the warm-up step dropped
         t = load_trace(path, which="measured")
+        if span is not None:
+            t = select_steps(t, *span)
         if t.meta.get("source") not in ("predicted", "simulated") and not args.keep_warmup:
             t = drop_warmup_step(t)
         return t

@@ -63,3 +63,28 @@ def test_a_third_party_trace_converts_span_for_span(shared_traces, tmp_path, cap
     assert _cli(capsys, "convert", str(shared_traces / name), "-o", str(out))[0] == 0
     original, converted = load_trace(shared_traces / name), Trace.load(out)
     assert converted.spans == original.spans and converted.meta == json.loads(json.dumps(original.meta))
+
+
+def test_steps_on_the_analyses_equal_the_analyses_of_the_cut(tmp_path, capsys):
+    """`--steps A..B` on critical-path, whatif, overlap and compare: the analysis of a convert --steps cut, without
+    writing it; a range the trace does not hold, or a malformed one, is refused in one line."""
+    src = _run().save(tmp_path / "run.json")
+    cut = tmp_path / "cut.json"
+    assert _cli(capsys, "convert", str(src), "-o", str(cut), "--steps", "1..3")[0] == 0
+    pred = simulate(build("dualpipev", 2, 4)).trace
+    pred.meta["source"] = "predicted"
+    pred_file = pred.save(tmp_path / "pred.json")
+    for cmd, extra in (("critical-path", ()), ("whatif", ("--scale", "F=0.5")), ("overlap", ())):
+        a, b = tmp_path / f"{cmd}_steps.json", tmp_path / f"{cmd}_cut.json"
+        assert _cli(capsys, cmd, str(src), *extra, "--steps", "1..3", "--json", str(a))[0] == 0
+        assert _cli(capsys, cmd, str(cut), *extra, "--json", str(b))[0] == 0
+        assert json.loads(a.read_text()) == json.loads(b.read_text()), cmd
+    a, b = tmp_path / "cmp_steps.json", tmp_path / "cmp_cut.json"
+    assert _cli(capsys, "compare", str(pred_file), str(src), "--steps", "1..3", "--json", str(a))[0] == 0
+    assert _cli(capsys, "compare", str(pred_file), str(cut), "--json", str(b))[0] == 0
+    got, want = json.loads(a.read_text()), json.loads(b.read_text())
+    assert got["steps"] == want["steps"] == 3 and got["makespan_meas_us"] == want["makespan_meas_us"]
+    rc, _, err = _cli(capsys, "whatif", str(src), "--scale", "F=0.5", "--steps", "3..9")
+    assert rc == 2 and "step 5 is not among them" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = _cli(capsys, "overlap", str(src), "--steps", "2..x")
+    assert rc == 2 and "write A..B" in err and len(err.strip().splitlines()) == 1

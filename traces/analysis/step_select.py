@@ -6,10 +6,12 @@ ranges, kernels) belongs to the step whose window on that rank holds its start: 
 span of the step to its first schedule span of the next step (so the waits that drain a step's sends at its end
 stay in it). A step counts when it holds at least half the schedule spans of step 0 (a cut-off last step does
 not), as in traces.analysis.compare.time_stats. Makespan of a step: end of its last minus start of its first schedule
-span.
+span. `select_steps` cuts steps A..B out of a trace (`mhcpipe convert --steps`, and `--steps` on the analyses),
+recording where the cut starts (meta first_step).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,8 @@ import numpy as np
 from traces.analysis.matching import step_index
 from traces.columns import columns_of
 from traces.trace import Trace, TraceError
+
+_RANGE = re.compile(r"^(\d+)(?:\.\.(\d+))?$")  # --steps A..B or A
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,29 @@ def step_trace(trace: Trace, step: int | None = None, info: StepInfo | None = No
                          "after any dropped warm-up step); pick one of them")
     meta = {**trace.meta, "step": k, "steps": len(info.steps)}
     return k, Trace(spans=[trace.spans[i] for i in info.spans[k]], meta=meta)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    m = _RANGE.match(text.strip())
+    if m is None:
+        raise ValueError(f"--steps {text!r}: write A..B (steps A to B, e.g. 3..7) or one step A")
+    a = int(m.group(1))
+    b = int(m.group(2)) if m.group(2) is not None else a
+    if b < a:
+        raise ValueError(f"--steps {text!r}: the last step {b} comes before the first {a}; write {b}..{a}")
+    return a, b
+
+
+def select_steps(trace: Trace, first: int, last: int) -> Trace:
+    """Steps `first` to `last` of `trace` (steps counted as traces.analysis.step_select counts them, warm-up
+    included), their spans in the file's order; meta `first_step` records where the cut starts."""
+    info = steps_of(trace)
+    have = info.steps
+    missing = [k for k in range(first, last + 1) if k not in info.spans]
+    if missing:
+        raise TraceError(f"--steps {first}..{last}: the trace holds steps {have[0]}..{have[-1]} (counted from 0, "
+                         f"warm-up included); step {missing[0]} is not among them")
+    keep = sorted(i for k in range(first, last + 1) for i in info.spans[k])
+    offset = int(trace.meta.get("first_step", 0))
+    meta = {**trace.meta, "first_step": offset + first, "steps": last - first + 1}
+    return Trace(spans=[trace.spans[i] for i in keep], meta=meta)
