@@ -267,10 +267,19 @@ class Tuner:
         return cfg, layout, SharedPricer(cfg, self.hw, self.spec, layout, opts, shared=self._prices)
 
     def _prep(self, cand: Candidate):
-        if cand not in self._prepared:
-            schedule, _ = self._schedule(cand)
-            self._prepared[cand] = self._pricer(cand, schedule, self._fast_config(cand))
-        return self._prepared[cand]
+        got = self._prepared.get(cand)
+        if got is None:
+            twin = self._prepared.get(replace(cand, distributed_optimizer=False)) if cand.distributed_optimizer \
+                else None
+            if twin is not None:  # the optimizer's sharding weighs model states only: the twin's pricer and layout,
+                cfg, layout, pr = twin  # this candidate's config (memory reads its train.distributed_optimizer)
+                got = (cfg.model_copy(update={"train": cfg.train.model_copy(update={"distributed_optimizer": True})}),
+                       layout, pr)
+            else:
+                schedule, _ = self._schedule(cand)
+                got = self._pricer(cand, schedule, self._fast_config(cand))
+            self._prepared[cand] = got
+        return got
 
     def memory(self, cand: Candidate) -> Evaluated:
         """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
