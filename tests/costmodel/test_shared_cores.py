@@ -187,12 +187,15 @@ def work_of(span, free):
 
 @pytest.mark.timeout(180)
 def test_measure_core_sharing_runs_the_block():
-    # the median of 3 cycles: one cycle's cores(1) is 2a/(a+b) for its solo rates a, b, which a burst of the other
+    # the median of 5 cycles: one cycle's cores(1) is 2a/(a+b) for its solo rates a, b, which a burst of the other
     # test worker's ranks pushes towards 2 (CI saw 1.59 with one cycle)
-    cores = measure_core_sharing(load_config("tiny"), 2, block_round, seconds=0.2, cycles=3)
+    cores = measure_core_sharing(load_config("tiny"), 2, block_round, seconds=0.2, cycles=5)
     assert len(cores) == 2
     assert 0.5 < cores[0] < 1.5  # one process against itself
-    assert 0.3 < cores[1] < 2.6  # two processes on a shared CI machine: anything but nonsense
+    # two processes on a 2-core machine shared with the other test worker: its bursts slow the solo phases the
+    # rates are divided by (2.64 seen with 3 cycles: solo at ~3/4 speed); 3.2 still refuses a rate counted twice
+    # (~3.6-4), the nonsense this guards against
+    assert 0.3 < cores[1] < 3.2
 
 
 @pytest.mark.timeout(120)
