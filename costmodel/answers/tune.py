@@ -269,9 +269,8 @@ class Tuner:
     def _prep(self, cand: Candidate):
         got = self._prepared.get(cand)
         if got is None:
-            twin = self._prepared.get(replace(cand, distributed_optimizer=False)) if cand.distributed_optimizer \
-                else None
-            if twin is not None:  # the optimizer's sharding weighs model states only: the twin's pricer and layout,
+            twin = cand.distributed_optimizer and self._prepared.get(replace(cand, distributed_optimizer=False))
+            if twin:  # the optimizer's sharding weighs model states only: the twin's pricer and layout,
                 cfg, layout, pr = twin  # this candidate's config (memory reads its train.distributed_optimizer)
                 got = (cfg.model_copy(update={"train": cfg.train.model_copy(update={"distributed_optimizer": True})}),
                        layout, pr)
@@ -284,23 +283,20 @@ class Tuner:
     def memory(self, cand: Candidate) -> Evaluated:
         """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
         schedule, _ = self._schedule(cand)
-        cfg, layout, pr = self._prep(self._hp_twin(cand))
-        events = self._program(cand)[1]
-        return Evaluated(cand, self._peak_memory(cand, cfg, schedule, pr, events))
+        cfg, _, pr = self._prep(self._hp_twin(cand))
+        return Evaluated(cand, self._peak_memory(cand, cfg, schedule, pr, self._program(cand)[1]))
 
     def _peak_memory(self, cand: Candidate, cfg: RunConfig, schedule: Schedule, pr: SharedPricer,
                      events: list) -> float:
         """The largest rank's memory (memory.rank_memories, predict's model) of the candidate's program."""
-        ranks = derived(schedule, "stages per rank", lambda: {r: schedule.stages_of(r)
-                                                               for r in range(schedule.num_ranks)})
+        ranks = derived(schedule, "rank stages", lambda: {r: schedule.stages_of(r) for r in range(schedule.num_ranks)})
         peaks = self._peaks(events, pr.stage_mem)
         return max(m.total_bytes for m in rank_memories(cfg, self.spec, pr.stage_mem, ranks, dict(enumerate(events)),
                                                         hw=self.hw, dp=cand.dp, ep_per_node=pr.opt.ep_per_node,
                                                         peaks=dict(enumerate(peaks))))
 
     def _hp_twin(self, cand: Candidate) -> Candidate:
-        """The candidate with hp = True, one object per candidate (dataclasses.replace per call costs more than
-        the lookup, thousands of times a search)."""
+        """The candidate with hp = True, one object per candidate (dataclasses.replace costs more than a lookup)."""
         twin = self._hp.get(cand)
         if twin is None:
             twin = self._hp[cand] = cand if cand.hp else replace(cand, hp=True)
