@@ -89,14 +89,19 @@ def _steps_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", default=None, metavar="A..B", help=STEPS_HELP)
 
 
+def load_steps(path: str, rank: int | None = None, which: str | None = None, steps: str | None = None) -> Trace:
+    """The trace at `path`, only its steps A..B when `steps` is given (a bad range refused before the file is
+    read)."""
+    span = parse_steps(steps) if steps is not None else None
+    trace = load_trace(path, rank=rank, which=which)
+    return select_steps(trace, *span) if span is not None else trace
+
+
 def load_for_analysis(path: str, which: str | None = None, rank: int | None = None,
                       keep_warmup: bool = False, steps: str | None = None) -> Trace:
     """The trace at `path`, cut to `steps` (A..B) when given, its warm-up step dropped unless `keep_warmup` (a cut
     that starts after step 0 has none: traces.analysis.matching.drop_warmup_step)."""
-    span = parse_steps(steps) if steps is not None else None  # a bad range is refused before the file is read
-    trace = load_trace(path, rank=rank, which=which)
-    if span is not None:
-        trace = select_steps(trace, *span)
+    trace = load_steps(path, rank, which, steps)
     if trace.meta.get("source") not in ("predicted", "simulated") and not keep_warmup:
         trace = drop_warmup_step(trace)
     return trace
@@ -132,9 +137,7 @@ def run_whatif(args: argparse.Namespace) -> int:
 
 
 def run_overlap(args: argparse.Namespace) -> int:
-    span = parse_steps(args.steps) if args.steps is not None else None
-    trace = load_trace(args.trace, rank=args.rank)
-    res = overlap_stats(select_steps(trace, *span) if span is not None else trace).to_dict()
+    res = overlap_stats(load_steps(args.trace, args.rank, steps=args.steps)).to_dict()
     sys.stdout.write(to_text(overlap_sections(res), res["notes"]))
     if args.json_out:
         _write_json(args.json_out, res)

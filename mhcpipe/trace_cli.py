@@ -22,10 +22,10 @@ from pathlib import Path
 from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
+from mhcpipe.analysis_cli import load_for_analysis
 from traces.formats.io import json_file_trace, load_trace, sniff
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
-from traces.analysis.step_select import parse_steps, select_steps
 from traces.names import STEP_KIND
 from traces.drawing.path_marks import chrome_path_events, paths_for
 from traces.drawing.replica_summary import summarise_replicas
@@ -183,21 +183,13 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.plot_out and not args.baseline_pred:  # before any output: the chart is mHC's overhead over a baseline
         raise TraceError("--plot draws mHC's overhead against a baseline: add --baseline-pred and --baseline-meas "
                          "(the baseline run's prediction and measurement), or drop --plot")
-    span = parse_steps(args.steps) if args.steps is not None else None
-
-    def measured(path: str) -> Trace:  # one reading of "the step" everywhere: the warm-up step dropped
-        t = load_trace(path, which="measured")
-        if span is not None:
-            t = select_steps(t, *span)
-        if t.meta.get("source") not in ("predicted", "simulated") and not args.keep_warmup:
-            t = drop_warmup_step(t)
-        return t
-
+    # one reading of "the step" everywhere: the warm-up step dropped (analysis_cli.load_for_analysis)
     pred = load_trace(args.pred, which="predicted")
-    meas = measured(args.meas)
+    meas = load_for_analysis(args.meas, "measured", None, args.keep_warmup, args.steps)
     baseline = None
     if args.baseline_pred:
-        baseline = (load_trace(args.baseline_pred, which="predicted"), measured(args.baseline_meas))
+        baseline = (load_trace(args.baseline_pred, which="predicted"),
+                    load_for_analysis(args.baseline_meas, "measured", None, args.keep_warmup, args.steps))
     comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
     sys.stdout.write(to_text(comp))
     sys.stdout.write("\n" + path_report.to_text(path_report.compare_sections(comp.critical_path)))

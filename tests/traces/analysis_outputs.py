@@ -6,8 +6,8 @@ model with mHC, 4 gloo ranks, 3 steps; its prediction; a measured pp2 x dp2 run 
 simulated steps of every schedule kind (seeded per-stage costs, written and read back as files), a multi-step
 1F1B timeline, and the third-party files of ../shared/data/traces (when present). Commands: critical-path,
 overlap, whatif (--scale F=0.5), view (Perfetto JSON), and compare (the prediction against its measured run);
-each one's exit code, printed text and JSON, paths replaced by placeholders. A JSON over 200 kB (Perfetto
-exports, the per-op tables of large third-party files) is kept as its span count and a digest of its text:
+each one's exit code, printed text and JSON, with paths written as <tmp>, <data>, <shared>. A JSON over 200 kB
+(Perfetto exports, the per-op tables of large third-party files) is kept as its span count and a digest of its text:
 these are the trace's own numbers converted, no sums whose order could differ between machines. The outputs on
 third-party files are kept as digests only (the record holds nothing of those files).
 
