@@ -29,6 +29,7 @@ from traces.trace import Trace
 _COMPUTE = frozenset({"F", "I", "W", "B", "FB"})
 _RECV = {"RECV_F": "F", "RECV_B": "B"}
 _SEND = {"SEND_F": "F", "SEND_B": "B"}
+_STRENGTH = {"fs": 2, "ss": 1, "ff": 0}  # two edges between the same ops keep the stronger (span_graph's rule)
 
 
 @dataclass
@@ -167,10 +168,9 @@ class _Step:
             return  # the recorded times contradict it: the graph drops it too
         lag = max(0.0, self.start[v] - self.start[u]) if k == "ss" else 0.0
         d = out.get(u)
-        strength = {"fs": 2, "ss": 1, "ff": 0}
         if d is None:
             out[u] = [k, lag]
-        elif strength[k] > strength[d[0]] or (k == d[0] and lag > d[1]):
+        elif _STRENGTH[k] > _STRENGTH[d[0]] or (k == d[0] and lag > d[1]):
             d[0], d[1] = k, lag
 
     def _fallback(self, u: int, v: int) -> tuple[str, ...]:
