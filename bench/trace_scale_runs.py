@@ -3,12 +3,14 @@
 peak memory (RSS) measured by /usr/bin/time.
 
     .venv/bin/python bench/trace_scale_runs.py [--spans 1000000] [--source TRACE.json] [--rev 972bc6e]
-                                               [--commands critical-path,overlap] [--json RESULT.json]
+                                               [--commands critical-path,overlap] [--npz] [--json RESULT.json]
 
 The measured run: `mhcpipe run --config configs/tiny.yaml --schedule dualpipev --steps 6 --trace-dir ...` on 4 gloo
 ranks (or --source, a trace of ours). The commands: critical-path, overlap, whatif (--scale F=0.5), compare (the
 tiled trace against itself: the reader twice), view -o PNG, and critical-path on the same trace written in our
-JSON's version 1 (an object per span; docs/traces.md §7); --commands picks some. Targets (issue 58): <= 5 s and
+JSON's version 1 (an object per span; docs/traces.md §7); --commands picks some. --npz: the same commands on the
+trace written as our binary columns (.npz, docs/traces.md §8), and critical-path / whatif of steps 100..109 of it
+(`--steps`: spans made for those steps only). Targets (issue 58): <= 5 s and
 <= 1 GB at 10^6 spans, <= 60 s and <= 4 GB at 10^7; a row over either is marked, and the exit code is 1 if any row
 is. --rev: the same commands at another git revision too (a scratch worktree), in the same run, on the same file,
 or on the version-1 file for a revision before version 2.
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from traces.formats.io import load_trace  # noqa: E402
+from traces.formats.npz import save_npz  # noqa: E402
 from traces.trace import Trace  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -85,6 +88,7 @@ def main() -> int:
     ap.add_argument("--source", type=Path, help="a trace of ours to tile (default: measure a tiny run first)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "trace_scale_runs.json")
     ap.add_argument("--rev", help="also run the commands at this git revision (a scratch worktree)")
+    ap.add_argument("--npz", action="store_true", help="also the commands on the trace as .npz, and --steps on it")
     ap.add_argument("--commands", help="run only these, comma-separated (critical-path, overlap, whatif, compare, "
                                        "view, v1: critical-path on the version-1 file); default all")
     args = ap.parse_args()
@@ -114,6 +118,13 @@ def main() -> int:
         }
         if args.commands:
             commands = {k: v for k, v in commands.items() if k in args.commands.split(",")}
+        at_rev = dict(commands)
+        if args.npz:
+            npz = save_npz(big, work / "big.npz")
+            commands.update({f"{k} npz": [str(npz) if a == str(path) else a for a in v]
+                             for k, v in list(commands.items())})
+            commands["critical-path npz --steps 100..109"] = ["critical-path", str(npz), "--steps", "100..109"]
+            commands["whatif npz --steps 100..109"] = ["whatif", str(npz), "--scale", "F=0.5", "--steps", "100..109"]
         size = len(big.spans)
         del big  # the commands run in their own processes: this one need not hold 10^7 spans meanwhile
         rows = {name: timed(argv) for name, argv in commands.items()}
@@ -127,7 +138,7 @@ def main() -> int:
                                  text=True).stdout
             reads_v2 = "FORMAT_VERSION = 2" in src
             old = {name: [str(path_v1) if a == str(path) and not reads_v2 else a for a in argv]
-                   for name, argv in commands.items()}
+                   for name, argv in at_rev.items()}
             tree = work / "rev"
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
                            capture_output=True)
@@ -136,6 +147,7 @@ def main() -> int:
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
         result = {"spans": size, "source_spans": len(base.spans), "file_mb": path.stat().st_size / 1e6,
+                  "file_npz_mb": (work / "big.npz").stat().st_size / 1e6 if args.npz else None,
                   "file_v1_mb": path_v1.stat().st_size / 1e6 if path_v1.exists() else None,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "targets": {"wall_s": target_s,
                                                                                         "peak_rss_gb": target_gb},
@@ -148,14 +160,16 @@ def main() -> int:
     print(f"{result['spans']:,} spans ({result['file_mb']:.0f} MB of JSON{v1}; "
           f"tiled from {result['source_spans']:,})")
     before = result["rows_at_rev"]
-    print(f"{'command':<22}{'wall s':>9}{'peak GB':>9}" + (f"{'at ' + args.rev:>22}" if before else "") + "  note")
+    if result["file_npz_mb"]:
+        print(f"as .npz: {result['file_npz_mb']:.0f} MB")
+    print(f"{'command':<36}{'wall s':>9}{'peak GB':>9}" + (f"{'at ' + args.rev:>22}" if before else "") + "  note")
     for name, r in rows.items():
         bad = r["wall_s"] > target_s or r["peak_rss_gb"] > target_gb
         over |= bad
         note = (f"exit {r['rc']}: {r['error'][:80]}" if r["rc"] else "") + (" over target" if bad else "")
         then = (f"{before[name]['wall_s']:>12.1f} s {before[name]['peak_rss_gb']:>5.2f} GB"
                 if before and name in before else " " * 22 if before else "")
-        print(f"{name:<22}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}{then}  {note}")
+        print(f"{name:<36}{r['wall_s']:>9.1f}{r['peak_rss_gb']:>9.2f}{then}  {note}")
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
     return 1 if over else 0

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.analysis.matching import step_index
+from traces.analysis.matching import file_step_index, step_index
 from traces.columns import columns_of
+from traces.formats.npz import ColumnFile
 from traces.trace import Trace, TraceError
 
 _RANGE = re.compile(r"^(\d+)(?:\.\.(\d+))?$")  # --steps A..B or A
@@ -41,23 +42,32 @@ class StepInfo:
         return order[(len(order) - 1) // 2]
 
 
+NO_STEPS = ("the trace has no schedule spans named as in traces.md §5 (e.g. F/s3/mb7), so it has no steps to "
+            "analyse; label ranges with the naming convention (NVTX or record_function)")
+
+
 def steps_of(trace: Trace) -> StepInfo:
     """The steps of `trace` (module docstring), on its columns (traces.columns): 10^6 spans in a fraction of a
     second."""
     steps = step_index(trace)
     if not steps:
-        raise TraceError("the trace has no schedule spans named as in traces.md §5 (e.g. F/s3/mb7), so it has no "
-                         "steps to analyse; label ranges with the naming convention (NVTX or record_function)")
+        raise TraceError(NO_STEPS)
     cols = columns_of(trace)
     sched = np.fromiter(steps.keys(), np.int32, len(steps))  # int32 indices: 10^6 spans, half the memory
     sched_k = np.fromiter(steps.values(), np.int32, len(steps))
-    step_of = np.full(len(cols), -1, dtype=np.int32)
+    return _step_info(cols.rank, cols.start, cols.duration, sched, sched_k)
+
+
+def _step_info(rank: np.ndarray, start: np.ndarray, duration: np.ndarray, sched: np.ndarray,
+               sched_k: np.ndarray) -> StepInfo:
+    """The steps from the spans' rank, start and duration columns and the schedule spans' indices and steps."""
+    step_of = np.full(len(rank), -1, dtype=np.int32)
     step_of[sched] = sched_k
     count = np.bincount(sched_k)
     full = int(count[0])
     counted = [k for k in range(len(count)) if count[k] and count[k] >= 0.5 * full]
     # the step windows: per (rank, step) the start of its first schedule span, each rank's sorted by (start, step)
-    rank_s, begin_s = cols.rank[sched], cols.start[sched]
+    rank_s, begin_s = rank[sched], start[sched]
     order = np.lexsort((begin_s, sched_k, rank_s))
     rk, kk, bb = rank_s[order], sched_k[order], begin_s[order]
     first = np.ones(len(order), dtype=bool)
@@ -68,16 +78,16 @@ def steps_of(trace: Trace) -> StepInfo:
     del rank_s, begin_s, order, rk, kk, bb, first  # 10^6-long temporaries: the peak memory is the point
     # every other span: the step whose window on its rank holds its start (before the first window: the first)
     rest = np.flatnonzero(step_of < 0)
-    rest_rank = cols.rank[rest]
+    rest_rank = rank[rest]
     for r in np.unique(w_rank).tolist():
         lo, hi = np.searchsorted(w_rank, [r, r + 1])
         mine = rest[rest_rank == r]
-        j = np.searchsorted(w_t[lo:hi], cols.start[mine], side="right") - 1
+        j = np.searchsorted(w_t[lo:hi], start[mine], side="right") - 1
         step_of[mine] = w_step[lo + np.maximum(j, 0)]
     keep = np.flatnonzero(np.isin(step_of, counted)).astype(np.int32)
-    keep = keep[np.lexsort((keep, cols.start[keep], step_of[keep]))]  # by step, then (start, index)
+    keep = keep[np.lexsort((keep, start[keep], step_of[keep]))]  # by step, then (start, index)
     sorted_steps = step_of[keep]
-    is_sched = np.zeros(len(cols), dtype=bool)
+    is_sched = np.zeros(len(rank), dtype=bool)
     is_sched[sched] = True
     out, mk, t0 = {}, {}, {}
     want = np.asarray(counted, dtype=sorted_steps.dtype)  # one search for all steps (a scalar search casts the array)
@@ -86,8 +96,8 @@ def steps_of(trace: Trace) -> StepInfo:
         idx = keep[a:b]
         s_idx = idx[is_sched[idx]]
         out[k] = idx.tolist()
-        t0[k] = float(cols.start[s_idx].min())
-        mk[k] = float((cols.start[s_idx] + cols.duration[s_idx]).max()) - t0[k]
+        t0[k] = float(start[s_idx].min())
+        mk[k] = float((start[s_idx] + duration[s_idx]).max()) - t0[k]
     return StepInfo(spans=out, makespan=mk, t0=t0)
 
 
@@ -116,13 +126,29 @@ def parse_steps(text: str) -> tuple[int, int]:
 def select_steps(trace: Trace, first: int, last: int) -> Trace:
     """Steps `first` to `last` of `trace` (steps counted as traces.analysis.step_select counts them, warm-up
     included), their spans in the file's order; meta `first_step` records where the cut starts."""
-    info = steps_of(trace)
+    keep, meta = _cut(steps_of(trace), trace.meta, first, last)
+    return Trace(spans=[trace.spans[i] for i in keep], meta=meta)
+
+
+def select_file_steps(cf: ColumnFile, first: int, last: int) -> Trace:
+    """select_steps of a .npz trace (traces.formats.npz) found on its columns: Span objects are made for the
+    steps kept only, so a 10^7-span run's steps A..B load in the memory of those steps."""
+    sched, sched_k = file_step_index(cf)
+    if not len(sched):
+        raise TraceError(NO_STEPS)
+    cols = cf.cols
+    info = _step_info(cols["rank"], cols["start"], cols["duration"], sched.astype(np.int32), sched_k.astype(np.int32))
+    keep, meta = _cut(info, cf.meta, first, last)
+    return cf.trace(np.asarray(keep, dtype=np.int64), meta)
+
+
+def _cut(info: StepInfo, meta: dict, first: int, last: int) -> tuple[list[int], dict]:
+    """The span indices of steps `first`..`last` in file order, and the cut's meta."""
     have = info.steps
     missing = [k for k in range(first, last + 1) if k not in info.spans]
     if missing:
         raise TraceError(f"--steps {first}..{last}: the trace holds steps {have[0]}..{have[-1]} (counted from 0, "
                          f"warm-up included); step {missing[0]} is not among them")
     keep = sorted(i for k in range(first, last + 1) for i in info.spans[k])
-    offset = int(trace.meta.get("first_step", 0))
-    meta = {**trace.meta, "first_step": offset + first, "steps": last - first + 1}
-    return Trace(spans=[trace.spans[i] for i in keep], meta=meta)
+    offset = int(meta.get("first_step", 0))
+    return keep, {**meta, "first_step": offset + first, "steps": last - first + 1}

@@ -4,5 +4,8 @@
 `flight_recorder` (NCCL Flight Recorder dumps, read through an allow-list unpickler). All produce a
 `traces.trace.Trace`.
 
+`npz`: our own trace as binary columns (`.npz`, docs/traces.md §8), for long runs: read at disk speed, its steps
+found on the columns.
+
 `cuda_program`: the emulated CUDA device's per-rank programs (docs/cuda_program.md).
 """

@@ -1,6 +1,7 @@
 """`load_trace(path)`: read any supported trace file (or a folder of per-rank files) into a `Trace`.
 
-Formats are sniffed from the content, not the name: our JSON (`format: mhc-pipe-trace`), Chrome/Perfetto JSON
+Formats are sniffed from the content, not the name: our JSON (`format: mhc-pipe-trace`) and our binary columns
+(`.npz`, traces.formats.npz), Chrome/Perfetto JSON
 written by us or others, PyTorch profiler (Kineto) JSON, Nsight Systems SQLite export, `nsys stats` NVTX CSV
 reports; JSON and CSV may be gzip / xz compressed. A folder loads every trace file in it and merges them
 (one file per rank, e.g. `prof_%q{RANK}.sqlite` or Kineto's per-rank JSON).
@@ -13,16 +14,18 @@ from typing import Any
 
 from traces.formats.chrome import chrome_to_traces, pick
 from traces.formats.kineto import is_kineto, kineto_to_trace, read_json
+from traces.formats.npz import MAGIC as NPZ_MAGIC, load_npz
 from traces.formats.nsys import load_nsys
 from traces.formats.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
 from traces.trace import FORMAT_NAME, Trace, TraceError
 
 _RANK_IN_NAME = re.compile(r"(?:rank|proc|prof)[-_]?(\d+)", re.IGNORECASE)
-TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".csv", ".csv.xz", ".csv.gz", ".pt.trace.json", ".pt.trace.json.gz")
+TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".csv", ".csv.xz", ".csv.gz", ".pt.trace.json", ".pt.trace.json.gz",
+                  ".npz")
 
 
 def sniff(path: Path) -> str:
-    """One of: sqlite, json, csv."""
+    """One of: sqlite, npz, json, csv."""
     try:
         with path.open("rb") as fh:
             head = fh.read(16)
@@ -32,6 +35,8 @@ def sniff(path: Path) -> str:
         raise TraceError(f"{path}: is a directory") from None
     if head.startswith(b"SQLite format 3"):
         return "sqlite"
+    if head.startswith(NPZ_MAGIC):
+        return "npz"
     if head[:6] == b"\xfd7zXZ\x00" or head[:2] == b"\x1f\x8b":
         name = path.name.lower()
         return "csv" if ".csv" in name else "json"
@@ -50,6 +55,8 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
     if path.is_dir():
         return load_folder(path)
     kind = sniff(path)
+    if kind == "npz":
+        return load_npz(path)
     if kind == "sqlite":
         trace = load_nsys(path, rank=rank)
     elif kind == "csv":

@@ -1,0 +1,242 @@
+"""Our trace as binary columns: a numpy `.npz` file (docs/traces.md §8), what `mhcpipe convert -o run.npz` writes
+and every command reads.
+
+    save_npz(trace, "run.npz"); ColumnFile.read("run.npz").trace()        # every span
+    ColumnFile.read("run.npz").trace(rows)                               # only the spans `rows` (a step range)
+
+The same columns as our JSON version 2 (traces.trace), as arrays: `rank`, `start`, `duration`, `stage`, `mb`,
+`batch` (-1: none), `partner` (n x 2) and `peer` with a `_set` mask (their values have no sign rule), and the
+fields with few distinct values dictionary-encoded as `<field>_codes` into `<field>_values` (`group_codes` -1:
+none); `format`, `version` and `meta` (JSON text) as 0-d arrays. A column where every span has the default is left
+out, as in JSON.
+
+Why a second on-disk form: a 10^7-span JSON file parses into ~10^8 Python objects before a single span exists
+(5 GB resident, bench/results/trace_scale_runs_1e7.json); these arrays load at disk speed, and the step
+selection (traces.analysis.step_select.select_file_steps) runs on them, so Span objects are made only for the
+steps asked for. Why not Parquet or Arrow: numpy is already a dependency, its format is a documented, stable
+spec (NEP 1), and it reads back as data only: `allow_pickle=False` refuses object arrays, every column is checked
+(dtype, shape, ranges, codes) and a forged or damaged file is refused in one line naming the column.
+"""
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from traces.trace import FORMAT_NAME, Span, Trace, TraceError, collector_paused
+
+NPZ_VERSION = 1
+CHUNK = 1 << 18  # spans made at a time (ColumnFile.trace)
+MAGIC = b"PK\x03\x04"  # a zip archive (what np.savez writes)
+_INT = {"rank", "stage", "mb", "peer", "batch", "stream_codes", "kind_codes", "name_codes", "group_codes"}
+_FLOAT = {"start", "duration"}
+_REQUIRED = {"format", "version", "rank", "stream_codes", "stream_values", "kind_codes", "kind_values", "start",
+             "duration"}
+_OPTIONAL = {"meta", "stage", "mb", "partner", "partner_set", "peer", "peer_set", "name_codes", "name_values",
+             "group_codes", "group_values", "batch"}
+_CODED = ("stream", "kind", "name", "group")
+
+
+def is_npz(path: str | Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    small = arr.size == 0 or (arr.min() >= np.iinfo(np.int32).min and arr.max() <= np.iinfo(np.int32).max)
+    return arr.astype(np.int32) if small else arr
+
+
+def _coded(values: list[Any]) -> tuple[np.ndarray, list[Any]]:
+    """Codes into the distinct values in first-seen order; None (a group's default) is code -1."""
+    index: dict[Any, int] = {}
+    codes = [-1 if v is None else index.setdefault(v, len(index)) for v in values]
+    return _ints(codes), list(index)
+
+
+def save_npz(trace: Trace, path: str | Path) -> Path:
+    """Write `trace` as our binary columns (module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spans = trace.spans
+    cols: dict[str, np.ndarray] = {
+        "format": np.array(FORMAT_NAME), "version": np.array(NPZ_VERSION), "meta": np.array(json.dumps(trace.meta)),
+        "rank": _ints([s.rank for s in spans]),
+        "start": np.array([s.start for s in spans], dtype=np.float64),
+        "duration": np.array([s.duration for s in spans], dtype=np.float64)}
+    for f in _CODED:
+        values = [getattr(s, f) for s in spans]
+        if (f == "name" and all(v == "" for v in values)) or (f == "group" and all(v is None for v in values)):
+            continue  # every span at the default: left out
+        codes, distinct = _coded(values)
+        cols[f"{f}_codes"], cols[f"{f}_values"] = codes, np.array(distinct, dtype=str)
+    for f in ("stage", "mb", "batch"):
+        values = [getattr(s, f) for s in spans]
+        if any(v is not None for v in values):
+            cols[f] = _ints([-1 if v is None else v for v in values])
+    partners = [s.partner for s in spans]
+    if any(p is not None for p in partners):
+        cols["partner"] = _ints([(0, 0) if p is None else p for p in partners]).reshape(len(spans), 2)
+        cols["partner_set"] = np.array([p is not None for p in partners], dtype=bool)
+    peers = [s.peer for s in spans]
+    if any(p is not None for p in peers):
+        cols["peer"] = _ints([0 if p is None else p for p in peers])
+        cols["peer_set"] = np.array([p is not None for p in peers], dtype=bool)
+    with path.open("wb") as fh:  # a file object: np.savez would add .npz to a path without it
+        np.savez(fh, **cols)
+    return path
+
+
+@dataclass
+class ColumnFile:
+    """The checked columns of one .npz trace (module docstring): arrays of one value per span, the coded
+    fields' distinct values as lists."""
+
+    source: str
+    cols: dict[str, np.ndarray]
+    values: dict[str, list[str]]
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.cols["rank"])
+
+    @classmethod
+    def read(cls, path: str | Path) -> "ColumnFile":
+        src = str(path)
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise TraceError(f"{src}: no such file") from None
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
+            raise TraceError(f"{src}: not a readable .npz trace ({err}); write it again with mhcpipe convert") \
+                from None
+        with archive:
+            names = set(archive.files)
+            extra, missing = sorted(names - _REQUIRED - _OPTIONAL), sorted(_REQUIRED - names)
+            if extra or missing:
+                what = f"unknown column {extra[0]!r}" if extra else f"column {missing[0]!r} is missing"
+                raise TraceError(f"{src}: {what}: not an mhc-pipe .npz trace (write it with mhcpipe convert)")
+            cols = {}
+            for name in sorted(names):
+                try:
+                    cols[name] = archive[name]
+                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # object arrays: pickles
+                    raise TraceError(f"{src}: column {name}: cannot be read as plain data ({err}); the file is "
+                                     "damaged or forged: write it again with mhcpipe convert") from None
+        return cls._checked(src, cols)
+
+    @classmethod
+    def _checked(cls, src: str, cols: dict[str, np.ndarray]) -> "ColumnFile":
+        def bad(name: str, why: str) -> TraceError:
+            return TraceError(f"{src}: column {name}: {why}; the file is damaged: write it again with mhcpipe convert")
+
+        if cols["format"].shape != () or str(cols["format"]) != FORMAT_NAME:
+            raise bad("format", f"expected {FORMAT_NAME!r}")
+        if cols["version"].shape != () or cols["version"].dtype.kind not in "iu" or int(cols["version"]) != NPZ_VERSION:
+            raise TraceError(f"{src}: .npz trace version {cols['version']!r} is not supported (this build reads "
+                             f"version {NPZ_VERSION})")
+        meta: Any = {}
+        if "meta" in cols:
+            try:
+                meta = json.loads(str(cols["meta"])) if cols["meta"].dtype.kind == "U" else None
+            except json.JSONDecodeError:
+                meta = None
+            if not isinstance(meta, dict):
+                raise bad("meta", "expected the metadata as a JSON object")
+        n = len(cols["rank"]) if cols["rank"].ndim == 1 else -1
+        for name, arr in cols.items():
+            if name in ("format", "version", "meta") or name.endswith("_values"):
+                continue
+            shape = (n, 2) if name == "partner" else (n,)
+            if arr.shape != shape:
+                raise bad(name, f"shape {arr.shape}, expected {shape} (one value per span, as column rank)")
+            kinds, want = ("b", "bool") if name.endswith("_set") else ("f", "float") if name in _FLOAT \
+                else ("iu", "integer")
+            if arr.dtype.kind not in kinds:
+                raise bad(name, f"dtype {arr.dtype}, expected {want}")
+        values: dict[str, list[str]] = {}
+        for f in _CODED:
+            has_codes, has_values = f"{f}_codes" in cols, f"{f}_values" in cols
+            if has_codes != has_values:
+                raise bad(f"{f}_codes" if has_values else f"{f}_values", "missing its pair (codes and values)")
+            if not has_codes:
+                continue
+            vals = cols[f"{f}_values"]
+            if vals.ndim != 1 or (vals.dtype.kind != "U" and len(vals)):
+                raise bad(f"{f}_values", "expected a list of strings")
+            values[f] = vals.tolist()
+            if f in ("stream", "kind") and any(v == "" for v in values[f]):
+                raise bad(f"{f}_values", "an empty name")
+            codes = cols[f"{f}_codes"]
+            low = -1 if f == "group" else 0
+            if len(codes) and (int(codes.min()) < low or int(codes.max()) >= len(vals)):
+                raise bad(f"{f}_codes", f"a code outside {low}..{len(vals) - 1} names no value")
+        for name, low in (("rank", 0), ("stage", -1), ("mb", -1), ("batch", -1)):
+            if name in cols and len(cols[name]) and int(cols[name].min()) < low:
+                raise bad(name, f"a value below {low}" + (" (-1: none)" if low else ""))
+        for a, b in (("partner", "partner_set"), ("peer", "peer_set")):
+            if (a in cols) != (b in cols):
+                raise bad(a if b in cols else b, f"missing its pair ({a} and {b})")
+        if not np.isfinite(cols["start"]).all():
+            raise bad("start", "a value that is not a finite number")
+        dur = cols["duration"]
+        if not (np.isfinite(dur) & (dur >= 0)).all():
+            raise bad("duration", "a value that is negative or not a finite number")
+        return cls(src, cols, values, meta)
+
+    # ---- spans ---------------------------------------------------------------------------------------
+    def column(self, name: str, rows: np.ndarray | None = None) -> np.ndarray | None:
+        arr = self.cols.get(name)
+        return arr if arr is None or rows is None else arr[rows]
+
+    def trace(self, rows: np.ndarray | None = None, meta: dict[str, Any] | None = None) -> Trace:
+        """A Trace of every span, or of the spans `rows` (indices in file order) only. Made CHUNK spans at a time:
+        the per-field lists of a chunk are all that exists beside the spans (10^7 spans: ~1 GB less at the peak)."""
+        rows = np.arange(len(self)) if rows is None else np.asarray(rows)
+        spans: list[Span] = []
+        with collector_paused():
+            for lo in range(0, len(rows), CHUNK):
+                spans.extend(self._spans(rows[lo:lo + CHUNK]))
+        return Trace(spans=spans, meta=dict(self.meta if meta is None else meta))
+
+    def _spans(self, rows: np.ndarray):
+        n = len(rows)
+
+        def col(name: str) -> list:
+            arr = self.column(name, rows)
+            return arr.tolist() if arr is not None else [None] * n
+
+        def coded(f: str, default: Any) -> list:
+            codes = self.column(f"{f}_codes", rows)
+            if codes is None:
+                return [default] * n
+            vals = self.values[f] + ([None] if f == "group" else [])  # code -1 -> None
+            return list(map(vals.__getitem__, codes.tolist()))
+
+        def optional(name: str) -> list:
+            arr = self.column(name, rows)
+            return [None] * n if arr is None else [None if v < 0 else v for v in arr.tolist()]
+
+        def masked(name: str, as_tuple: bool) -> list:
+            arr = self.column(name, rows)
+            if arr is None:
+                return [None] * n
+            mask = self.column(f"{name}_set", rows).tolist()
+            out = arr.tolist()
+            return [(tuple(v) if as_tuple else v) if m else None for v, m in zip(out, mask)]
+
+        return map(Span, col("rank"), coded("stream", None), coded("kind", None), optional("stage"), optional("mb"),
+                   col("start"), col("duration"), masked("partner", True), masked("peer", False), coded("name", ""),
+                   coded("group", None), optional("batch"))
+
+
+def load_npz(path: str | Path) -> Trace:
+    return ColumnFile.read(path).trace()
