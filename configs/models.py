@@ -219,6 +219,9 @@ class TrainConfig(BaseModel):
         "collectives compared across members every step), one queue per process group; 'nccl-pair' = the same "
         "with one queue per (group, peer). CPU only (pipeline.distributed.strict_transport); the one switch: "
         "--comm-rules and $MHCPIPE_COMM_RULES take the same values")
+    trace_format: Literal["json", "npz"] = Field("json", description="what --trace-dir holds: our JSON (rank<r>.json, "
+                                                  "trace.json) or our binary columns (rank<r>.npz, trace.npz: "
+                                                  "docs/traces.md §8), for long runs; --trace-format")
     cpu_bind: bool = Field(False, description="CPU runs: bind local rank i to core i mod cores (consecutive ranks, "
                            "e.g. expert-parallel peers, on different cores; pipeline.runtime.cpu_binding), --cpu-bind")
     gc_interval: int = Field(1, ge=0, description="Python garbage collection: automatic collection is off while "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mhcpipe.analysis_cli import load_steps
 from traces.analysis.step_select import parse_steps
-from traces.formats.npz import save_npz
+from traces.formats.io import save_trace
 from traces.trace import TraceError
 
 OUT_SUFFIXES = (".json", ".npz")
@@ -44,7 +44,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if suffix not in OUT_SUFFIXES:
         raise TraceError(f"-o {args.output}: write .json (our JSON) or .npz (binary columns)")
     trace = load_steps(args.trace, rank=args.rank, which=args.which, steps=args.steps)
-    out = save_npz(trace, args.output) if suffix == ".npz" else trace.save(args.output)
+    out = save_trace(trace, args.output)
     what = "steps {}..{}".format(*parse_steps(args.steps)) if args.steps is not None else "the whole trace"
     size = out.stat().st_size / 1e6
     kind = "binary columns (.npz)" if suffix == ".npz" else "our JSON version 2"

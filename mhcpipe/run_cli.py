@@ -47,7 +47,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
         cmd.append("--cpu-bind")
     if args.emulate_cuda:
         cmd.append("--emulate-cuda")
-    for flag in ("trace_dir", "checkpoint_dir", "diagnostics_dir", "checkpoint_every", "keep_checkpoints"):
+    for flag in ("trace_dir", "trace_format", "checkpoint_dir", "diagnostics_dir", "checkpoint_every",
+                 "keep_checkpoints"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -71,6 +71,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="where diagnostics_rank<r>.json go (default --trace-dir); without --trace-dir no spans are "
                         "recorded, so a run of hundreds of steps stays light")
     p.add_argument("--trace-dir", type=Path, help="write per-rank spans and the merged trace.json here")
+    p.add_argument("--trace-format", choices=["json", "npz"],
+                   help="train.trace_format: our JSON (default) or our binary columns (.npz: rank<r>.npz and "
+                        "trace.npz, docs/traces.md §8), for the traces of long runs")
     p.add_argument("--checkpoint-dir", type=Path,
                    help="write a checkpoint here after every step (DCP, by parameter name: any layout resumes it; "
                         "pipeline/checkpoint/dcp.py)")

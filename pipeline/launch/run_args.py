@@ -42,6 +42,7 @@ class RunFlags(Protocol):
     diagnostics_every: int | None
     diagnostics_dir: Path | None
     trace_dir: Path | None
+    trace_format: str | None
     checkpoint_dir: Path | None
     resume: bool | None  # None: resume when the folder holds a checkpoint of this model (pipeline.checkpoint.policy)
     overwrite: bool
@@ -74,6 +75,7 @@ _FLAG_FIELDS = {
     "emulate_cuda": ("train", "emulate_cuda", True),
     "timeout": ("train", "timeout_s", None),
     "diagnostics_every": ("train", "diagnostics_every", None),
+    "trace_format": ("train", "trace_format", None),
     "p2p_groups": ("parallel", "p2p_groups", None),
     "checkpoint_every": ("train", "checkpoint_every", None),
     "keep_checkpoints": ("train", "keep_checkpoints", None),

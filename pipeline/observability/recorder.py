@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from traces import Span, Trace
+from traces.formats.io import load_trace, save_trace
 
 try:  # optional: ranges are only useful under nsys, spans are always recorded
     import nvtx as _nvtx
@@ -160,7 +161,7 @@ class Recorder:
 
     def save(self, path: Path, meta: dict) -> Path:
         self.flush_step()
-        return Trace(sorted(self.spans, key=lambda s: (s.start, s.stream)), meta).save(path)
+        return save_trace(Trace(sorted(self.spans, key=lambda s: (s.start, s.stream)), meta), path)
 
 
 class _Range:
@@ -184,15 +185,16 @@ def merge_rank_traces(paths: list[Path], out: Path, meta: dict) -> Path:
     spans: list[Span] = []
     groups: dict[str, list[int]] = {}
     for p in paths:
-        t = Trace.load(p)
+        t = load_trace(p)
         spans.extend(t.spans)
         groups.update(t.meta.get("comm_groups") or {})  # each rank knows its own groups
     if groups:
         meta = {**meta, "comm_groups": dict(sorted(groups.items()))}
     if not spans:
         raise ValueError(f"no spans in {', '.join(map(str, paths))}")
-    return Trace(sorted(spans, key=lambda s: (s.start, s.rank, s.stream)), meta).save(out)
+    return save_trace(Trace(sorted(spans, key=lambda s: (s.start, s.rank, s.stream)), meta), out)
 
 
-def rank_trace_path(trace_dir: Path, rank: int) -> Path:
-    return Path(trace_dir) / f"rank{rank}.json"
+def rank_trace_path(trace_dir: Path, rank: int, fmt: str = "json") -> Path:
+    """rank<r>.json, or rank<r>.npz (train.trace_format)."""
+    return Path(trace_dir) / f"rank{rank}.{fmt}"

@@ -321,7 +321,8 @@ class RankRuntime:
 
     def save_trace(self, trace_dir: Path, world: int) -> Path | None:
         """Write this rank's spans; rank 0 gathers every rank's file over the world group (ranks on other nodes
-        write to their own disks: no shared filesystem is assumed) and merges them into trace.json."""
+        write to their own disks: no shared filesystem is assumed) and merges them into trace.json (trace.npz:
+        train.trace_format)."""
         trace_dir = Path(trace_dir)
         par = self.cfg.parallel
         layout = self.groups.layout
@@ -337,15 +338,16 @@ class RankRuntime:
                 "recompute_block": self.rc_block, "tokens_per_microbatch": self.tokens_per_mb,
                 "comm_groups": self.groups.comm_groups() if self.groups.world_group is not None else {},
                 "comm_rules": comm_rules_of(self.cfg)}
-        mine = self.recorder.save(rank_trace_path(trace_dir, self.rank), meta)
+        fmt = self.cfg.train.trace_format
+        mine = self.recorder.save(rank_trace_path(trace_dir, self.rank, fmt), meta)
         files = gather_files(mine, self.groups.world_group, self.device, self.rank, self.timeout_s,
                             self.posting_dev)
         if self.rank == 0:
             for r, data in enumerate(files):
                 if r != 0:
-                    rank_trace_path(trace_dir, r).write_bytes(data)
-            return merge_rank_traces([rank_trace_path(trace_dir, r) for r in range(world)],
-                                     trace_dir / "trace.json", meta)
+                    rank_trace_path(trace_dir, r, fmt).write_bytes(data)
+            return merge_rank_traces([rank_trace_path(trace_dir, r, fmt) for r in range(world)],
+                                     trace_dir / f"trace.{fmt}", meta)
         return None
 
 

@@ -202,3 +202,27 @@ def test_bad_layout_under_torchrun_stops_every_rank_before_it_computes():
     assert lines, out.stderr[-3000:]  # every rank reports; torchrun may stop the others once one has exited
     assert all("parallel.ranks (--pp 3) x parallel.data_parallel (--dp 1) = 3, but 2 processes" in ln for ln in lines)
     assert "step 1/" not in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_run_writes_its_trace_as_binary_columns(tmp_path):
+    """--trace-format npz (train.trace_format): each rank's spans and the merged trace as our .npz (docs/traces.md
+    §8), which the folder readers and the analyses take as they take trace.json."""
+    from traces.formats.io import load_trace
+
+    cfg = tiny_config("1f1b", 2, steps=3)
+    path = tmp_path / "tiny2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "trace"
+    run = _mhcpipe("run", "--config", str(path), "--trace-dir", str(out), "--trace-format", "npz")
+    assert run.returncode == 0, _why(run)
+    names = sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".npz"))
+    assert names == ["rank0.npz", "rank1.npz", "trace.npz"], names
+    merged, folder = load_trace(out / "trace.npz"), load_trace(out)
+    assert folder.spans == merged.spans and merged.meta["source"] == "measured"
+    ranks = [load_trace(out / f"rank{r}.npz") for r in (0, 1)]
+    assert len(merged.spans) == sum(len(t.spans) for t in ranks) > 0
+    assert {"F/s0/mb0", "SEND_F/s0/mb0~comm", "RECV_F/s0/mb0~comm"} <= {s.label for s in merged.spans}
+    for cmd in (["critical-path", str(out), "--steps", "1..2"], ["check-comm", str(out)]):
+        res = mhcpipe_in_process(*cmd)
+        assert res.returncode == 0, (cmd, res.stderr)

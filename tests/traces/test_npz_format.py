@@ -208,3 +208,10 @@ def test_spans_are_made_only_for_the_steps_asked_for(tmp_path, monkeypatch):
     monkeypatch.setattr(npz, "Span", Counting)
     cut = select_file_steps(cf, 1, 1)
     assert 0 < len(made) == len(cut.spans) < len(trace.spans) / 4
+
+
+def test_a_negative_stage_is_refused_when_written(tmp_path):
+    """-1 means none in the file: a span with stage -1 would read back without a stage, so writing it is refused."""
+    bad = Trace([Span(0, "compute", "F", -1, 0, 0.0, 1.0)], {})
+    with pytest.raises(TraceError, match="field stage: a negative value"):
+        save_npz(bad, tmp_path / "neg.npz")

@@ -14,7 +14,7 @@ from typing import Any
 
 from traces.formats.chrome import chrome_to_traces, pick
 from traces.formats.kineto import is_kineto, kineto_to_trace, read_json
-from traces.formats.npz import MAGIC as NPZ_MAGIC, load_npz
+from traces.formats.npz import MAGIC as NPZ_MAGIC, load_npz, save_npz
 from traces.formats.nsys import load_nsys
 from traces.formats.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
 from traces.trace import FORMAT_NAME, Trace, TraceError
@@ -72,6 +72,11 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
     return trace
 
 
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write `trace` as our binary columns when `path` ends in .npz, else as our JSON."""
+    return save_npz(trace, path) if str(path).lower().endswith(".npz") else trace.save(path)
+
+
 def json_file_trace(path: Path, data: Any, rank: int | None = None, which: str | None = None) -> Trace:
     """load_trace of a JSON file whose content the caller has read already (`data`): a 10^6-span file is parsed
     once, not once per question about it."""
@@ -115,20 +120,28 @@ def _rank_from_file_name(trace: Trace, path: Path) -> None:
     trace.meta["rank_source"] = f"file name {path.name}"
 
 
-MERGED_NAME = "trace.json"  # what a run's --trace-dir holds besides its rank<N>.json: all ranks merged
+MERGED_NAMES = ("trace.json", "trace.npz")  # what a run's --trace-dir holds besides its rank<N> files: all ranks
+# merged (train.trace_format)
 
 
 def load_folder(folder: Path) -> Trace:
-    """A run folder whatever else it holds: the run's merged trace.json when it is ours (its rank<N>.json are the
-    same spans), else every trace file merged by rank. JSON files of another kind (a run's
+    """A run folder whatever else it holds: the run's merged trace.json or trace.npz when it is ours (its rank<N>
+    files are the same spans), else every trace file merged by rank. JSON files of another kind (a run's
     diagnostics_rank<N>.json, a Flight Recorder ledger) are skipped and listed in meta["skipped"]; a file named
     like a rank's trace that is not one is an error, not a rank silently dropped."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(TRACE_SUFFIXES))
-    merged = folder / MERGED_NAME
-    if merged in files and sniff(merged) == "json":
-        data = read_json(merged)
-        if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
-            trace = Trace.from_dict(data, source=str(merged))
+    for merged in (folder / name for name in MERGED_NAMES):
+        if merged not in files:
+            continue
+        kind = sniff(merged)
+        trace = None
+        if kind == "npz":
+            trace = load_npz(merged)
+        elif kind == "json":
+            data = read_json(merged)
+            if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
+                trace = Trace.from_dict(data, source=str(merged))
+        if trace is not None:
             trace.meta["skipped"] = [p.name for p in files if p != merged]
             return trace
     traces, names, skipped = [], [], []

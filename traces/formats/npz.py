@@ -80,6 +80,8 @@ def save_npz(trace: Trace, path: str | Path) -> Path:
         cols[f"{f}_codes"], cols[f"{f}_values"] = codes, np.array(distinct, dtype=str)
     for f in ("stage", "mb", "batch"):
         values = [getattr(s, f) for s in spans]
+        if any(v is not None and v < 0 for v in values):  # -1 is how the file says none
+            raise TraceError(f"{path}: field {f}: a negative value; our traces hold {f} >= 0 (or none)")
         if any(v is not None for v in values):
             cols[f] = _ints([-1 if v is None else v for v in values])
     partners = [s.partner for s in spans]
