@@ -24,7 +24,7 @@ from traces.formats.io import load_trace
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.overlap_stats import overlap_stats
 from traces.analysis.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
-from traces.analysis.step_select import parse_steps, select_file_steps, select_steps
+from traces.analysis.step_select import file_trace, parse_steps, select_file_steps, select_steps
 from traces.formats.npz import ColumnFile, is_npz
 from traces.trace import Trace
 from traces.analysis.whatif import SCALE_HELP, parse_scales, whatif
@@ -94,8 +94,9 @@ def load_steps(path: str, rank: int | None = None, which: str | None = None, ste
     """The trace at `path`, only its steps A..B when `steps` is given (a bad range refused before the file is
     read). From our .npz columns the steps are found on the columns and only theirs become spans."""
     span = parse_steps(steps) if steps is not None else None
-    if span is not None and is_npz(path):
-        return select_file_steps(ColumnFile.read(path), *span)
+    if is_npz(path):
+        cf = ColumnFile.read(path)
+        return select_file_steps(cf, *span) if span is not None else file_trace(cf)
     trace = load_trace(path, rank=rank, which=which)
     return select_steps(trace, *span) if span is not None else trace
 

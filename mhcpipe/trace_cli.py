@@ -22,7 +22,7 @@ from pathlib import Path
 from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
-from mhcpipe.analysis_cli import load_for_analysis
+from mhcpipe.analysis_cli import load_for_analysis, load_steps
 from traces.formats.io import json_file_trace, load_trace, sniff
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
@@ -85,7 +85,7 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
                 and "traceEvents" in data:
             return chrome_to_traces(data, source=str(p))
         return [json_file_trace(p, data, rank=rank)]  # read once
-    return [load_trace(p, rank=rank)]
+    return [load_steps(path, rank=rank)]  # a .npz file: its steps found on the columns
 
 
 def run_view(args: argparse.Namespace) -> int:

@@ -325,12 +325,17 @@ def kept(trace: Trace, name: str, make):
     """`make()`, a value derived from `trace.spans` alone, kept on the trace while its span list is the same object of
     the same length: every analysis of a loaded trace asks for the same few (compare: four times each), each a pass
     over every span. Callers read them, never change them."""
-    got = trace.__dict__.get(name)
-    if got is not None and got[0] is trace.spans and got[1] == len(trace.spans):
-        return got[2]
+    if has_kept(trace, name):
+        return trace.__dict__[name][2]
     value = make()
     keep(trace, name, value)
     return value
+
+
+def has_kept(trace: Trace, name: str) -> bool:
+    """Whether a value under `name` is kept for the trace's present span list."""
+    got = trace.__dict__.get(name)
+    return got is not None and got[0] is trace.spans and got[1] == len(trace.spans)
 
 
 def keep(trace: Trace, name: str, value) -> None:

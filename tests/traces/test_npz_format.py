@@ -13,7 +13,8 @@ import pytest
 
 from mhcpipe.cli import main
 from schedules import build, simulate
-from traces.analysis.matching import file_step_index, step_index
+from traces.analysis.matching import drop_warmup_step, key_groups
+from traces.analysis.step_keys import file_step_index, step_arrays
 from traces.analysis.step_select import select_file_steps, select_steps, steps_of
 from traces.formats.io import load_trace
 from traces.formats.npz import ColumnFile, save_npz
@@ -44,10 +45,19 @@ def _run(steps: int = 5, shuffled: bool = False) -> Trace:
 
 
 def _check_steps(trace: Trace, path: Path) -> None:
+    """The steps as arrays, from the spans and from the file's columns, are key_groups' instance numbers; the
+    warm-up drop's arrays are those of the trace it leaves; cuts of steps from the file equal the cuts of the trace."""
+    want = {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)}
     save_npz(trace, path)
     cf = ColumnFile.read(path)
-    rows, steps = file_step_index(cf)
-    assert dict(zip(rows.tolist(), steps.tolist())) == step_index(trace)
+    for rows, steps in (file_step_index(cf), step_arrays(trace)):
+        assert dict(zip(rows.tolist(), steps.tolist())) == want
+        assert (rows[1:] > rows[:-1]).all()
+    dropped = drop_warmup_step(trace)
+    if dropped is not trace:
+        fresh = Trace(list(dropped.spans), dropped.meta)
+        for got, new in zip(step_arrays(dropped), step_arrays(fresh)):
+            assert got.tolist() == new.tolist()
     have = steps_of(trace).steps
     for a, b in ((have[0], have[0]), (have[0], have[-1]), (have[len(have) // 2], have[-1])):
         want, got = select_steps(trace, a, b), select_file_steps(cf, a, b)

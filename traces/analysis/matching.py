@@ -13,21 +13,15 @@ import numpy as np
 
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
 from traces.columns import columns_of, keep_columns
-from traces.formats.npz import ColumnFile
-from traces.trace import Span, Trace, TraceError, keep, kept, span_name
+from traces.analysis.step_keys import keep_step_arrays, kernel_part, step_arrays
+from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
 MIN_SHARED_KEYS = 0.5  # below this fraction of shared keys the two traces are different schedules
 
 
 def span_key(s: Span) -> Key:
-    return (s.rank, s.kind, s.stage, s.mb, s.partner, _part(s.label) if "." in s.kind else None)
-
-
-def _part(label: str) -> str | None:
-    """The kernel part a span of a dotted kind (`F.post_res`) names: its label's part, or the label itself."""
-    parsed = parse_name(label)
-    return parsed.part if parsed is not None else label
+    return (s.rank, s.kind, s.stage, s.mb, s.partner, kernel_part(s.label) if "." in s.kind else None)
 
 
 def key_label(k: Key) -> str:
@@ -100,60 +94,15 @@ def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
 
 
 def step_index(trace: Trace) -> dict[int, int]:
-    """Span index -> step (instance order of its key), for schedule spans (kept on the trace: traces.trace.kept)."""
-    return kept(trace, "_step_index", lambda: {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)})
-
-
-def file_step_index(cf: ColumnFile) -> tuple[np.ndarray, np.ndarray]:
-    """step_index on a .npz trace's columns, without its Span objects: (schedule span indices, their steps). The
-    key is span_key's, as integers (rank, kind code, stage, micro-batch, partner, part code); a key's instances
-    are ordered by (start, index), as key_groups sorts them."""
-    stage = cf.column("stage")
-    if stage is None:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    kinds = cf.values["kind"]
-    kind_all = cf.cols["kind_codes"]
-    sched_kind = np.array([is_schedule_span(k, 0) for k in kinds], dtype=bool)
-    rows = np.flatnonzero(sched_kind[kind_all] & (stage >= 0))
-    kind, n = kind_all[rows], len(rows)
-
-    def col(name: str, default: int) -> np.ndarray:
-        arr = cf.column(name, rows)
-        return np.full(n, default, dtype=np.int64) if arr is None else arr
-
-    partner, has_partner = cf.column("partner", rows), cf.column("partner_set", rows)
-    if partner is None:
-        partner, has_partner = np.zeros((n, 2), dtype=np.int64), np.zeros(n, dtype=bool)
-    part = np.full(n, -1, dtype=np.int64)  # span_key's part: None (-1) unless the kind names a kernel part
-    dotted = np.flatnonzero(np.array(["." in k for k in kinds], dtype=bool)[kind])
-    if len(dotted):
-        codes: dict[str | None, int] = {None: -1}
-        names = cf.column("name_codes", rows[dotted])
-        by_name = {} if names is None else {c: t for c, t in enumerate(cf.values["name"]) if t}
-        unnamed = []
-        for j, c in zip(dotted.tolist(), [-1] * len(dotted) if names is None else names.tolist()):
-            text = by_name.get(c)
-            if text is None:
-                unnamed.append(j)
-            else:  # the label is the name
-                part[j] = codes.setdefault(_part(text), len(codes) - 1)
-        if unnamed:  # the label follows from the other fields (Span.label)
-            u = np.asarray(unnamed)
-            streams, mb, stream = cf.values["stream"], col("mb", -1), cf.cols["stream_codes"][rows[u]]
-            for j, k, st, m, p0, p1, has, sc in zip(unnamed, kind[u].tolist(), stage[rows[u]].tolist(),
-                                                     mb[u].tolist(), partner[u, 0].tolist(), partner[u, 1].tolist(),
-                                                     has_partner[u].tolist(), stream.tolist()):
-                label = span_name(kinds[k], st, None if m < 0 else m, (p0, p1) if has else None, streams[sc])
-                part[j] = codes.setdefault(_part(label), len(codes) - 1)
-    keys = (part, partner[:, 1], partner[:, 0], has_partner, col("mb", -1), stage[rows], kind, cf.cols["rank"][rows])
-    order = np.lexsort((rows, cf.cols["start"][rows]) + keys)
-    new = np.zeros(n, dtype=bool)  # where a key's instances begin in that order
-    new[:1] = True
-    for k in keys:
-        ks = k[order]
-        new[1:] |= ks[1:] != ks[:-1]
-    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
-    return rows[order], np.arange(n) - first
+    """Span index -> step (instance order of its key), for schedule spans (kept on the trace: traces.trace.kept);
+    in ascending index order where the trace's step arrays are known already (traces.analysis.step_keys), else in
+    key_groups' order. The analyses of long runs use the arrays themselves."""
+    def make() -> dict[int, int]:
+        if has_kept(trace, "_step_arrays"):
+            rows, steps = step_arrays(trace)
+            return dict(zip(rows.tolist(), steps.tolist()))
+        return {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)}
+    return kept(trace, "_step_index", make)
 
 
 def drop_warmup_step(trace: Trace) -> Trace:
@@ -163,13 +112,12 @@ def drop_warmup_step(trace: Trace) -> Trace:
     (`mhcpipe convert --steps`: meta first_step >= 1) has none to drop."""
     if int(trace.meta.get("first_step", 0) or 0) >= 1:
         return trace
-    steps = step_index(trace)
-    if max(steps.values(), default=0) < 1:
+    sched, sched_k = step_arrays(trace)
+    if not len(sched_k) or sched_k.max() < 1:
         return trace
     cols = columns_of(trace)  # on columns: a long run's trace holds 10^6 spans
-    sched = np.fromiter(steps.keys(), np.int64, len(steps))
-    step = np.full(len(cols), -1, dtype=np.int64)
-    step[sched] = np.fromiter(steps.values(), np.int64, len(steps))
+    step = np.full(len(cols), -1, dtype=np.int32)
+    step[sched] = sched_k
     drop = step == 0
     second = np.flatnonzero(step == 1)  # each rank's first schedule span of the next step bounds its other spans
     next_start = np.full(int(cols.rank.max()) + 1, np.inf)
@@ -179,8 +127,8 @@ def drop_warmup_step(trace: Trace) -> Trace:
     remain = np.flatnonzero(~drop)
     out = Trace([trace.spans[i] for i in remain.tolist()], dict(trace.meta))
     # every key lost its first instance and kept the rest in order: a kept span's step is one less
-    kept_sched = np.flatnonzero(step[remain] >= 0)
-    keep(out, "_step_index", dict(zip(kept_sched.tolist(), (step[remain[kept_sched]] - 1).tolist())))
+    kept_sched = np.flatnonzero(step[remain] >= 0).astype(np.int32)
+    keep_step_arrays(out, kept_sched, step[remain[kept_sched]] - 1)
     keep_columns(out, trace, remain)
     return out
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.analysis.matching import file_step_index, step_index
+from traces.analysis.step_keys import file_step_index, keep_step_arrays, step_arrays
 from traces.columns import columns_of
 from traces.formats.npz import ColumnFile
 from traces.trace import Trace, TraceError
@@ -49,12 +49,10 @@ NO_STEPS = ("the trace has no schedule spans named as in traces.md §5 (e.g. F/s
 def steps_of(trace: Trace) -> StepInfo:
     """The steps of `trace` (module docstring), on its columns (traces.columns): 10^6 spans in a fraction of a
     second."""
-    steps = step_index(trace)
-    if not steps:
+    sched, sched_k = step_arrays(trace)  # int32: 10^7 spans, no dict
+    if not len(sched):
         raise TraceError(NO_STEPS)
     cols = columns_of(trace)
-    sched = np.fromiter(steps.keys(), np.int32, len(steps))  # int32 indices: 10^6 spans, half the memory
-    sched_k = np.fromiter(steps.values(), np.int32, len(steps))
     return _step_info(cols.rank, cols.start, cols.duration, sched, sched_k)
 
 
@@ -137,9 +135,18 @@ def select_file_steps(cf: ColumnFile, first: int, last: int) -> Trace:
     if not len(sched):
         raise TraceError(NO_STEPS)
     cols = cf.cols
-    info = _step_info(cols["rank"], cols["start"], cols["duration"], sched.astype(np.int32), sched_k.astype(np.int32))
+    info = _step_info(cols["rank"], cols["start"], cols["duration"], sched, sched_k)
     keep, meta = _cut(info, cf.meta, first, last)
     return cf.trace(np.asarray(keep, dtype=np.int64), meta)
+
+
+def file_trace(cf: ColumnFile) -> Trace:
+    """Every span of a .npz trace, its step arrays found on the columns before the spans are made (the
+    temporaries of the search gone before 10^7 spans exist)."""
+    rows, steps = file_step_index(cf)
+    trace = cf.trace()
+    keep_step_arrays(trace, rows, steps)
+    return trace
 
 
 def _cut(info: StepInfo, meta: dict, first: int, last: int) -> tuple[list[int], dict]:

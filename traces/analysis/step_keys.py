@@ -1,0 +1,126 @@
+"""Which step each schedule span belongs to, as two integer arrays (issue 58: 10^7 spans without a key tuple or a
+dict entry per span, ~0.8 GB less than `matching.step_index`'s dict at that size).
+
+A schedule span's key is `matching.span_key`'s (rank, kind, stage, micro-batch, FB partner, kernel part) written as
+integers; its step is its instance number among its key's spans in (start, index) order, as `matching.key_groups`
+sorts them. Two front ends, one rule (`keyed_steps`): `step_arrays(trace)` from a trace's spans, kept on the trace,
+and `file_step_index(cf)` from a .npz file's columns before any span exists (traces.formats.npz).
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+
+import numpy as np
+
+from traces.columns import columns_of
+from traces.formats.npz import ColumnFile
+from traces.names import is_schedule_span, parse_name
+from traces.trace import Trace, keep, kept, span_name
+
+
+def kernel_part(label: str) -> str | None:
+    """The kernel part a span of a dotted kind (`F.post_res`) names: its label's part, or the label itself."""
+    parsed = parse_name(label)
+    return parsed.part if parsed is not None else label
+
+
+def keyed_steps(rows: np.ndarray, keys: tuple[np.ndarray, ...], start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows in ascending order, each one's step): `keys` are the rows' key columns (primary last), `start` their
+    starts; a key's instances are numbered in (start, row) order."""
+    n = len(rows)
+    order = np.lexsort((rows, start) + keys)
+    new = np.zeros(n, dtype=bool)  # where a key's instances begin in that order
+    new[:1] = True
+    for k in keys:
+        ks = k[order]
+        new[1:] |= ks[1:] != ks[:-1]
+    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    steps = np.empty(n, dtype=np.int32)
+    steps[order] = np.arange(n) - first
+    return rows.astype(np.int32), steps
+
+
+class _Parts:
+    """Integer codes of kernel parts (-1: none), each label parsed once."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str | None, int] = {None: -1}
+        self.by_label: dict[str, int] = {}
+
+    def code(self, label: str) -> int:
+        c = self.by_label.get(label)
+        if c is None:
+            c = self.by_label[label] = self.codes.setdefault(kernel_part(label), len(self.codes) - 1)
+        return c
+
+
+def _dotted(kinds: list[str], kind: np.ndarray) -> np.ndarray:
+    """The rows whose kind names a kernel part (`F.post_res`): only theirs has a part in the key."""
+    return np.flatnonzero(np.array(["." in k for k in kinds], dtype=bool)[kind])
+
+
+def step_arrays(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """(schedule span indices ascending, their steps) of `trace` (kept on it: traces.trace.kept)."""
+    return kept(trace, "_step_arrays", lambda: _from_spans(trace))
+
+
+def keep_step_arrays(trace: Trace, rows: np.ndarray, steps: np.ndarray) -> None:
+    """`trace`'s step arrays, known already (a .npz file's, or a trace cut from one whose are known)."""
+    keep(trace, "_step_arrays", (rows, steps))
+
+
+def _from_spans(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    cols, spans = columns_of(trace), trace.spans
+    sched_kind = np.array([is_schedule_span(k, 0) for k in cols.kinds], dtype=bool)
+    cand = np.flatnonzero(sched_kind[cols.kind])
+    picked = list(map(spans.__getitem__, cand.tolist()))
+    stage = np.array([-1 if s is None else s for s in map(attrgetter("stage"), picked)], dtype=np.int64)
+    has = stage >= 0
+    rows = cand[has]
+    picked = [s for s, h in zip(picked, has.tolist()) if h]
+    mb = np.array([-1 if m is None else m for m in map(attrgetter("mb"), picked)], dtype=np.int64)
+    partners = list(map(attrgetter("partner"), picked))
+    has_partner = np.array([p is not None for p in partners], dtype=bool)
+    pp = np.array([p if p is not None else (0, 0) for p in partners], dtype=np.int64).reshape(len(picked), 2)
+    kind = cols.kind[rows]
+    part, parts = np.full(len(rows), -1, dtype=np.int32), _Parts()
+    dotted = _dotted(list(cols.kinds), kind)
+    part[dotted] = [parts.code(picked[j].label) for j in dotted.tolist()]
+    keys = (part, pp[:, 1], pp[:, 0], has_partner, mb, stage[has], kind, cols.rank[rows])
+    return keyed_steps(rows, keys, cols.start[rows])
+
+
+def file_step_index(cf: ColumnFile) -> tuple[np.ndarray, np.ndarray]:
+    """step_arrays of a .npz trace, on its columns: no Span object made."""
+    stage = cf.column("stage")
+    if stage is None:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    kinds = cf.values["kind"]
+    kind_all = cf.cols["kind_codes"]
+    sched_kind = np.array([is_schedule_span(k, 0) for k in kinds], dtype=bool)
+    rows = np.flatnonzero(sched_kind[kind_all] & (stage >= 0))
+    kind, n = kind_all[rows], len(rows)
+
+    def col(name: str) -> np.ndarray:
+        arr = cf.column(name, rows)
+        return np.full(n, -1, dtype=np.int64) if arr is None else arr
+
+    partner, has_partner = cf.column("partner", rows), cf.column("partner_set", rows)
+    if partner is None:
+        partner, has_partner = np.zeros((n, 2), dtype=np.int64), np.zeros(n, dtype=bool)
+    mb = col("mb")
+    part, parts = np.full(n, -1, dtype=np.int32), _Parts()
+    dotted = _dotted(kinds, kind)
+    names = cf.column("name_codes", rows[dotted])
+    if names is not None:  # Span.label is the name where it has one: one parse per distinct name
+        table = np.array([parts.code(v) if v else -2 for v in cf.values["name"]], dtype=np.int32)
+        part[dotted] = table[names]
+    unnamed = dotted if names is None else dotted[part[dotted] == -2]
+    streams = cf.values["stream"]
+    for j in unnamed.tolist():  # else the name the other fields make
+        m, p = int(mb[j]), (int(partner[j, 0]), int(partner[j, 1])) if has_partner[j] else None
+        label = span_name(kinds[kind[j]], int(stage[rows[j]]), None if m < 0 else m, p,
+                          streams[cf.cols["stream_codes"][rows[j]]])
+        part[j] = parts.code(label)
+    keys = (part, partner[:, 1], partner[:, 0], has_partner, mb, stage[rows], kind, cf.cols["rank"][rows])
+    return keyed_steps(rows, keys, cf.cols["start"][rows])
