@@ -106,7 +106,7 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
                          ("recompute", dict(recompute=True, boundary_width=1))):
             pr = Pricer(cfg, hw, spec, layout, options, profile_pricing=profile_pricing, **kw)
             pricers[name] = pr
-            steps[name] = pr.simulate(schedule).makespan
+            steps[name] = pr.simulate(schedule, record=False).makespan  # a rung is its step time: no spans
     else:
         steps["kernels"] = steps["recompute"] = T_mhc
     steps["mhc"] = T_mhc
