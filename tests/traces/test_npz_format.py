@@ -162,7 +162,7 @@ FORGERIES = [
     ("a negative rank", _set("rank", lambda c: c["rank"] - 5), "column rank: a value below 0"),
     ("metadata that is not JSON", _set("meta", np.array("{nope")), "column meta"),
     ("another format", _set("format", np.array("other")), "column format: expected 'mhc-pipe-trace'"),
-    ("a newer version", _set("version", np.array(7)), "version array(7) is not supported"),
+    ("a newer version", _set("version", np.array(7)), "version 7 is not supported"),
     ("codes without values", lambda c: c.pop("kind_values"), "column 'kind_values' is missing"),
 ]
 

@@ -143,8 +143,8 @@ class ColumnFile:
         if cols["format"].shape != () or str(cols["format"]) != FORMAT_NAME:
             raise bad("format", f"expected {FORMAT_NAME!r}")
         if cols["version"].shape != () or cols["version"].dtype.kind not in "iu" or int(cols["version"]) != NPZ_VERSION:
-            raise TraceError(f"{src}: .npz trace version {cols['version']!r} is not supported (this build reads "
-                             f"version {NPZ_VERSION})")
+            raise TraceError(f"{src}: .npz trace version {cols['version'].tolist()!r} is not supported (this build "
+                             f"reads version {NPZ_VERSION}): write it again with this build's mhcpipe convert")
         meta: Any = {}
         if "meta" in cols:
             try:
