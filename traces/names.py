@@ -37,6 +37,8 @@ ALL_COMM_KINDS = COMM_KINDS | frozenset(A2A_KINDS) | {"RG"}  # every communicati
 LOGICAL_STREAMS = ("compute", "hp", "comm")
 STEP_KIND = "step"
 RANGE_KIND = "range"  # a range whose name does not follow the convention: kept, reported, never matched
+P2P_NODE = "P2P"  # a step graph's node of one stage-boundary transfer (traces.analysis.span_nodes)
+COMM_NODE_KINDS = frozenset({P2P_NODE, *A2A_KINDS, "RG"})  # the step graph's communication nodes
 
 _OPS_RE = "|".join(sorted(OPS, key=len, reverse=True))
 _NAME_RE = re.compile(

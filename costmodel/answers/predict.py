@@ -32,9 +32,8 @@ from configs import RunConfig
 from schedules.build import build
 from schedules.ir import Schedule
 from schedules.simulate import SimResult
-from traces.analysis.critical_path import critical_path
 from traces.analysis.sim_path import simulated_path
-from traces.formats.project import union_length
+from traces.trace import union_length
 
 
 @dataclass
@@ -158,13 +157,22 @@ def _memory_terms(ranks: list[RankMemory]) -> dict[str, float]:
             "transient_and_buffers": (r.transient_bytes + r.buffer_bytes) / 2**30, "reserve": r.reserve_bytes / 2**30}
 
 
+def _general_path(trace):
+    """The critical path of a trace that is not a plain simulated step (a runtime profile's): the general span
+    graph, imported here because predict's own steps never need it (it brings numpy and the trace analyses into
+    every `mhcpipe predict`'s start-up, ~0.1 s)."""
+    from traces.analysis.critical_path import critical_path
+
+    return critical_path(trace)
+
+
 def summarize(pred: Prediction) -> dict[str, Any]:
     base, mhc = pred.baseline, pred.mhc
     # exposed communication = transfer time on the step's critical path (across ranks), not transfer time
     # outside a rank's compute, which counts transfers that run while the rank would idle anyway
     # (sim_path walks a simulated step's path alone, ~10x faster, the same numbers; any other trace, such as a
     # runtime profile's simulation, goes through the general graph)
-    paths = {name: simulated_path(s.trace) or critical_path(s.trace) for name, s in (("baseline", base), ("mhc", mhc))}
+    paths = {name: simulated_path(s.trace) or _general_path(s.trace) for name, s in (("baseline", base), ("mhc", mhc))}
     Pb, Pm = base.makespan, mhc.makespan  # one replica's pipeline
     sync = pred.syncs or {}
     exposed = {name: (sync[name].exposed_us if name in sync else 0.0) for name in ("baseline", "mhc")}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.physics.hardware import HardwareSpec
-from traces.analysis.matching import schedule_descriptor
+from traces.analysis.stage_chains import schedule_descriptor
 
 RUNTIME_KINDS = ("F", "I", "W", "B", "FB")
 

@@ -62,12 +62,14 @@ recompute (mHC Table 3), the recompute block size (Eq. 20 limited to the stage),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import math
 
-import numpy as np
-
 from costmodel.physics.comm_cost import ep_ranks_per_node
+
+if TYPE_CHECKING:
+    import numpy as np
 from costmodel.physics.hardware import HardwareSpec, MemoryReserve
 from costmodel.physics.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
@@ -242,7 +244,8 @@ class ProgramEvents:
     sign: np.ndarray  # float64, +1 / -1
 
 
-def program_events(actions) -> ProgramEvents:
+def _events(actions) -> tuple[list[int], list[float]]:
+    """The program's chunk events (ProgramEvents) as two lists."""
     from schedules.ir import Kind
 
     stage, sign = [], []
@@ -254,6 +257,13 @@ def program_events(actions) -> ProgramEvents:
         if freed is not None:
             stage.append(freed)
             sign.append(-1.0)
+    return stage, sign
+
+
+def program_events(actions) -> ProgramEvents:
+    import numpy as np  # here, not at the top: `mhcpipe predict` walks its few programs without numpy (~0.05 s)
+
+    stage, sign = _events(actions)
     return ProgramEvents(np.asarray(stage, dtype=np.int64), np.asarray(sign, dtype=np.float64))
 
 
@@ -261,8 +271,13 @@ def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dic
     """The largest sum of live chunks' activation bytes over one rank's program (`actions`, schedules.ir.Action,
     or its ProgramEvents), each chunk weighing its own stage's bytes, and the live chunks per stage at that peak
     (module docstring; the first peak when several are equal). An overlapped F&B holds its forward's chunk before
-    it frees its backward's. The running sum is numpy's cumsum, which adds in program order as a loop would."""
-    ev = actions if isinstance(actions, ProgramEvents) else program_events(actions)
+    it frees its backward's. ProgramEvents (the tuner's thousands of layouts) are summed by numpy's cumsum, which
+    adds in program order as the walk over actions does: the two give the same floats."""
+    if not isinstance(actions, ProgramEvents):
+        return _walked_peak(*_events(actions), stages)
+    import numpy as np
+
+    ev = actions
     if ev.stage.size == 0:
         return 0.0, {}
     keys = sorted(stages)
@@ -277,6 +292,24 @@ def activation_peak(actions, stages: dict[int, StageMemory]) -> tuple[float, dic
     live = np.rint(np.bincount(ev.stage[: i + 1], weights=ev.sign[: i + 1])).astype(np.int64)
     alive = np.flatnonzero(live > 0)
     return peak, dict(zip(alive.tolist(), live[alive].tolist()))
+
+
+def _walked_peak(stage: list[int], sign: list[float], stages: dict[int, StageMemory]) -> tuple[float, dict[int, int]]:
+    """activation_peak by a walk over the events: the running sum in program order, the first largest."""
+    if not stage:
+        return 0.0, {}
+    weight = {s: m.chunk_activation_bytes for s, m in stages.items()}
+    total, peak, at = 0.0, -math.inf, -1
+    for i, (s, g) in enumerate(zip(stage, sign)):
+        total += weight.get(s, 0.0) * g
+        if total > peak:
+            peak, at = total, i
+    if peak <= 0.0:
+        return 0.0, {}
+    live: dict[int, float] = {}
+    for s, g in zip(stage[: at + 1], sign[: at + 1]):
+        live[s] = live.get(s, 0.0) + g
+    return peak, {s: round(v) for s, v in sorted(live.items()) if round(v) > 0}
 
 
 def rank_memory(cfg: RunConfig, spec: ResidualSpec, stages: dict[int, StageMemory], stages_of_rank: list[int],

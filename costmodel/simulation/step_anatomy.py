@@ -23,7 +23,8 @@ from costmodel.physics.ops import Kernel
 from costmodel.pricing.pricer import Pricer
 from schedules.ir import Kind, Schedule
 from schedules.simulate import SimResult
-from traces.analysis.critical_path import COMM_NODE_KINDS, critical_path
+from traces.analysis.critical_path import critical_path
+from traces.names import COMM_NODE_KINDS
 from traces.trace import Span
 
 _COMPUTE = ("F", "I", "W", "B", "FB")

@@ -38,3 +38,14 @@ def test_the_vectorised_peak_equals_the_walk_bit_for_bit():
             for acts in s.actions:
                 assert activation_peak(acts, stages) == _walk(acts, stages), (kind, P, M, trial)
                 assert activation_peak(program_events(acts), stages) == _walk(acts, stages)
+
+
+def test_the_first_of_equal_peaks_is_the_one_reported():
+    """Two equal peaks holding different chunks: both forms report the first (what the walk reports)."""
+    from schedules.ir import Action
+
+    acts = [Action(Kind.F, 0, 0), Action(Kind.B, 0, 0), Action(Kind.F, 1, 0), Action(Kind.B, 1, 0)]
+    stages = {0: SimpleNamespace(chunk_activation_bytes=1.0), 1: SimpleNamespace(chunk_activation_bytes=1.0)}
+    assert _walk(acts, stages) == (1.0, {0: 1})
+    assert activation_peak(acts, stages) == (1.0, {0: 1})
+    assert activation_peak(program_events(acts), stages) == (1.0, {0: 1})

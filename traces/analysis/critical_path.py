@@ -25,10 +25,10 @@ import numpy as np
 
 from traces.analysis.replay import Chain, Timing, critical_chain, replay, slack
 from traces.analysis.span_graph import SpanGraph, build_span_graph
+from traces.names import COMM_NODE_KINDS
 from traces.trace import Span, Trace
 
 MHC_PARTS = frozenset({"coef", "sinkhorn", "pre", "post_res"})  # traces.md §5 KERNELs of mHC (traces.drawing.view too)
-COMM_NODE_KINDS = frozenset({"P2P", "A2A_DISPATCH", "A2A_COMBINE", "RG"})
 PHASES = ("fill", "steady", "drain")
 
 

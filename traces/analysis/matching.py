@@ -7,12 +7,12 @@ agree and enough keys are shared.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
 from traces.columns import columns_of, keep_columns
+from traces.analysis.stage_chains import schedule_descriptor
 from traces.analysis.step_keys import keep_step_arrays, kernel_part, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
@@ -134,25 +134,6 @@ def drop_warmup_step(trace: Trace) -> Trace:
 
 
 # ---- schedule identity -------------------------------------------------------------------------------------
-
-def schedule_descriptor(meta: dict[str, Any]) -> dict[str, Any]:
-    sched = meta.get("schedule")
-    out: dict[str, Any] = {}
-    if isinstance(sched, str):
-        out["kind"] = sched
-    elif isinstance(sched, dict):
-        for name, keys in (("kind", ("kind", "name")), ("ranks", ("ranks", "num_ranks", "pp")),
-                           ("microbatches", ("microbatches", "num_microbatches"))):
-            v = next((sched[k] for k in keys if k in sched and isinstance(sched[k], (str, int))), None)
-            if v is not None:
-                out[name] = v
-    for name, keys in (("ranks", ("num_ranks",)), ("microbatches", ("microbatches", "num_microbatches"))):
-        if name not in out:
-            v = next((meta[k] for k in keys if isinstance(meta.get(k), int)), None)
-            if v is not None:
-                out[name] = v
-    return out
-
 
 def check_same_schedule(pred: Trace, meas: Trace, pred_name: str = "PRED", meas_name: str = "MEAS") -> None:
     ps, ms = pred.meta.get("source"), meas.meta.get("source")

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from traces.analysis.critical_path import COMM_NODE_KINDS, CriticalPath, critical_path
+from traces.analysis.critical_path import CriticalPath, critical_path
+from traces.names import COMM_NODE_KINDS
 from traces.analysis.replicas import one_replica
 from traces.analysis.span_graph import build_span_graph
 from traces.analysis.stage_chains import stage_chains

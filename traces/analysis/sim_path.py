@@ -21,8 +21,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
-from traces.analysis.critical_path import COMM_NODE_KINDS
-from traces.analysis.span_nodes import P2P
+from traces.names import COMM_NODE_KINDS, P2P_NODE
 from traces.analysis.stage_chains import neighbours, stage_chains
 from traces.trace import Trace
 
@@ -91,7 +90,7 @@ class _Step:
         posted: dict[int, float] = {}  # when the sender posted it: its SEND span's start
         for j, send in recvs:
             r, sd = spans[j], spans[send]
-            v = self._node(P2P, r.rank, max(r.start, sd.start), r.end,
+            v = self._node(P2P_NODE, r.rank, max(r.start, sd.start), r.end,
                            f"P2P_{r.kind[-1]}/s{r.stage}/mb{r.mb} r{r.peer}->r{r.rank}")
             self.transfer.append((r.peer, r.rank, r.kind[-1], r.stage, r.mb))
             self.recv[(r.rank, r.kind[-1], r.stage, r.mb)] = v

@@ -25,7 +25,6 @@ from traces.trace import Span
 
 COMPUTE_OPS = frozenset({"F", "I", "B", "W", "FB", "RC"})
 COLLECTIVE_OPS = frozenset(A2A_KINDS) | {"RG"}
-P2P = "P2P"
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
-"""What the schedule a trace ran says, for the critical path's graph (traces.analysis.span_graph): which stage feeds
-which
-(the stage chains: F(s) -> F(next(s)) and B(next(s)) -> B(s) for every micro-batch) and, given the lowered
-schedule itself, where each receive is posted and each channel's message order.
+"""What the schedule a trace ran says: its kind, ranks and micro-batches as the metadata names them
+(`schedule_descriptor`, what compare checks two traces against) and, for the critical path's graph
+(traces.analysis.span_graph), which stage feeds which (the stage chains: F(s) -> F(next(s)) and B(next(s)) -> B(s)
+for every micro-batch) and, given the lowered schedule itself, where each receive is posted and each channel's
+message order.
 
 traces imports nothing of schedules (tests/test_imports.py), so the chains come, in this order, from
   1. a schedule object passed by the caller (anything with `pipelines`, e.g. a `schedules.Schedule`);
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from traces.analysis.matching import schedule_descriptor
 from traces.trace import Trace, TraceError
 
 
@@ -83,4 +83,23 @@ def channel_order(schedule: Any) -> dict[tuple[int, int], dict[tuple[str, int, i
             if kind in ("SEND_F", "SEND_B"):
                 ch = out[(rank, a.peer)]
                 ch[(kind[-1], a.stage, a.mb)] = len(ch)
+    return out
+
+
+def schedule_descriptor(meta: dict[str, Any]) -> dict[str, Any]:
+    sched = meta.get("schedule")
+    out: dict[str, Any] = {}
+    if isinstance(sched, str):
+        out["kind"] = sched
+    elif isinstance(sched, dict):
+        for name, keys in (("kind", ("kind", "name")), ("ranks", ("ranks", "num_ranks", "pp")),
+                           ("microbatches", ("microbatches", "num_microbatches"))):
+            v = next((sched[k] for k in keys if k in sched and isinstance(sched[k], (str, int))), None)
+            if v is not None:
+                out[name] = v
+    for name, keys in (("ranks", ("num_ranks",)), ("microbatches", ("microbatches", "num_microbatches"))):
+        if name not in out:
+            v = next((meta[k] for k in keys if isinstance(meta.get(k), int)), None)
+            if v is not None:
+                out[name] = v
     return out

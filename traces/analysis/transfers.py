@@ -24,7 +24,8 @@ from typing import Callable
 
 import numpy as np
 
-from traces.analysis.span_nodes import P2P, Node, comm_name, is_p2p
+from traces.analysis.span_nodes import Node, comm_name, is_p2p
+from traces.names import P2P_NODE
 from traces.trace import Span, Trace
 
 
@@ -102,7 +103,7 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
         r = spans[j]
         nid = first_id + len(nodes)
         label = f"P2P_{r.kind[-1]}/s{r.stage}/mb{r.mb} r{src}->r{r.rank}"
-        nodes.append(Node(nid, r.rank, "comm", P2P, label, posted, arrival,
+        nodes.append(Node(nid, r.rank, "comm", P2P_NODE, label, posted, arrival,
                           ((send,) if send is not None else ()) + (j,), r.stage, r.mb, ts=posted))
         transfers.append(Transfer(nid, src, r.rank, r.kind[-1], r.stage, r.mb, send, j,
                                   send_posted(send) if send is not None else r.start))
