@@ -67,3 +67,17 @@ def test_dropping_the_warmup_takes_its_spans_and_keeps_the_rest():
     assert dropped.spans == want and lone in dropped.spans
     assert columns_of(dropped).start.tolist() == [s.start for s in want]
     assert columns_of(dropped).end.tolist() == [s.end for s in want]
+
+
+def test_the_index_order_does_not_depend_on_what_was_asked_before():
+    """step_index lists spans in key_groups' order on a trace whose steps were only computed (steps_of first or
+    not: callers such as costmodel.local.runtime_fit add per step in that order), and in index order on a trace
+    whose step arrays were given (the warm-up drop's)."""
+    from traces.analysis.step_select import steps_of
+
+    fresh = _steps(3)
+    asked = Trace(spans=list(fresh.spans), meta=dict(fresh.meta))
+    steps_of(asked)  # the step arrays, computed from the spans, kept on the trace
+    assert list(step_index(asked).items()) == list(_fresh(fresh).items())
+    dropped = drop_warmup_step(_steps(3))
+    assert list(step_index(dropped)) == sorted(step_index(dropped))

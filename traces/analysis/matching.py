@@ -13,7 +13,7 @@ import numpy as np
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import keep_step_arrays, kernel_part, step_arrays
+from traces.analysis.step_keys import GIVEN, keep_step_arrays, kernel_part, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -95,10 +95,12 @@ def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
 
 def step_index(trace: Trace) -> dict[int, int]:
     """Span index -> step (instance order of its key), for schedule spans (kept on the trace: traces.trace.kept);
-    in ascending index order where the trace's step arrays are known already (traces.analysis.step_keys), else in
-    key_groups' order. The analyses of long runs use the arrays themselves."""
+    in ascending index order where the trace's step arrays were given (the warm-up drop's, a .npz file's:
+    traces.analysis.step_keys.keep_step_arrays), else in key_groups' order, whatever else was asked of the trace
+    before (the order callers that sum per step, such as costmodel.local.runtime_fit, add in). The analyses of long
+    runs use the arrays themselves."""
     def make() -> dict[int, int]:
-        if has_kept(trace, "_step_arrays"):
+        if has_kept(trace, GIVEN):
             rows, steps = step_arrays(trace)
             return dict(zip(rows.tolist(), steps.tolist()))
         return {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)}

@@ -65,8 +65,12 @@ def step_arrays(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def keep_step_arrays(trace: Trace, rows: np.ndarray, steps: np.ndarray) -> None:
-    """`trace`'s step arrays, known already (a .npz file's, or a trace cut from one whose are known)."""
+    """`trace`'s step arrays, known already (a .npz file's, or the warm-up drop's of the trace it cuts)."""
     keep(trace, "_step_arrays", (rows, steps))
+    keep(trace, GIVEN, True)
+
+
+GIVEN = "_step_arrays_given"  # kept beside them: matching.step_index lists such a trace's spans in index order
 
 
 def _from_spans(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
