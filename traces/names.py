@@ -132,10 +132,12 @@ def format_name(parsed: RangeName) -> str:
     return span_name(parsed.op, parsed.stage, parsed.mb, parsed.partner, parsed.stream, parsed.part)
 
 
-def part_of(label: str) -> str | None:
-    """The `L12.post_res` part of a span label, if any (part of the compare key)."""
+def kernel_part(label: str) -> str | None:
+    """The part a span of a dotted kind (`F.post_res`) names, as the compare key holds it
+    (traces.analysis.matching.span_key): its label's `L12.post_res`, or the label itself when it follows no
+    convention."""
     parsed = parse_name(label)
-    return None if parsed is None else parsed.part
+    return parsed.part if parsed is not None else label
 
 
 def is_schedule_span(kind: str, stage: int | None) -> bool:

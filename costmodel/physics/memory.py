@@ -67,14 +67,14 @@ from typing import TYPE_CHECKING
 import math
 
 from costmodel.physics.comm_cost import ep_ranks_per_node
-
-if TYPE_CHECKING:
-    import numpy as np
 from costmodel.physics.hardware import HardwareSpec, MemoryReserve
 from costmodel.physics.mhc_cost import (ResidualSpec, mhc_params_per_sublayer, recompute_transient_elems,
                                residual_activation_elems)
 from costmodel.physics.ops import DTYPE_BYTES, FP8_SCALE_BYTES, block_params, mtp_params
 from configs import RunConfig, recompute_block_size
+
+if TYPE_CHECKING:  # annotations only: numpy is imported where the tuner's ProgramEvents are made
+    import numpy as np
 
 GIB = 2 ** 30
 # model-state bytes per parameter by train.dtype: (kept on every rank: weight + main gradient, sharded by the

@@ -10,10 +10,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, parse_name
+from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import GIVEN, keep_step_arrays, kernel_part, step_arrays
+from traces.analysis.step_keys import GIVEN, keep_step_arrays, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]

@@ -14,14 +14,8 @@ import numpy as np
 
 from traces.columns import columns_of
 from traces.formats.npz import ColumnFile
-from traces.names import is_schedule_span, parse_name
+from traces.names import is_schedule_span, kernel_part
 from traces.trace import Trace, keep, kept, span_name
-
-
-def kernel_part(label: str) -> str | None:
-    """The kernel part a span of a dotted kind (`F.post_res`) names: its label's part, or the label itself."""
-    parsed = parse_name(label)
-    return parsed.part if parsed is not None else label
 
 
 def keyed_steps(rows: np.ndarray, keys: tuple[np.ndarray, ...], start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
