@@ -61,11 +61,13 @@ class Prediction:
 def _comm_outside_compute(result: SimResult) -> float:
     """Mean over ranks of comm time not covered by compute on that rank (it includes transfers during a rank's
     idle time, which need not delay the step: the critical path says which do)."""
-    per: dict[int, dict[str, list]] = {}
+    per: dict[int, tuple[list, list]] = {}  # rank -> (compute intervals, comm intervals)
     for s in result.trace.spans:
-        per.setdefault(s.rank, {"compute": [], "comm": []})
-        per[s.rank]["comm" if s.stream == "comm" else "compute"].append((s.start, s.end))
-    vals = [union_length(v["compute"] + v["comm"]) - union_length(v["compute"]) for v in per.values()]
+        lists = per.get(s.rank)
+        if lists is None:
+            lists = per[s.rank] = ([], [])
+        lists[s.stream == "comm"].append((s.start, s.start + s.duration))
+    vals = [union_length(compute + comm) - union_length(compute) for compute, comm in per.values()]
     return sum(vals) / len(vals) if vals else 0.0
 
 

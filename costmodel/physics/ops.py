@@ -375,6 +375,16 @@ def forward_flops_per_token(cfg: RunConfig, causal: bool = True) -> float:
     def matmuls(work) -> float:
         return sum(k.flops * scale.get(k.name, 1.0) for k in work.F if k.cls == "matrix")
 
-    total = sum(matmuls(w) for b in range(cfg.model.num_blocks) for w in block_work(s, b)) + matmuls(head(s))
+    per_kind: dict[bool, list[float]] = {}  # block_work reads the index only to tell dense from MoE
+
+    def block(b: int) -> list[float]:
+        dense = s.moe is None or b < s.first_dense
+        got = per_kind.get(dense)
+        if got is None:
+            got = per_kind[dense] = [matmuls(w) for w in block_work(s, b)]
+        return got
+
+    # the same terms added in the same order as one walk over every block: the same float
+    total = sum(v for b in range(cfg.model.num_blocks) for v in block(b)) + matmuls(head(s))
     mtp = sum(matmuls(w) for w in block_work(s, cfg.model.num_blocks) + (head(s), mtp_prelude(s)))
     return (total + s.mtp * mtp) / s.T

@@ -192,3 +192,22 @@ def test_the_runtime_refuses_what_only_the_cost_model_prices(v3):
                                          r"model\.moe\.max_nodes_per_token: priced by the cost model only"):
         refuse_cost_model_only(v3)
     refuse_cost_model_only(load_config("tiny-moe"))
+
+
+def test_forward_flops_count_dense_and_moe_blocks_each_as_their_own(v3):
+    """forward_flops_per_token prices one block of each kind once: the total must still count V3's 3 dense and
+    58 MoE blocks as such (a cache keyed on anything else prices 61 blocks of one kind)."""
+    from costmodel.physics.ops import block_work, forward_flops_per_token, head, mtp_prelude
+
+    s = Shape.of(v3)
+
+    def matmuls(work, core: float) -> float:
+        return sum(k.flops * (core if k.name == "attn.core" else 1.0) for k in work.F if k.cls == "matrix")
+
+    for causal, core in ((True, 1.0), (False, 2.0)):
+        dense = sum(matmuls(w, core) for w in block_work(s, 0))
+        moe = sum(matmuls(w, core) for w in block_work(s, v3.model.num_blocks))
+        assert dense != moe  # close (V3 sized its MoE to the dense MLP), not equal
+        mtp = moe + matmuls(head(s), core) + matmuls(mtp_prelude(s), core)
+        want = 3 * dense + 58 * moe + matmuls(head(s), core) + v3.model.mtp_depth * mtp
+        assert forward_flops_per_token(v3, causal) * s.T == pytest.approx(want, rel=1e-12)

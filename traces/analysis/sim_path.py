@@ -56,46 +56,57 @@ class _Step:
         self.dataflow = trace.meta.get("p2p") == "dataflow"
         self.prev_stage, self.next_stage = neighbours(stage_chains(trace))
         n_c = len(compute)
-        # node v: (kind, rank, start, end, label); compute nodes first
-        self.kind: list[str] = []
-        self.rank: list[int] = []
-        self.start: list[float] = []
-        self.end: list[float] = []
-        self.label: list[str] = []
+        # node v: kind, rank, start, end and the span(s) it came from (labels only for the path's nodes);
+        # compute nodes first
+        cs = [spans[i] for i in compute]
+        self.kind: list[str] = [s.kind for s in cs]
+        self.rank: list[int] = [s.rank for s in cs]
+        self.start: list[float] = [s.start for s in cs]
+        self.end: list[float] = [s.start + s.duration for s in cs]
+        self.origin: list = list(cs)  # the compute span, or a transfer's (RECV span, SEND span)
         self.half: dict[tuple[int, str, int, int], int] = {}
         self.halves: list[list[tuple[str, int, int]]] = []
+        half, halves = self.half, self.halves
         by_rank: dict[int, list[int]] = defaultdict(list)
-        for v, i in enumerate(compute):
-            s = spans[i]
-            self._node(s.kind, s.rank, s.start, s.end, s.label)
+        for v, s in enumerate(cs):
             hv = _halves(s.kind, s.stage, s.mb, s.partner)
-            self.halves.append(hv)
+            halves.append(hv)
+            r = s.rank
             for h, st, mb in hv:
-                self.half[(s.rank, h, st, mb)] = v
-            by_rank[s.rank].append(v)
+                half[(r, h, st, mb)] = v
+            by_rank[r].append(v)
         # program order: the op that ended last before the rank's thread reached this one (span_graph's rule)
-        self.program: list[int | None] = [None] * n_c
+        program: list[int | None] = [None] * n_c
+        self.program = program
         self.by_end: dict[int, list[tuple[float, int]]] = {}
+        start, end, inf = self.start, self.end, float("inf")
+        bisect_right, insort = bisect.bisect_right, bisect.insort
         for r, ids in by_rank.items():
             ends: list[tuple[float, int]] = []
             for v in ids:  # ids are in (start, id) order already
-                j = bisect.bisect_right(ends, (self.start[v] + tol, float("inf"))) - 1
-                self.program[v] = ends[j][1] if j >= 0 else None
-                bisect.insort(ends, (self.end[v], v))
+                j = bisect_right(ends, (start[v] + tol, inf)) - 1
+                program[v] = ends[j][1] if j >= 0 else None
+                insort(ends, (end[v], v))
             self.by_end[r] = ends
         # transfers, in RECV order: (src, dst, direction, stage, mb)
         self.transfer: list[tuple[int, int, str, int, int]] = []
         self.recv: dict[tuple[int, str, int, int], int] = {}
         channel: dict[tuple[int, int], list[int]] = defaultdict(list)
         posted: dict[int, float] = {}  # when the sender posted it: its SEND span's start
+        v = len(self.kind)
         for j, send in recvs:
             r, sd = spans[j], spans[send]
-            v = self._node(P2P_NODE, r.rank, max(r.start, sd.start), r.end,
-                           f"P2P_{r.kind[-1]}/s{r.stage}/mb{r.mb} r{r.peer}->r{r.rank}")
-            self.transfer.append((r.peer, r.rank, r.kind[-1], r.stage, r.mb))
-            self.recv[(r.rank, r.kind[-1], r.stage, r.mb)] = v
-            channel[(r.peer, r.rank)].append(v)
+            rank, peer, d, st, mb = r.rank, r.peer, r.kind[-1], r.stage, r.mb
+            self.kind.append(P2P_NODE)
+            self.rank.append(rank)
+            self.start.append(r.start if r.start > sd.start else sd.start)
+            self.end.append(r.start + r.duration)
+            self.origin.append((r, sd))
+            self.transfer.append((peer, rank, d, st, mb))
+            self.recv[(rank, d, st, mb)] = v
+            channel[(peer, rank)].append(v)
             posted[v] = sd.start
+            v += 1
         self.channel_prev: dict[int, int] = {}
         for ids in channel.values():  # the sender's posting order (no schedule given: by time, then id)
             ids.sort(key=lambda v: (posted[v], self.start[v], v))
@@ -103,13 +114,12 @@ class _Step:
                 self.channel_prev[b] = a
         self.n_compute = n_c
 
-    def _node(self, kind: str, rank: int, start: float, end: float, label: str) -> int:
-        self.kind.append(kind)
-        self.rank.append(rank)
-        self.start.append(start)
-        self.end.append(end)
-        self.label.append(label)
-        return len(self.kind) - 1
+    def label(self, v: int) -> str:
+        o = self.origin[v]
+        if v < self.n_compute:
+            return o.label
+        r = o[0]
+        return f"P2P_{r.kind[-1]}/s{r.stage}/mb{r.mb} r{r.peer}->r{r.rank}"
 
     @classmethod
     def of(cls, trace: Trace) -> _Step | None:
@@ -121,18 +131,20 @@ class _Step:
         sends: dict[tuple[str, int, int, int, int], int] = {}
         seen: set[tuple] = set()
         for i, s in enumerate(spans):
-            if s.stage is None or s.mb is None:
+            kind, stage, mb = s.kind, s.stage, s.mb
+            if stage is None or mb is None:
                 return None
-            if s.stream == "compute" and s.kind in _COMPUTE:
-                key = (s.rank, s.kind, s.stage, s.mb)
-                if key in seen or (s.kind == "FB" and s.partner is None):
+            stream = s.stream
+            if stream == "compute" and kind in _COMPUTE:
+                key = (s.rank, kind, stage, mb)
+                if key in seen or (kind == "FB" and s.partner is None):
                     return None
                 seen.add(key)
                 compute.append(i)
-            elif s.stream == "comm" and s.kind in _RECV and s.peer is not None:
+            elif stream == "comm" and kind in _RECV and s.peer is not None:
                 recvs.append(i)
-            elif s.stream == "comm" and s.kind in _SEND and s.peer is not None:
-                key = (_SEND[s.kind], s.stage, s.mb, s.rank, s.peer)
+            elif stream == "comm" and kind in _SEND and s.peer is not None:
+                key = (_SEND[kind], stage, mb, s.rank, s.peer)
                 if key in sends:
                     return None
                 sends[key] = i
@@ -239,7 +251,7 @@ class _Step:
         for u, d in path:
             by_kind[self.kind[u]] += d
         return PathTotals(dict(by_kind), sum(t for k, t in by_kind.items() if k in COMM_NODE_KINDS),
-                          float(sum(d for _, d in path)), [self.label[u] for u, _ in path])
+                          float(sum(d for _, d in path)), [self.label(u) for u, _ in path])
 
 
 class _NotCovered(Exception):
