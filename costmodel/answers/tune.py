@@ -45,10 +45,11 @@ from dataclasses import dataclass, field, replace
 from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
 from costmodel.physics.memory import activation_peak, program_events, rank_memories
+from costmodel.physics.ops import Shape
 from costmodel.pricing.pricer import resolve_layout
 from costmodel.pricing.shared_pricer import SharedPricer
 from costmodel.pricing.options import Options
-from costmodel.pricing.stage_split import balanced_split
+from costmodel.pricing.stage_split import balanced_split, piece_costs
 from costmodel.answers.predict import residual_spec_of
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
@@ -207,12 +208,15 @@ class Tuner:
         self.cfg, self.data, self.hw, self.base_opts = cfg, data, hw, options or Options()
         self.spec = residual_spec_of(cfg)
         self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
-        self._programs: dict[tuple, tuple[Schedule, list]] = {}
+        self._events: dict[tuple, list] = {}  # (kind, P, M) -> each rank's program as chunk events
+        self._lowered: dict[tuple, Schedule] = {}  # (kind, P, M) -> the schedule checked and lowered
         self._peak_cache: dict[tuple, list] = {}  # (program, stage weights) -> activation peak per rank
         self._cuts: dict[tuple, list[int]] = {}  # (kind, P, b, EP) -> blocks per stage of the balanced split
+        self._pieces: dict[Shape, tuple] = {}  # the per-op shape -> stage_split.piece_costs
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
         self._prepared: dict[Candidate, tuple] = {}
         self._hp: dict[Candidate, Candidate] = {}  # cand -> its hp twin (memory and L_r do not depend on the stream)
+        self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -246,14 +250,23 @@ class Tuner:
             self._schedules[key] = (s, per_rank)
         return self._schedules[key]
 
-    def _program(self, cand: Candidate):
-        """The candidate's schedule checked and lowered once (what every simulation of it runs) and each rank's
-        program as chunk events (what every memory estimate of it walks), cached per (kind, P, M)."""
+    def _program_events(self, cand: Candidate) -> list:
+        """Each rank's program as chunk events (what every memory estimate of the schedule walks), cached per
+        (kind, P, M)."""
         key = (cand.schedule, cand.pp, cand.per_replica)
-        if key not in self._programs:
-            s, _ = self._schedule(cand)
-            self._programs[key] = (check_structure(s), [program_events(acts) for acts in s.actions])
-        return self._programs[key]
+        got = self._events.get(key)
+        if got is None:
+            got = self._events[key] = [program_events(acts) for acts in self._schedule(cand)[0].actions]
+        return got
+
+    def _lowered_schedule(self, cand: Candidate) -> Schedule:
+        """The candidate's schedule checked and lowered once (what every simulation of it runs; only schedules
+        that are simulated pay for it), cached per (kind, P, M)."""
+        key = (cand.schedule, cand.pp, cand.per_replica)
+        got = self._lowered.get(key)
+        if got is None:
+            got = self._lowered[key] = check_structure(self._schedule(cand)[0])
+        return got
 
     def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
         cfg = replica_config(cfg)
@@ -261,7 +274,11 @@ class Tuner:
         if cand.split == "balanced":  # the cut by cost, priced once per shape: it depends on T and EP, not recompute
             key = (cand.schedule, cand.pp, cand.microbatch_size, cand.ep)
             if key not in self._cuts:
-                self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule)]
+                shape = Shape.of(cfg)  # what piece costs depend on (the model and the hardware are the search's)
+                pieces = self._pieces.get(shape)
+                if pieces is None:
+                    pieces = self._pieces[shape] = piece_costs(cfg, self.hw)
+                self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule, pieces)]
             cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"stage_split": self._cuts[key]})})
         layout = resolve_layout(cfg, schedule, opts.allow_uneven)
         return cfg, layout, SharedPricer(cfg, self.hw, self.spec, layout, opts, shared=self._prices)
@@ -282,9 +299,13 @@ class Tuner:
 
     def memory(self, cand: Candidate) -> Evaluated:
         """Peak memory per rank, predict's model, without a simulation (live chunks in program order)."""
-        schedule, _ = self._schedule(cand)
-        cfg, _, pr = self._prep(self._hp_twin(cand))
-        return Evaluated(cand, self._peak_memory(cand, cfg, schedule, pr, self._program(cand)[1]))
+        twin = self._hp_twin(cand)
+        peak = self._memory.get(twin)
+        if peak is None:  # a layout and its hp twin need the same memory: computed once for both
+            schedule, _ = self._schedule(twin)
+            cfg, _, pr = self._prep(twin)
+            peak = self._memory[twin] = self._peak_memory(twin, cfg, schedule, pr, self._program_events(twin))
+        return Evaluated(cand, peak)
 
     def _peak_memory(self, cand: Candidate, cfg: RunConfig, schedule: Schedule, pr: SharedPricer,
                      events: list) -> float:
@@ -345,9 +366,11 @@ class Tuner:
         """Simulate one replica's pipeline (predict's mHC run) and add the gradient all-reduce."""
         cand = ev.cand
         schedule, _ = self._schedule(cand)
-        full = self.config(cand)
-        cfg, layout, pr = self._pricer(cand, schedule, full)
-        lowered, events = self._program(cand)
+        # the pricer its exact bound used (one replica's config, unvalidated: candidates() applied the rules;
+        # tests/costmodel/test_tune.py predicts the written, validated config to the same step)
+        cfg, layout, pr = self._prep(cand)
+        full = cfg.model_copy(update={"parallel": self._fast_config(cand).parallel})
+        lowered, events = self._lowered_schedule(cand), self._program_events(cand)
         # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
         # (no spans: the step needs the makespan and each stage's last gradient write, which the engine keeps)
         sim = (pr.simulate(lowered, validate=False, record=False) if pr.profile_pricing is None

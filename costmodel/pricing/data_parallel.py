@@ -151,19 +151,23 @@ def reductions(cfg: RunConfig, hw: HardwareSpec, schedule: Schedule, layout: dic
         for pos, st in enumerate(chain):
             chunks.setdefault(pos, []).append(st)
 
-    def link_of(members: list[int]) -> Link:
-        return hw.intra if len({r // g for r in members}) == 1 else hw.inter
+    def link_of(lowest: int, highest: int) -> Link:
+        """The link of a group whose global ranks run from `lowest` to `highest`: one node holds them all exactly
+        when it holds both ends (a rank's node, rank // g, never decreases with the rank)."""
+        return hw.intra if lowest // g == highest // g else hw.inter
 
     out = []
     for pos, stages in sorted(chunks.items()):
         holders = tuple(sorted({schedule.stage_to_rank[s] for s in stages}))
         expert = sum(routed_expert_params(cfg, b, EP) for b in layout[stages[0]][0])
         dense = stage_params[stages[0]] - expert
-        dense_members = [p * D + d for p in holders for d in range(D)]
-        groups = [("dense", len(dense_members), link_of(dense_members), dense)]
+        # global rank p * D + d: pipeline rank p's data-parallel replica d
+        lo, hi = holders[0] * D, holders[-1] * D
+        groups = [("dense", len(holders) * D, link_of(lo, hi + D - 1), dense)]
         k_exp = len(holders) * (D // EP)
-        if expert > 0 and k_exp > 1:  # one group per expert rank e: the slowest placement sets the time
-            links = [link_of([p * D + b * EP + e for p in holders for b in range(D // EP)]) for e in range(EP)]
+        if expert > 0 and k_exp > 1:  # one group per expert rank e (ranks p * D + b * EP + e over p and b < D / EP):
+            # the slowest placement sets the time
+            links = [link_of(lo + e, hi + (D // EP - 1) * EP + e) for e in range(EP)]
             groups.append(("experts", k_exp, min(links, key=lambda lk: lk.bandwidth * lk.efficiency), expert))
         out += [Reduction(pos, name, tuple(stages), holders, k, link, params * grad_bytes)
                 for name, k, link, params in groups if k > 1 and params > 0]

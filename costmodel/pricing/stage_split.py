@@ -60,11 +60,13 @@ def rank_positions(schedule: Schedule) -> list[list[int]]:
     return out
 
 
-def balanced_split(cfg: RunConfig, hw: HardwareSpec, schedule: Schedule) -> list[range]:
-    """The blocks of each pipeline position (module docstring)."""
+def balanced_split(cfg: RunConfig, hw: HardwareSpec, schedule: Schedule,
+                   pieces: tuple[list[float], float, float] | None = None) -> list[range]:
+    """The blocks of each pipeline position (module docstring). `pieces`: piece_costs(cfg, hw) when the caller
+    has it (the tuner cuts many schedules of one shape)."""
     S = len(schedule.pipelines[0])
     nb = cfg.model.num_blocks
-    costs, first, last = piece_costs(cfg, hw)
+    costs, first, last = piece_costs(cfg, hw) if pieces is None else pieces
     held = rank_positions(schedule)
     prefix = [0.0]
     for c in costs:

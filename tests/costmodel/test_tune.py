@@ -207,3 +207,35 @@ def test_balanced_splits_are_searched_priced_as_predict_and_written(p3b, tuned, 
     assert main(["tune", "--preset", "paper-3b", "--hardware", "h800", "--gpus", "32", "--memory-gib", "40",
                  "--global-batch", "64", "--microbatch-sizes", "1", "--recompute", "off,auto", "-o", str(out)]) == 0
     assert f"step {both.best.step_us / 1e3:,.1f} ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpus_per_node", [8, 3])
+def test_allreduce_links_are_the_nodes_their_members_span(gpus_per_node):
+    """A group's link is intra-node exactly when one node holds every member: checked against the members' node
+    set for dense and per-expert-rank groups on layouts whose groups straddle nodes (3 GPUs per node)."""
+    from costmodel.answers.predict import residual_spec_of
+    from costmodel.pricing.options import Options
+    from costmodel.pricing.pricer import Pricer, resolve_layout
+    from schedules.build import build
+
+    hw = HW.model_copy(update={"gpus_per_node": gpus_per_node})
+    seen = set()
+    for schedule, pp in (("dualpipe", 4), ("1f1b", 3)):
+        for dp, ep in ((2, 1), (2, 2), (4, 2), (6, 3), (8, 4), (8, 8)):
+            cfg = load_config("paper-27b", {"parallel": {"schedule": schedule, "ranks": pp, "data_parallel": dp,
+                                                         "microbatches": 8 * dp, "expert_parallel": ep}})
+            s = build(schedule, pp, 8)
+            layout = resolve_layout(cfg, s, True)
+            pr = Pricer(cfg, hw, residual_spec_of(cfg), layout, Options())
+            reds = reductions(cfg, hw, s, layout, {st: m.params for st, m in pr.stage_mem.items()})
+            assert reds
+            for red in reds:
+                if red.group == "dense":
+                    groups = [[p * dp + d for p in red.ranks for d in range(dp)]]
+                else:
+                    groups = [[p * dp + b * ep + e for p in red.ranks for b in range(dp // ep)] for e in range(ep)]
+                links = [hw.intra if len({r // gpus_per_node for r in g}) == 1 else hw.inter for g in groups]
+                want = min(links, key=lambda lk: lk.bandwidth * lk.efficiency)
+                assert red.link is want, (schedule, pp, dp, ep, red)
+                seen.add((red.group, want.name))
+    assert len(seen) == 4  # dense and expert groups, each on both kinds of link
