@@ -253,10 +253,10 @@ class Pricer:
         for seg in self._forward_segments(stage):
             timed = self._ops(seg, backward=False)
             if timed:
-                timed[-1] = replace(timed[-1], switch=True)
+                timed[-1] = timed[-1].with_(switch=True)
             ops += timed
         if ops:
-            ops[-1] = replace(ops[-1], output=True)
+            ops[-1] = ops[-1].with_(output=True)
         return ops
 
     def backward_ops(self, stage: int, with_w: bool, with_i: bool = True) -> list[TimedOp]:
@@ -275,18 +275,18 @@ class Pricer:
         def add(kernels: list[Kernel], anchor: int | None = None) -> None:
             timed = self._ops(kernels, backward=True)
             if anchor is not None:  # W kernels wait only for the sub-layer's first I kernel
-                timed = [replace(o, deps=(anchor - len(ops) - j,) if anchor >= 0 else (), deferrable=True)
+                timed = [o.with_(deps=(anchor - len(ops) - j,) if anchor >= 0 else (), deferrable=True)
                          for j, o in enumerate(timed)]
             elif timed:  # an I kernel waits for the previous I kernel, not for W kernels queued in between
                 o = timed[0]
                 assert o.deps == (-1,), f"{o.name}: a chain's first kernel depends on the previous one"
-                timed[0] = replace(o, deps=(last_i[-1] - len(ops),) if last_i else ())
+                timed[0] = o.with_(deps=(last_i[-1] - len(ops),) if last_i else ())
                 last_i.append(len(ops) + len(timed) - 1)
             ops.extend(timed)
 
         def switch() -> None:
             if ops:
-                ops[-1] = replace(ops[-1], switch=True)
+                ops[-1] = ops[-1].with_(switch=True)
 
         def sublayer(sub: tuple) -> None:
             """One sub-layer's backward: its residual kernels around the sub-layer's I (the post/res backward
@@ -338,7 +338,7 @@ class Pricer:
             if with_w:
                 add(e.W, len(ops) - 1 if with_i and ops else -1)
         if with_i and last_i:
-            ops[last_i[-1]] = replace(ops[last_i[-1]], output=True)
+            ops[last_i[-1]] = ops[last_i[-1]].with_(output=True)
         return ops
 
     # ---- schedule callbacks -----------------------------------------------------------------------------
