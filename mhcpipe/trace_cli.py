@@ -84,7 +84,7 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
         if isinstance(data, dict) and data.get("format") != FORMAT_NAME and not is_kineto(data) \
                 and "traceEvents" in data:
             return chrome_to_traces(data, source=str(p))
-        return [json_file_trace(p, data, rank=rank)]  # read once
+        return [json_file_trace(p, data, rank=rank, consume=True)]  # read once, given away
     return [load_steps(path, rank=rank)]  # a .npz file: its steps found on the columns
 
 

@@ -198,25 +198,50 @@ def _columns(spans: list[Span]) -> dict[str, Any]:
     return cols
 
 
+SPAN_CHUNK = 1 << 18  # spans made per piece while the columns are cut down behind them
+
+
 def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
+    """The spans of validated version-2 columns, which this consumes: the spans are made a chunk at a time from the
+    end, each chunk's rows then cut off the column lists, so the columns and the spans never need memory in full
+    together (~0.7 GB less at 10^7 spans)."""
     n = len(cols["rank"])
-    lists = {}
+    lists: dict[str, Any] = {}
     for f in _FIELDS:
         col = cols.get(f)
         if col is None:
-            lists[f] = itertools.repeat(_DEFAULTS[f], n)
+            lists[f] = None
             continue
+        rows = col
         if f in _CODED:
-            values, codes = col["values"], col["codes"]
-            if codes and max(codes) >= len(values):
-                raise TraceError(f"{source}: field columns.{f}.codes: code {max(codes)} names no value (the column "
+            values, rows = col["values"], col["codes"]
+            if rows and max(rows) >= len(values):
+                raise TraceError(f"{source}: field columns.{f}.codes: code {max(rows)} names no value (the column "
                                  f"has {len(values)}); the file is damaged: write it again")
-            col = list(map(values.__getitem__, codes))
-        if len(col) != n:
-            raise TraceError(f"{source}: field columns.{f}: {len(col)} values for {n} spans (columns.rank); every "
+        if len(rows) != n:
+            raise TraceError(f"{source}: field columns.{f}: {len(rows)} values for {n} spans (columns.rank); every "
                              "column has one value per span: the file is damaged, write it again")
         lists[f] = col
-    return list(map(Span, *(lists[f] for f in _FIELDS)))
+    pieces: list[list[Span]] = []
+    end = n
+    while end > 0:
+        begin = max(0, end - SPAN_CHUNK)
+        args = []
+        for f in _FIELDS:
+            col = lists[f]
+            if col is None:
+                args.append(itertools.repeat(_DEFAULTS[f], end - begin))
+            elif f in _CODED:
+                args.append(map(col["values"].__getitem__, col["codes"][begin:end]))
+            else:
+                args.append(col[begin:end])
+        pieces.append(list(map(Span, *args)))
+        for f in _FIELDS:
+            col = lists[f]
+            if col is not None:
+                del (col["codes"] if f in _CODED else col)[begin:]
+        end = begin
+    return list(itertools.chain.from_iterable(reversed(pieces)))
 
 
 @dataclass
@@ -280,7 +305,10 @@ class Trace:
         return path
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<dict>") -> "Trace":
+    def from_dict(cls, data: Any, source: str = "<dict>", consume: bool = False) -> "Trace":
+        """`consume`: `data` is the caller's to give away (a file just parsed): its span lists are dropped from it
+        once validated (pydantic's validated copies hold the values), so the two never need memory together with
+        the spans (a 10^7-span file: ~1.5 GB less at its peak)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
                              "for Chrome/Perfetto JSON use traces.formats.chrome.load_chrome")
@@ -295,6 +323,8 @@ class Trace:
                 first = err.errors()[0]
                 where = ".".join(str(p) for p in first["loc"])
                 raise TraceError(f"{source}: field {where}: {first['msg']}") from None
+            if consume:
+                data.pop("columns" if version == 2 else "spans", None)
             if version == 2:
                 spans = _spans_from_columns(parsed["columns"], source)
             else:
@@ -312,7 +342,7 @@ class Trace:
             raise TraceError(f"{path}: no such file") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise TraceError(f"{path}: not valid JSON ({err}); the file may be truncated") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(data, source=str(path), consume=True)
 
     def merged(self, others: Iterable["Trace"]) -> "Trace":
         spans = list(self.spans)

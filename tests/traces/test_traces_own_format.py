@@ -90,3 +90,39 @@ def test_a_damaged_column_is_refused_naming_it(change, message):
 def test_an_unknown_version_names_the_ones_read():
     with pytest.raises(TraceError, match=r"version 3 is not supported \(this build reads versions 1, 2\)"):
         Trace.from_dict({"format": "mhc-pipe-trace", "version": 3, "columns": COLS})
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 18])
+def test_spans_are_read_in_chunks_from_the_end_in_file_order(tmp_path, monkeypatch, chunk):
+    """The reader makes the spans a chunk at a time, last chunk first, cutting the columns behind it: any chunk
+    size (one span, one that does not divide the count, one larger than the trace) gives the spans in file order."""
+    import traces.trace as T
+
+    sim = simulate(build("dualpipev", 4, 8)).trace
+    extra = [Span(1, "comm", "SEND_F", 2, 3, 5.0, 1.5, peer=2, name="SEND_F/s2/mb3~comm", group="pp:1,2", batch=7)]
+    trace = Trace(spans=extra + sim.spans + extra, meta=dict(sim.meta))
+    path = trace.save(tmp_path / "t.json")
+    monkeypatch.setattr(T, "SPAN_CHUNK", chunk)
+    assert Trace.load(path).spans == trace.spans
+
+
+def test_a_dict_is_given_away_only_when_the_caller_says_so():
+    """from_dict leaves the caller's dict as it was; consume=True (a file just parsed) drops its span columns
+    once validated, and the spans are the same."""
+    data = _v2(COLS)
+    first = Trace.from_dict(data)
+    assert Trace.from_dict(data).spans == first.spans  # read twice: nothing taken from it
+    assert Trace.from_dict(data, consume=True).spans == first.spans
+    assert "columns" not in data
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig"])
+def test_json_files_with_or_without_a_byte_order_mark_still_read(tmp_path, encoding):
+    """The reader decodes the bytes itself (so they are freed before the parse), as json.loads would: UTF-8 with
+    or without the byte order mark some Windows tools write."""
+    from traces.formats.io import load_trace
+
+    sim = simulate(build("1f1b", 2, 4)).trace
+    path = tmp_path / "t.json"
+    path.write_bytes(json.dumps(sim.to_dict()).encode(encoding))
+    assert load_trace(path).spans == sim.spans

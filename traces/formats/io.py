@@ -66,7 +66,7 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
                              "profiler), an Nsight Systems SQLite export, or an nsys stats NVTX trace CSV")
         trace = load_nsys_csv(path, rank=rank)
     else:
-        return json_file_trace(path, read_json(path), rank=rank, which=which)
+        return json_file_trace(path, read_json(path), rank=rank, which=which, consume=True)
     if rank is None:
         _rank_from_file_name(trace, path)
     return trace
@@ -77,19 +77,20 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     return save_npz(trace, path) if str(path).lower().endswith(".npz") else trace.save(path)
 
 
-def json_file_trace(path: Path, data: Any, rank: int | None = None, which: str | None = None) -> Trace:
+def json_file_trace(path: Path, data: Any, rank: int | None = None, which: str | None = None,
+                    consume: bool = False) -> Trace:
     """load_trace of a JSON file whose content the caller has read already (`data`): a 10^6-span file is parsed
-    once, not once per question about it."""
-    trace = from_json_data(data, str(path), rank=rank, which=which, file_name=path.name)
+    once, not once per question about it. `consume`: the caller gives `data` away (Trace.from_dict)."""
+    trace = from_json_data(data, str(path), rank=rank, which=which, file_name=path.name, consume=consume)
     if rank is None:
         _rank_from_file_name(trace, path)
     return trace
 
 
 def from_json_data(data: Any, source: str, rank: int | None = None, which: str | None = None,
-                   file_name: str = "") -> Trace:
+                   file_name: str = "", consume: bool = False) -> Trace:
     if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
-        return Trace.from_dict(data, source=source)
+        return Trace.from_dict(data, source=source, consume=consume)
     if is_kineto(data):
         return kineto_to_trace(data, source=source, rank=rank, file_name=file_name)
     if isinstance(data, (dict, list)) and (isinstance(data, list) or "traceEvents" in data):
@@ -140,7 +141,7 @@ def load_folder(folder: Path) -> Trace:
         elif kind == "json":
             data = read_json(merged)
             if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
-                trace = Trace.from_dict(data, source=str(merged))
+                trace = Trace.from_dict(data, source=str(merged), consume=True)
         if trace is not None:
             trace.meta["skipped"] = [p.name for p in files if p != merged]
             return trace

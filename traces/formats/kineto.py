@@ -56,11 +56,14 @@ def read_json(path: str | Path) -> Any:
         except (EOFError, OSError, zlib.error) as err:
             raise TraceError(f"{path}: gzip stream is damaged or truncated ({err}); re-copy or re-capture the "
                              "file") from None
-    try:
-        with collector_paused():
-            return json.loads(raw)
+    try:  # decoded here, as json.loads decodes bytes, so the bytes are gone before the parse: ~1 GB less at 10^7
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not UTF-8 JSON text") from None
+    del raw
+    try:
+        with collector_paused():
+            return json.loads(text)
     except json.JSONDecodeError as err:
         raise TraceError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); the file "
                          "may be truncated (was the profiler stopped before it finished writing?)") from None
