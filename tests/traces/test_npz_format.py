@@ -45,12 +45,14 @@ def _run(steps: int = 5, shuffled: bool = False) -> Trace:
 
 
 def _check_steps(trace: Trace, path: Path) -> None:
-    """The steps as arrays, from the spans and from the file's columns, are key_groups' instance numbers; the
-    warm-up drop's arrays are those of the trace it leaves; cuts of steps from the file equal the cuts of the trace."""
+    """The steps as arrays, from the spans, from key_groups' dict where the trace keeps it and from the file's
+    columns, are key_groups' instance numbers; the warm-up drop's arrays are those of the trace it leaves; cuts of
+    steps from the file equal the cuts of the trace."""
+    fresh = Trace(list(trace.spans), trace.meta)  # nothing kept on it: its arrays come from the spans
     want = {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)}
     save_npz(trace, path)
     cf = ColumnFile.read(path)
-    for rows, steps in (file_step_index(cf), step_arrays(trace)):
+    for rows, steps in (file_step_index(cf), step_arrays(trace), step_arrays(fresh)):
         assert dict(zip(rows.tolist(), steps.tolist())) == want
         assert (rows[1:] > rows[:-1]).all()
     dropped = drop_warmup_step(trace)

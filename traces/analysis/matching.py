@@ -13,7 +13,7 @@ import numpy as np
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import GIVEN, keep_step_arrays, step_arrays
+from traces.analysis.step_keys import GIVEN, KEY_GROUPS, keep_step_arrays, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -66,7 +66,7 @@ def _schedule_spans(trace: Trace) -> list[int]:
 
 def key_groups(trace: Trace) -> dict[Key, list[int]]:
     """Key -> its spans' indices in start order (kept on the trace: traces.trace.kept)."""
-    return kept(trace, "_key_groups", lambda: _key_groups(trace))
+    return kept(trace, KEY_GROUPS, lambda: _key_groups(trace))
 
 
 def _key_groups(trace: Trace) -> dict[Key, list[int]]:

@@ -8,6 +8,7 @@ and `file_step_index(cf)` from a .npz file's columns before any span exists (tra
 """
 from __future__ import annotations
 
+import itertools
 from operator import attrgetter
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from traces.columns import columns_of
 from traces.formats.npz import ColumnFile
 from traces.names import is_schedule_span, kernel_part
-from traces.trace import Trace, keep, kept, span_name
+from traces.trace import Trace, has_kept, keep, kept, span_name
 
 
 def keyed_steps(rows: np.ndarray, keys: tuple[np.ndarray, ...], start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,9 +54,28 @@ def _dotted(kinds: list[str], kind: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.array(["." in k for k in kinds], dtype=bool)[kind])
 
 
+KEY_GROUPS = "_key_groups"  # the name matching.key_groups keeps its dict under (traces.trace.kept)
+
+
 def step_arrays(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """(schedule span indices ascending, their steps) of `trace` (kept on it: traces.trace.kept)."""
-    return kept(trace, "_step_arrays", lambda: _from_spans(trace))
+    """(schedule span indices ascending, their steps) of `trace` (kept on it: traces.trace.kept); read off
+    matching.key_groups' dict where the trace has it already (compare asks for both: one pass over the spans, not
+    two)."""
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        if has_kept(trace, KEY_GROUPS):
+            return _from_key_groups(kept(trace, KEY_GROUPS, dict))
+        return _from_spans(trace)
+    return kept(trace, "_step_arrays", make)
+
+
+def _from_key_groups(groups: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The same arrays from key -> its spans' indices in (start, index) order: a span's step is its place in
+    its key's list."""
+    lens = np.fromiter(map(len, groups.values()), np.int64, len(groups))
+    flat = np.fromiter(itertools.chain.from_iterable(groups.values()), np.int64, int(lens.sum()))
+    step = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    order = np.argsort(flat, kind="stable")
+    return flat[order].astype(np.int32), step[order].astype(np.int32)
 
 
 def keep_step_arrays(trace: Trace, rows: np.ndarray, steps: np.ndarray) -> None:
