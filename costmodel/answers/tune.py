@@ -35,6 +35,11 @@ is at least as fast as its bound (first the bound priced without recompute, whic
 by the recompute choices, then the exact one). hp-off layouts never
 bound out hp layouts, so the best runnable layout is exact too. Action prices are shared between candidates
 whose stages hold the same blocks (SharedPricer).
+
+Computed once and reused (Tuner): each schedule built per (kind, P, M), its programs as chunk events for memory,
+checked and lowered only when one of its layouts is simulated; a layout's memory once for it and its hp twin (the
+stream weighs nothing); the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its
+exact bound's.
 """
 from __future__ import annotations
 
