@@ -115,9 +115,9 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/analysis/replicas.py)
     k, st = step_trace(trace, step, info)
     spans = st.spans
-    sched = [s for s in spans if s.stage is not None]
-    t0 = min(s.start for s in sched if _is_schedule(s))
-    t_end = max(s.end for s in sched if _is_schedule(s))
+    sched = [s for s in spans if s.stage is not None and _is_schedule(s)]
+    t0 = min(s.start for s in sched)
+    t_end = max(s.end for s in sched)
     tol = 1e-9 * max(1.0, abs(t_end), abs(t_end - t0))
     b = _Builder(st, tol)
     b.compute_nodes()
@@ -222,10 +222,13 @@ class _Builder:
 
     def comm_nodes(self) -> None:
         self.waits: dict[tuple[int, str], list[int]] = defaultdict(list)
+        collectives = []
         for i, s in enumerate(self.spans):
             target = wait_target(s)
             if target is not None:
                 self.waits[(s.rank, target)].append(i)
+            elif is_collective(s):
+                collectives.append(i)
         nodes, self.transfers, self.wire, notes = build_transfers(self.trace, self.waits, len(self.nodes), self.tol,
                                                                   self._send_posted)
         self.notes.extend(notes)
@@ -234,10 +237,11 @@ class _Builder:
             self.comm_by_name[(t.dst, comm_name(self.spans[t.recv]))].append((n.id, self.spans[t.recv].start))
             if t.send is not None:
                 self.comm_by_name[(t.src, comm_name(self.spans[t.send]))].append((n.id, t.send_start))
-        for i, s in enumerate(self.spans):
+        for i in collectives:
             # all-to-alls and all-reduces posted between ops: from their post to their completion, after the op
             # before the post; one posted inside an op (an expert layer's exchange) is part of that op
-            if is_collective(s) and self._inside(s.rank, s.start, s.start) is None:
+            s = self.spans[i]
+            if self._inside(s.rank, s.start, s.start) is None:
                 n = self._add(Node(len(self.nodes), s.rank, "comm", op_of(s), s.label, s.start, s.end, (i,),
                                    s.stage, s.mb, ts=s.start))
                 self.comm_by_name[(s.rank, comm_name(s))].append((n.id, s.start))

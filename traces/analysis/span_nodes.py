@@ -66,8 +66,15 @@ class Node:
         return []
 
 
+_OPS: dict[str, str] = {}  # kind -> its op: a few dozen kinds, asked for ~10^6 times by a long run's graphs
+
+
 def op_of(s: Span) -> str:
-    return s.kind.split(".", 1)[0]
+    kind = s.kind
+    op = _OPS.get(kind)
+    if op is None:
+        op = _OPS[kind] = kind.split(".", 1)[0]
+    return op
 
 
 def part_name(s: Span) -> str:

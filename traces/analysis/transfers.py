@@ -56,16 +56,19 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
     began posting it."""
     spans = trace.spans
     sends: dict[tuple[str, int | None, int | None, int, int | None], list[int]] = defaultdict(list)
+    recvs: list[int] = []
     for i, s in enumerate(spans):
-        if is_p2p(s) and s.kind.startswith("SEND"):
-            sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
+        if is_p2p(s):
+            if s.kind.startswith("SEND"):
+                sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
+            elif s.kind.startswith("RECV") and s.stage is not None and s.mb is not None:
+                recvs.append(i)
     late = at_the_wait(trace)
     rows = []
     notes: list[str] = []
     used_sends: set[int] = set()
-    for j, r in enumerate(spans):
-        if not (is_p2p(r) and r.kind.startswith("RECV")) or r.stage is None or r.mb is None:
-            continue
+    for j in recvs:
+        r = spans[j]
         if r.peer is None:
             notes.append(f"{r.label} on rank {r.rank} names no sender (peer); left out")
             continue

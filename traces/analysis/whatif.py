@@ -171,8 +171,11 @@ def scaled_durations(g: SpanGraph, scales: dict[str, float],
     parts_out: list[dict[str, float]] = []
     f_mhc = scales.get("mhc", 1.0)
     halves = fb_half_shares(g) if ("F" in scales or "B" in scales) else {}
+    factors: dict[tuple[str, str], float] = {}  # (kind, lane) -> node_factor: a few pairs, 10^3 nodes
     for n in g.nodes:
-        f = node_factor(n.kind, n.lane, scales)
+        f = factors.get((n.kind, n.lane))
+        if f is None:
+            f = factors[(n.kind, n.lane)] = node_factor(n.kind, n.lane, scales)
         if n.id in halves:  # an F&B pair recorded as one span: its halves' shares take F's and B's factors
             sf = halves[n.id]
             f *= sf * scales.get("F", 1.0) + (1.0 - sf) * scales.get("B", 1.0)
