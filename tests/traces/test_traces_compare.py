@@ -267,3 +267,24 @@ def test_compare_plot_without_a_baseline_fails_before_any_output(tmp_path, capsy
     assert main(["compare", str(tmp_path / "p.json"), str(tmp_path / "m.json"), "--plot", str(tmp_path / "o.png")]) == 2
     cap = capsys.readouterr()
     assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and "--plot draws mHC's overhead" in cap.err
+
+
+def test_matched_pairs_lone_prediction_with_every_step_and_steps_with_steps():
+    """The matched pairs (matching.matched_indices, under compare and match_spans): a lone predicted instance pairs
+    with every measured instance of its key, k instances with k, the shorter side deciding; keys on one side only
+    pair with nothing; in the predicted keys' order."""
+    from traces.analysis.matching import key_groups, match_spans, matched_indices
+
+    pred, meas = pred_trace(), meas_trace()
+    two = Trace(spans=meas.spans + [Span(s.rank, s.stream, s.kind, s.stage, s.mb, s.start + 100, s.duration,
+                                         peer=s.peer) for s in meas.spans], meta=meas.meta)
+    extra = Trace(spans=pred.spans + [Span(0, "compute", "W", 0, 0, 60, 1)], meta=pred.meta)
+    for p, m in ((pred, two), (two, two), (extra, meas), (two, meas)):
+        pg, mg = key_groups(p), key_groups(m)
+        want = []
+        for key, pidx in pg.items():
+            midx = mg.get(key, [])
+            want += [(pidx[0], i) for i in midx] if len(pidx) == 1 else list(zip(pidx, midx))
+        pp, mm = matched_indices(p, m)
+        assert list(zip(pp.tolist(), mm.tolist())) == want == match_spans(p, m)
+        assert want

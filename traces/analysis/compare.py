@@ -34,7 +34,7 @@ from traces.analysis.path_overhead import compare_paths
 from traces.analysis.receive_wait import comm_span_meaning, receive_wait
 from traces.columns import columns_of
 from traces.trace import Span, Trace, TraceError, union_length
-from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, match_spans,
+from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, matched_indices,
                              schedule_spans, span_key)
 
 @dataclass
@@ -253,10 +253,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     check_same_schedule(pred, meas, *names)
     # the matched pairs as index arrays and masks, per kind in pair order (10^6 spans: no tuple, set or float
     # object per pair)
-    pairs = match_spans(pred, meas)
-    pp = np.fromiter((p for p, _ in pairs), np.int64, len(pairs))
-    mm = np.fromiter((m for _, m in pairs), np.int64, len(pairs))
-    del pairs
+    pp, mm = matched_indices(pred, meas)
     matched_p = np.zeros(len(pred.spans), dtype=bool)
     matched_p[pp] = True
     matched_m = np.zeros(len(meas.spans), dtype=bool)

@@ -82,15 +82,31 @@ def _key_groups(trace: Trace) -> dict[Key, list[int]]:
 
 def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
     """(pred index, meas index) pairs. One predicted instance pairs with every measured instance (steps)."""
+    pp, mm = matched_indices(pred, meas)
+    return list(zip(pp.tolist(), mm.tolist()))
+
+
+def matched_indices(pred: Trace, meas: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """match_spans' pairs as two index arrays, in its order: per predicted key (key_groups' order), a lone
+    predicted instance with every measured one, else instance k with instance k (a long run's 10^6 pairs without a
+    tuple each)."""
     pg, mg = key_groups(pred), key_groups(meas)
-    pairs = []
+    ps: list[np.ndarray] = []
+    ms: list[np.ndarray] = []
     for key, pidx in pg.items():
-        midx = mg.get(key, [])
+        midx = mg.get(key)
+        if not midx:
+            continue
         if len(pidx) == 1:
-            pairs.extend((pidx[0], m) for m in midx)
+            ps.append(np.full(len(midx), pidx[0], dtype=np.int64))
+            ms.append(np.asarray(midx, dtype=np.int64))
         else:
-            pairs.extend(zip(pidx, midx))
-    return pairs
+            n = min(len(pidx), len(midx))
+            ps.append(np.asarray(pidx[:n], dtype=np.int64))
+            ms.append(np.asarray(midx[:n], dtype=np.int64))
+    if not ps:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(ps), np.concatenate(ms)
 
 
 def step_index(trace: Trace) -> dict[int, int]:
