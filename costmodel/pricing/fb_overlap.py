@@ -122,7 +122,7 @@ WFILL = ("end", "program")
 
 def _flatten(chains: list[list[TimedOp]]):
     """The chains' ops in one list (op i of chain c at base[c] + i), each op's chain, and the in-chain dependency
-    graph: successors, predecessors and the count of predecessors not yet done."""
+    graph: successors and the count of predecessors not yet done."""
     ops: list[TimedOp] = []
     chain_of: list[int] = []
     base: list[int] = []
@@ -131,17 +131,16 @@ def _flatten(chains: list[list[TimedOp]]):
         ops.extend(chain)
         chain_of.extend([c] * len(chain))
     succ: list[list[int]] = [[] for _ in ops]
-    preds: list[list[int]] = [[] for _ in ops]
     missing = [0] * len(ops)
     for c, chain in enumerate(chains):
+        b, n = base[c], len(chain)
         for i, op in enumerate(chain):
             for off in op.deps:
                 j = i + off
-                if off < 0 and 0 <= j < len(chain):
-                    succ[base[c] + j].append(base[c] + i)
-                    preds[base[c] + i].append(base[c] + j)
-                    missing[base[c] + i] += 1
-    return ops, chain_of, base, succ, preds, missing
+                if off < 0 and 0 <= j < n:
+                    succ[b + j].append(b + i)
+                    missing[b + i] += 1
+    return ops, chain_of, base, succ, missing
 
 
 def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool, b_first: bool = False) -> list[int]:
@@ -163,7 +162,7 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                 b_first: bool = False) -> OverlapResult:
     if wfill not in WFILL:
         raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
-    ops, chain_of, base, succ, preds, missing = _flatten(chains)
+    ops, chain_of, base, succ, missing = _flatten(chains)
     N = len(ops)
     lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
     order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end", b_first=b_first)
@@ -172,6 +171,9 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     slot = [_SLOT["compute" if (op.stream == "hp" and not hp) else op.stream] for op in ops]
     op_lag = [lag[c] for c in chain_of]
     dur = [op.duration for op in ops]
+    sm = [op.sm for op in ops]
+    hbm = [op.hbm for op in ops]
+    pinned = [not op.preemptible for op in ops]
     queues: list[list[int]] = [[], [], []]
     for i in order:
         queues[slot[i]].append(i)
@@ -208,7 +210,7 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                 raise RuntimeError("overlap: kernels wait on each other (bad deps); this is a cost-model bug")
             t = min(pending)
             continue
-        rates = _rates(ops, running, sigma, corun, comm_share)
+        rates = _rates(sm, hbm, pinned, running, sigma, corun, comm_share)
         t_next = inf
         computing = False
         for s in (COMM, HP, COMPUTE):
@@ -260,9 +262,11 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
     return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release), timeline)
 
 
-def _rates(ops: list[TimedOp], running: list, sigma: float, corun: bool, comm_share: float) -> list[float]:
+def _rates(sm: list[float], hbm: list[float], pinned: list[bool], running: list, sigma: float, corun: bool,
+           comm_share: float) -> list[float]:
     """Rates of the running kernels per stream slot (see the module docstring; 0.0 for an idle slot): carve-out,
-    kernels that never yield (in start order), hp, compute; each min(1, SMs left / sm, HBM left / hbm)."""
+    kernels that never yield (in start order), hp, compute; each min(1, SMs left / sm, HBM left / hbm). `sm`,
+    `hbm`, `pinned`: per op, its TimedOp's sm, hbm and not preemptible (lists: this runs at every event)."""
     rates = [0.0, 0.0, 0.0]
     sm_left, hbm_left = 1.0, 1.0
     comm = running[COMM] is not None
@@ -270,24 +274,33 @@ def _rates(ops: list[TimedOp], running: list, sigma: float, corun: bool, comm_sh
         rates[COMM] = 1.0
         sm_left -= comm_share
     slow = 1.0 / (1.0 + sigma) if comm else 1.0
-    compute = [s for s in (HP, COMPUTE) if running[s] is not None]
-    if len(compute) == 2:  # a kernel that never yields keeps the SMs it took before the hp kernel came
-        i, _, _, order = running[COMPUTE]
-        if not ops[i].preemptible and order < running[HP][3]:
-            compute.reverse()
+    on_hp, on_compute = running[HP], running[COMPUTE]
+    if on_hp is None:
+        compute: tuple[int, ...] = () if on_compute is None else (COMPUTE,)
+    elif on_compute is None:
+        compute = (HP,)
+    elif pinned[on_compute[0]] and on_compute[3] < on_hp[3]:
+        compute = (COMPUTE, HP)  # a kernel that never yields keeps the SMs it took before the hp kernel came
+    else:
+        compute = (HP, COMPUTE)
     granted = False
     for s in compute:
-        op = ops[running[s][0]]
+        i = running[s][0]
         if granted and not corun:
             rates[s] = 0.0
             continue
-        r = 1.0
-        if op.sm > 0:
-            r = min(r, max(0.0, sm_left) / op.sm)
-        if op.hbm > 0:
-            r = min(r, max(0.0, hbm_left) / op.hbm)
-        sm_left -= r * op.sm
-        hbm_left -= r * op.hbm
+        r = 1.0  # min(1, SMs left / sm, HBM left / hbm), the comparisons written out (this runs ~10^5 times)
+        s_i, h_i = sm[i], hbm[i]
+        if s_i > 0:
+            q = (sm_left if sm_left > 0.0 else 0.0) / s_i
+            if q < r:
+                r = q
+        if h_i > 0:
+            q = (hbm_left if hbm_left > 0.0 else 0.0) / h_i
+            if q < r:
+                r = q
+        sm_left -= r * s_i
+        hbm_left -= r * h_i
         rates[s] = r * slow
         granted = granted or r > 0
     return rates
