@@ -22,7 +22,9 @@ class SharedPricer(Pricer):
         self.shared = shared  # before the Pricer's own set-up, which prices the stages' memory through it
         super().__init__(*args, **kw)
         p = self.cfg.parallel
-        self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream)
+        # besides the stage key, what an action's kernels are timed by: the shape, the EP placement, the stream,
+        # and the NIC share the stage-boundary messages take from the all-to-alls (it follows the layout)
+        self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream, self.nic_bytes)
 
     def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
         """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
