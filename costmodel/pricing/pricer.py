@@ -118,7 +118,7 @@ class Pricer:
         self.slowdown = 1.0
         self.results: dict[tuple, OverlapResult] = {}  # per (kind, stage[, backward stage]), inputs on time
         self._lagged: dict[tuple, OverlapResult] = {}  # F&B pairs whose halves' inputs arrived late
-        self._chain_cache: dict[tuple, list[list[TimedOp]]] = {}
+        self._chain_cache: dict[tuple, list[TimedOp]] = {}  # (kind, stage key) -> its chain
         comm_sms = hw.comm_sms if options.comm_sms is None else options.comm_sms
         if not 0 <= comm_sms < hw.sms:
             raise ValueError(f"comm_sms {comm_sms}: the SMs the all-to-all occupies must be >= 0 and fewer than the "
@@ -350,25 +350,30 @@ class Pricer:
                        b_first=deepseek)
 
     def _chains(self, a: Action) -> list[list[TimedOp]]:
-        """The action's kernel chains (built once per kind and stage key)."""
-        key = self._shape_key(a)
-        chains = self._chain_cache.get(key)
-        if chains is None:
-            k = a.kind
-            if k is Kind.F:
-                chains = [self.forward_ops(a.stage)]
-            elif k is Kind.I:
-                chains = [self.backward_ops(a.stage, with_w=False)]
-            elif k is Kind.W:
-                chains = [self.backward_ops(a.stage, with_w=True, with_i=False)]
-            elif k is Kind.B:
-                chains = [self.backward_ops(a.stage, with_w=True)]
-            elif k is Kind.FB:
-                chains = [self.forward_ops(a.stage), self.backward_ops(a.b_stage, with_w=True)]
-            else:
-                raise ValueError(f"cannot price action kind {k}")
-            self._chain_cache[key] = chains
-        return chains
+        """The action's kernel chains: an F&B pair's are its forward's F chain and its backward's B chain."""
+        k = a.kind
+        if k is Kind.FB:
+            return [self._chain(Kind.F, a.stage), self._chain(Kind.B, a.b_stage)]
+        if k not in (Kind.F, Kind.I, Kind.W, Kind.B):
+            raise ValueError(f"cannot price action kind {k}")
+        return [self._chain(k, a.stage)]
+
+    def _chain(self, kind: Kind, stage: int) -> list[TimedOp]:
+        """One chain, built once per kind and stage key (the pricing reads chains, never changes them)."""
+        key = (kind.value, self.stage_key[stage])
+        chain = self._chain_cache.get(key)
+        if chain is None:
+            chain = self._chain_cache[key] = self._build_chain(kind, stage)
+        return chain
+
+    def _build_chain(self, kind: Kind, stage: int) -> list[TimedOp]:
+        if kind is Kind.F:
+            return self.forward_ops(stage)
+        if kind is Kind.I:
+            return self.backward_ops(stage, with_w=False)
+        if kind is Kind.W:
+            return self.backward_ops(stage, with_w=True, with_i=False)
+        return self.backward_ops(stage, with_w=True)
 
     @staticmethod
     def _key(a: Action) -> tuple:

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 from costmodel.physics.memory import StageMemory
 from costmodel.pricing.pricer import Pricer
-from schedules.ir import Action
+from costmodel.pricing.fb_overlap import TimedOp
+from schedules.ir import Action, Kind
 
 
 class SharedPricer(Pricer):
@@ -41,6 +42,15 @@ class SharedPricer(Pricer):
                 got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
             mine = self.shared[(key, stage)] = replace(got, stage=stage)
         return mine
+
+    def _chain(self, kind: Kind, stage: int) -> list[TimedOp]:
+        """A chain is timed by what a price depends on (`common` and the stage key): built once for every candidate
+        (an F&B pair's halves are the F and B chains other layouts of the search built already)."""
+        key = ("chain",) + self.common + (kind.value, self.stage_key[stage])
+        chain = self.shared.get(key)
+        if chain is None:
+            chain = self.shared[key] = self._build_chain(kind, stage)
+        return chain
 
     def compute_time(self, a: Action) -> float:
         key = self.common + self._shape_key(a)
