@@ -1,8 +1,11 @@
 """A Pricer whose prices are shared by the pricers of many layouts (`mhcpipe tune`, costmodel/answers/tune.py).
 
-An action's duration depends on the shape (micro-batch size, EP, its placement, the hp stream) and on what its stage
-holds (Pricer.stage_key), and a stage's memory on the shape, the recompute choice and which blocks it holds: not on
-the stage's index or the schedule. One dict, passed in, keeps them for every candidate of a search.
+An action's duration depends on the shape (micro-batch size, EP, its placement, the hp stream), on the share of the NIC
+the stage-boundary messages take from the all-to-alls (Pricer.nic_bytes, which follows the layout: a key without it
+priced some V3 layouts 3.8% fast) and on what its stage holds (Pricer.stage_key), and a stage's memory on the shape,
+the recompute choice and which blocks it holds: not on the stage's index or the schedule. One dict, passed in, keeps
+them for every candidate of a search (tests/costmodel/test_tune.py checks a whole V3 search's front against
+predict).
 """
 from __future__ import annotations
 
@@ -15,9 +18,8 @@ from schedules.ir import Action, Kind
 
 
 class SharedPricer(Pricer):
-    """A Pricer whose action prices are shared by every candidate's pricer: an action's duration depends on the
-    shape (micro-batch size, EP, its placement, hp) and on what its stage holds (Pricer.stage_key), not on which
-    stage index or schedule it has."""
+    """A Pricer whose action prices and kernel chains are shared by every candidate's pricer, keyed on what they
+    depend on (`common` and Pricer.stage_key; module docstring), not on the stage's index or the schedule."""
 
     def __init__(self, *args, shared: dict, **kw):
         self.shared = shared  # before the Pricer's own set-up, which prices the stages' memory through it
