@@ -222,6 +222,7 @@ class Tuner:
         self._prepared: dict[Candidate, tuple] = {}
         self._hp: dict[Candidate, Candidate] = {}  # cand -> its hp twin (memory and L_r do not depend on the stream)
         self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
+        self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -350,9 +351,15 @@ class Tuner:
         recompute choice share: a weaker bound, priced once for all of them."""
         schedule, per_rank = self._schedule(ev.cand)
         cfg, layout, pr = self._prep(ev.cand if exact else replace(ev.cand, recompute="off"))
-        full = cfg.model_copy(update={"parallel": self._fast_config(ev.cand).parallel})
-        floor = sync_floor(schedule, reductions(full, self.hw, schedule, layout,
-                                                {s: m.params for s, m in pr.stage_mem.items()}))
+        par = self._fast_config(ev.cand).parallel
+        params = {s: m.params for s, m in pr.stage_mem.items()}
+        # the all-reduces follow from these alone (the model, hardware and dtype are the search's): layouts that
+        # differ in the stream, the optimizer's sharding or the recompute choice share them
+        key = (id(schedule), par.data_parallel, par.expert_parallel, tuple(layout.items()), tuple(params.items()))
+        floor = self._floors.get(key)
+        if floor is None:
+            full = cfg.model_copy(update={"parallel": par})
+            floor = self._floors[key] = sync_floor(schedule, reductions(full, self.hw, schedule, layout, params))
         chains = derived(schedule, "first forward chains", lambda: first_forward_chains(schedule))
         hop = pr.transfer_time(None)
         fill = []  # per rank: the upstream forwards (and sends) before its first action can start
