@@ -85,10 +85,10 @@ def replay(g: SpanGraph, dur: np.ndarray | None = None, gap_scale: float = 1.0) 
     start = [0.0] * n
     end = [0.0] * n
     dv, t0, lat, bind = d.tolist(), g.t0, g.lat, g.bind
-    none = float("-inf")
+    unbound = float("-inf")  # a node with a binding input starts from its inputs alone
     for v in g.order:
         b = bind[v]
-        s = t0 + lat[v] * gap_scale if b < 0 else none
+        s = t0 + lat[v] * gap_scale if b < 0 else unbound
         for u, lag, from_end in st_in[v]:
             t = (end[u] if from_end else start[u]) + (lag + (lat[v] if u == b else 0.0)) * gap_scale
             if t > s:
