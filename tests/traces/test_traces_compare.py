@@ -288,3 +288,21 @@ def test_matched_pairs_lone_prediction_with_every_step_and_steps_with_steps():
         pp, mm = matched_indices(p, m)
         assert list(zip(pp.tolist(), mm.tolist())) == want == match_spans(p, m)
         assert want
+
+
+def test_kind_times_are_the_same_floats_whatever_the_hash_seed():
+    """compare's per-kind times sum the ranks' medians in one order: a set's order follows str hashes, which Python
+    seeds per process, and the sums then differed in their last bits from run to run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from traces.formats.io import load_trace; from traces.analysis.compare import time_stats; "
+            "import sys; print(repr(time_stats(load_trace(sys.argv[1])).kind_time))")
+    trace = Path(__file__).parent / "data" / "predicted_dualpipev_tiny.json.gz"
+    root = Path(__file__).resolve().parents[2]
+    outs = {subprocess.run([sys.executable, "-c", code, str(trace)], capture_output=True, text=True, check=True,
+                           cwd=root, env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(root)}).stdout
+            for seed in range(6)}
+    assert len(outs) == 1, outs

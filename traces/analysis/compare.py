@@ -168,7 +168,9 @@ def time_stats(trace: Trace) -> TimeStats:
 
     rank_kind: dict[int, dict[str, float]] = defaultdict(dict)
     kind_time: dict[str, float] = defaultdict(float)
-    for rk in set().union(*step_kt) if step_kt else ():
+    # (rank, kind) in sorted order: a set's order follows str hashes, which differ per process, and kind_time's
+    # sums over ranks would then differ in their last bits from run to run
+    for rk in sorted(set().union(*step_kt)) if step_kt else ():
         v = med([kt.get(rk, 0.0) for kt in step_kt])
         rank_kind[rk[0]][rk[1]] = v
         kind_time[rk[1]] += v
