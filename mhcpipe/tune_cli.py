@@ -151,7 +151,7 @@ def _layout_exists(nb: int, gpus: int, G: int, space: dict) -> bool:
 def check_inputs(cfg, gpus: int, G: int, space: dict) -> None:
     """One line naming the flag and what would fit, before the search. Both fixes are given; the flag named
     first is the value with fewer divisors (a prime GPU count, or a global batch that splits no way)."""
-    from costmodel.answers.tune import divisors
+    from costmodel.answers.tune_space import divisors
 
     nb = cfg.model.num_blocks
     if gpus < 1:

@@ -5,14 +5,15 @@ Shape letters: G global batch (sequences per step), b micro-batch size (sequence
 step, P pipeline ranks, D data-parallel replicas (P x D = the GPUs), EP expert-parallel degree, M / D the
 micro-batches one pipeline runs, L_r the recompute block (sub-layers).
 
-Search space (one `Candidate` each): P dividing the GPUs (D = GPUs / P), schedule kind, EP dividing D and the
-expert count (the runtime's rules, pipeline/distributed/layout.py), b from a list (M follows), recompute off / auto
-(Eq. 20 per stage) / a few block sizes, the MLP-side post+res on the high-priority stream or not, and stages that do not
-divide the blocks (parallel.uneven_stages: the runtime's split, the first stages one block more), the optimizer
-state whole on every rank or sharded over the data-parallel ranks (train.distributed_optimizer, ZeRO-1 as
-Megatron-LM's distributed optimizer: memory only; the step prices the same gradient all-reduce). EP placement
-follows the runtime's mesh (data_parallel.fewest_ep_ranks_per_node -> Options.ep_per_node). Invalid layouts (a
-schedule's M/P rules, too few blocks, D not dividing M) are dropped before anything is priced.
+Search space (costmodel/answers/tune_space.py, one `Candidate` each): P dividing the GPUs (D = GPUs / P), schedule
+kind, EP dividing D and the expert count (the runtime's rules, pipeline/distributed/layout.py), b from a list (M
+follows), recompute off / auto (Eq. 20 per stage) / a few block sizes, the MLP-side post+res on the high-priority
+stream or not, and stages that do not divide the blocks (parallel.uneven_stages: the runtime's split, the first
+stages one block more), the optimizer state whole on every rank or sharded over the data-parallel ranks
+(train.distributed_optimizer, ZeRO-1 as Megatron-LM's distributed optimizer: memory only; the step prices the same
+gradient all-reduce). EP placement follows the runtime's mesh (data_parallel.fewest_ep_ranks_per_node ->
+Options.ep_per_node). Invalid layouts (a schedule's M/P rules, too few blocks, D not dividing M) are dropped before
+anything is priced.
 
 Objective: step = the simulated pipeline of one replica (the same Pricer + simulation as `predict`'s mHC run)
 plus the exposed part of the gradient all-reduce over the replicas (data_parallel.grad_sync). Memory: the peak
@@ -56,9 +57,9 @@ from costmodel.pricing.shared_pricer import SharedPricer
 from costmodel.pricing.options import Options
 from costmodel.pricing.stage_split import balanced_split, piece_costs
 from costmodel.answers.predict import residual_spec_of
+from costmodel.answers.tune_space import Candidate, candidates, reference_candidate
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
-from schedules.registry import kind_of, names
 from schedules.deps import first_forward_chains
 from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
@@ -66,43 +67,6 @@ from schedules.validate import check_structure
 
 GIB = 2 ** 30
 TIE_PCT = 2.0  # the model's +-2% error band (costmodel.md §1 anchors: 2-8% average error)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout: what the written YAML sets (parallel.*, recompute.*) plus the hp placement (a pricing
-    switch: the runtime always runs post+res on the high-priority stream on CUDA)."""
-
-    schedule: str
-    pp: int
-    dp: int
-    ep: int
-    microbatch_size: int
-    microbatches: int  # M of the whole step (the config's parallel.microbatches)
-    recompute: str  # "off", "auto" or a block size in sub-layers
-    hp: bool = True
-    uneven: bool = False
-    distributed_optimizer: bool = False  # train.distributed_optimizer (ZeRO-1 over the data-parallel ranks)
-    split: str = "even"  # how blocks are cut into stages: "even" or "balanced" (by cost; written as stage_split)
-
-    @property
-    def per_replica(self) -> int:
-        return self.microbatches // self.dp
-
-    def label(self) -> str:
-        return (f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} mbs={self.microbatch_size} "
-                f"M={self.microbatches} recompute={self.recompute}{'' if self.hp else ' no-hp'}"
-                f"{' dist-opt' if self.distributed_optimizer else ''}"
-                f"{' split=balanced' if self.split != 'even' else ''}")
-
-    def overrides(self) -> dict:
-        rc = ({"mode": self.recompute, "block_size": None} if self.recompute in ("off", "auto")
-              else {"mode": "block", "block_size": int(self.recompute)})
-        return {"parallel": {"schedule": self.schedule, "ranks": self.pp, "data_parallel": self.dp,
-                             "expert_parallel": self.ep, "microbatches": self.microbatches,
-                             "microbatch_size": self.microbatch_size, "uneven_stages": self.uneven,
-                             "stage_split": None},  # Tuner.config writes a balanced candidate's cut
-                "recompute": rc, "train": {"distributed_optimizer": self.distributed_optimizer}}
 
 
 @dataclass
@@ -154,53 +118,6 @@ def options_of(cand: Candidate, hw: HardwareSpec, base: Options | None = None) -
     return replace(base or Options(), hp_stream=cand.hp, allow_uneven=cand.uneven, split=cand.split,
                    data_parallel=cand.dp,
                    ep_per_node=fewest_ep_ranks_per_node(cand.pp, cand.dp, cand.ep, hw.gpus_per_node))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, microbatch_sizes=(1, 2, 4),
-               recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
-               distributed_optimizer=(False, True), splits=("even",), counts: Counter | None = None) -> list[Candidate]:
-    """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
-    schedules = names() if schedules is None else schedules  # every registered kind (schedules.registry)
-    counts = counts if counts is not None else Counter()
-    nb, moe = cfg.model.num_blocks, cfg.model.moe
-    out = []
-    for pp in divisors(gpus):
-        dp = gpus // pp
-        for kind in schedules:
-            stages = kind_of(kind).model_chunks(pp)
-            if stages > nb:
-                counts["more stages than blocks"] += 1
-                continue
-            uneven = nb % stages != 0
-            if uneven and not allow_uneven:
-                counts["uneven stages (--even-only)"] += 1
-                continue
-            for b in microbatch_sizes:
-                if global_batch % b or (global_batch // b) % dp:
-                    counts["global batch not divisible into micro-batches x dp"] += 1
-                    continue
-                M = global_batch // b
-                try:
-                    build(kind, pp, M // dp)
-                except ValueError:
-                    counts["schedule rules (M/P)"] += 1
-                    continue
-                eps = [e for e in divisors(dp) if moe is not None and moe.num_experts % e == 0] or [1]
-                for ep in eps:
-                    for rc in recompute:
-                        for h in hp:
-                            for zero in distributed_optimizer:
-                                for split in splits:
-                                    if split == "balanced" and not allow_uneven:
-                                        counts["balanced split (--even-only)"] += 1
-                                        continue
-                                    out.append(Candidate(kind, pp, dp, ep, b, M, rc, h, uneven or split != "even",
-                                                         zero, split))
-    return out
 
 
 class Tuner:
@@ -400,21 +317,6 @@ def pareto(evals: list[Evaluated]) -> list[Evaluated]:
         if not front or e.memory_bytes < front[-1].memory_bytes:
             front.append(e)
     return front
-
-
-def reference_candidate(cfg: RunConfig, gpus: int, global_batch: int) -> Candidate | None:
-    """The config's own layout (schedule, P, EP, b, recompute) on `gpus` GPUs: D = gpus / P."""
-    p, rc = cfg.parallel, cfg.recompute
-    if gpus % p.ranks or global_batch % p.microbatch_size:
-        return None
-    dp = gpus // p.ranks
-    M = global_batch // p.microbatch_size
-    if M % dp or dp % p.expert_parallel:
-        return None
-    recompute = rc.mode if rc.mode != "block" else str(rc.block_size)
-    uneven = cfg.model.num_blocks % p.num_stages != 0
-    return Candidate(p.schedule, p.ranks, dp, p.expert_parallel, p.microbatch_size, M, recompute, True, uneven,
-                     cfg.train.distributed_optimizer)
 
 
 def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: float, global_batch: int,

@@ -16,7 +16,8 @@ from configs import load_config, load_config_data
 from costmodel.pricing.data_parallel import fewest_ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
 from costmodel.physics.hardware import Link, get_hardware
 from costmodel.answers.predict import predict
-from costmodel.answers.tune import GIB, Candidate, Tuner, candidates, options_of, pareto, tune
+from costmodel.answers.tune import GIB, Tuner, options_of, pareto, tune
+from costmodel.answers.tune_space import Candidate, candidates
 from mhcpipe.cli import main
 
 HW = get_hardware("h800")
