@@ -40,7 +40,8 @@ whose stages hold the same blocks (SharedPricer).
 Computed once and reused (Tuner): each schedule built per (kind, P, M), its programs as chunk events for memory,
 checked and lowered only when one of its layouts is simulated; a layout's memory once for it and its hp twin (the
 stream weighs nothing); the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its
-exact bound's.
+exact bound's; a simulation once per set of prices the engine reads (Tuner._simulate_key: an optimizer-sharding
+twin, or an hp twin of a schedule without F&B pairs whose prices the stream leaves alone, reuses the run).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ from schedules.build import build
 from schedules.deps import first_forward_chains
 from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
+from schedules.simulate import SimResult
 from schedules.validate import check_structure
 
 GIB = 2 ** 30
@@ -140,6 +142,7 @@ class Tuner:
         self._hp: dict[Candidate, Candidate] = {}  # cand -> its hp twin (memory and L_r do not depend on the stream)
         self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
         self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
+        self._sims: dict[tuple, SimResult] = {}  # simulate_key -> the simulation (record=False)
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -279,17 +282,37 @@ class Tuner:
             floor = self._floors[key] = sync_floor(schedule, reductions(full, self.hw, schedule, layout, params))
         chains = derived(schedule, "first forward chains", lambda: first_forward_chains(schedule))
         hop = pr.transfer_time(None)
+        prices: dict[tuple, float] = {}  # (kind, stage, backward stage) -> its price: each asked of pr once here
+
+        def price(key: tuple) -> float:
+            got = prices.get(key)
+            if got is None:
+                k, st, b = key
+                got = prices[key] = pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
+            return got
+
         fill = []  # per rank: the upstream forwards (and sends) before its first action can start
         for r, chain in enumerate(chains):
             t, down = 0.0, r
             for st, src in chain:
-                t += pr.compute_time(Action(Kind.F, st, 0)) + (hop if src != down else 0.0)
+                t += price((Kind.F, st, -1)) + (hop if src != down else 0.0)
                 down = src
             fill.append(t)
-        ev.bound_us = max(fill[r] + sum(n * pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
-                                        for (k, st, b), n in counts.items()) + floor[r]
+        ev.bound_us = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + floor[r]
                           for r, counts in enumerate(per_rank))
         return ev.bound_us
+
+    def _simulate_key(self, cand: Candidate, lowered: Schedule, pr: SharedPricer) -> tuple:
+        """What the engine's run of `lowered` reads (schedules.engine: one price per distinct (kind, stage[,
+        backward stage]), one per message, the P2P rule; an F&B pair's timing with late inputs from its pricer):
+        layouts with equal keys have the same simulation. Without F&B pairs that is the prices themselves, so a
+        layout whose stream or optimizer sharding changes no price (1F1B's and ZB1P's hp twins often, every
+        distributed-optimizer twin) reuses its twin's run; with pairs, only the same pricer (the optimizer twin's)."""
+        _, per_rank = self._schedule(cand)
+        kinds = sorted({key for counts in per_rank for key in counts})
+        pairs = any(k is Kind.FB for k, _, _ in kinds)
+        prices = tuple(pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1)) for k, st, b in kinds)
+        return (id(lowered), pr.opt.p2p, pr.transfer_time(None), prices, id(pr) if pairs else None)
 
     def evaluate(self, ev: Evaluated) -> Evaluated:
         """Simulate one replica's pipeline (predict's mHC run) and add the gradient all-reduce."""
@@ -302,8 +325,13 @@ class Tuner:
         lowered, events = self._lowered_schedule(cand), self._program_events(cand)
         # the analytic pricer simulates the checked, lowered schedule; a profile pricing (local) takes the original
         # (no spans: the step needs the makespan and each stage's last gradient write, which the engine keeps)
-        sim = (pr.simulate(lowered, validate=False, record=False) if pr.profile_pricing is None
-               else pr.simulate(schedule))
+        if pr.profile_pricing is None:
+            key = self._simulate_key(cand, lowered, pr)
+            sim = self._sims.get(key)
+            if sim is None:
+                sim = self._sims[key] = pr.simulate(lowered, validate=False, record=False)
+        else:
+            sim = pr.simulate(schedule)
         ev.memory_bytes = self._peak_memory(cand, cfg, schedule, pr, events)
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})

@@ -281,3 +281,25 @@ def test_every_front_layout_of_a_v3_search_is_priced_as_predict_prices_its_writt
     for ev in result.front:
         pred = predict(result.tuner.config(ev.cand), HW, ladder=False)
         assert ev.pipeline_us == pred.mhc.makespan, ev.cand.label()
+
+
+def test_layouts_share_a_simulation_only_when_the_engine_reads_the_same_prices(p3b):
+    """Tuner.evaluate reuses a simulation for layouts whose prices are the same (an hp twin of a schedule without
+    F&B pairs, a distributed-optimizer twin): every layout of a pool evaluated through one tuner equals the same
+    layout evaluated alone, and the pool holds both twins whose prices differ and twins that share a run."""
+    cfg, data = p3b
+    pool = [c for c in candidates(cfg, 8, 32, schedules=("1f1b", "zb1p", "dualpipev"), microbatch_sizes=(1,),
+                                  recompute=("off", "auto"), hp=(True, False), distributed_optimizer=(False, True))
+            if c.ep > 1]
+    shared = Tuner(cfg, data, HW)
+    got = {c: shared.evaluate(shared.memory(c)) for c in pool}
+    assert len(shared._sims) < len(pool)  # some layouts did share a run
+    differ = 0
+    for c, ev in got.items():
+        alone = Tuner(cfg, data, HW)
+        want = alone.evaluate(alone.memory(c))
+        assert (ev.pipeline_us, ev.step_us, ev.memory_bytes) == (want.pipeline_us, want.step_us, want.memory_bytes), \
+            c.label()
+        twin = replace(c, hp=not c.hp)
+        differ += c.schedule != "dualpipev" and twin in got and got[twin].pipeline_us != ev.pipeline_us
+    assert differ  # an hp twin without pairs that prices differently: a key without the prices would fail
