@@ -49,6 +49,7 @@ input-gradient kernel), and every kernel's start and end (`timeline`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 MODES = ("streams", "serial", "max")
 _EPS = 1e-12
@@ -91,8 +92,15 @@ class OverlapResult:
     exposed_comm: float
     group_time: dict[str, float] = field(default_factory=dict)  # summed kernel durations per group
     release: tuple[float, ...] = ()  # per chain: when its output is ready (the chain's end when unmarked)
-    # (chain, name, stream, start, end)
-    timeline: list[tuple[int, str, str, float, float]] = field(default_factory=list)
+    # the timeline's rows, or a function that makes them: the tuner runs ~3,000 of these and reads none
+    rows: list[tuple[int, str, str, float, float]] | Callable[[], list] = field(default_factory=list, repr=False)
+
+    @property
+    def timeline(self) -> list[tuple[int, str, str, float, float]]:
+        """Every kernel's (chain, name, stream, start, end), made when first read."""
+        if callable(self.rows):
+            self.rows = self.rows()
+        return self.rows
 
 
 def _group_time(chains: list[list[TimedOp]]) -> dict[str, float]:
@@ -258,8 +266,9 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
         marked = [base[c] + i for i, op in enumerate(chain) if op.output]
         idx = marked or range(base[c], base[c] + len(chain))
         release.append(max((end_at[i] for i in idx), default=0.0))
-    timeline = [(chain_of[i], ops[i].name, _STREAMS[slot[i]], start_at[i], end_at[i]) for i in range(N)]
-    return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release), timeline)
+    return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release),
+                         lambda: [(chain_of[i], ops[i].name, _STREAMS[slot[i]], start_at[i], end_at[i])
+                                  for i in range(N)])
 
 
 def _rates(sm: list[float], hbm: list[float], pinned: list[bool], running: list, sigma: float, corun: bool,
