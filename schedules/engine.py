@@ -177,7 +177,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     return EngineResult(False, spans, {r: a})
                 ch, index = slot
                 recv_post[ch][index] = 0.0 if always_posted else t_free
-                if index == chan_next[ch]:  # only the channel's head message can start a transfer
+                # only the channel's head message can start a transfer, and only once its send is posted too
+                if index == chan_next[ch] and send_ready[ch][index] is not None:
                     resolve(ch)
                 i += 1
                 continue
@@ -191,7 +192,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 index = send_count[ch]
                 send_ready[ch][index] = v if (post_when_produced or v > t_free) else t_free
                 send_count[ch] = index + 1
-                if index == chan_next[ch]:
+                if index == chan_next[ch] and recv_post[ch][index] is not None:
                     resolve(ch)
                 i += 1
                 continue
