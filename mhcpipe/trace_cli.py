@@ -23,7 +23,7 @@ from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
 from mhcpipe.analysis_cli import load_for_analysis, load_steps
-from traces.formats.io import json_file_trace, load_trace, sniff
+from traces.formats.io import json_file_trace, load_trace, sniff, streamed_trace
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
 from traces.names import STEP_KIND
@@ -80,6 +80,9 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
     """All traces in a file: a Chrome file of ours may hold a predicted and a measured trace."""
     p = Path(path)
     if p.is_file() and sniff(p) == "json":
+        streamed = streamed_trace(p, rank=rank)  # a PyTorch profiler file, event by event
+        if streamed is not None:
+            return [streamed]
         data = read_json(p)
         if isinstance(data, dict) and data.get("format") != FORMAT_NAME and not is_kineto(data) \
                 and "traceEvents" in data:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.formats.chrome import chrome_to_traces, pick
-from traces.formats.kineto import is_kineto, kineto_to_trace, read_json
+from traces.formats.kineto import is_kineto, kineto_to_trace, read_json, stream_kineto
 from traces.formats.npz import MAGIC as NPZ_MAGIC, load_npz, save_npz
 from traces.formats.nsys import load_nsys
 from traces.formats.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
@@ -66,7 +66,9 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
                              "profiler), an Nsight Systems SQLite export, or an nsys stats NVTX trace CSV")
         trace = load_nsys_csv(path, rank=rank)
     else:
-        return json_file_trace(path, read_json(path), rank=rank, which=which, consume=True)
+        trace = streamed_trace(path, rank=rank)
+        return trace if trace is not None else json_file_trace(path, read_json(path), rank=rank, which=which,
+                                                               consume=True)
     if rank is None:
         _rank_from_file_name(trace, path)
     return trace
@@ -75,6 +77,15 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
 def save_trace(trace: Trace, path: str | Path) -> Path:
     """Write `trace` as our binary columns when `path` ends in .npz, else as our JSON."""
     return save_npz(trace, path) if str(path).lower().endswith(".npz") else trace.save(path)
+
+
+def streamed_trace(path: Path, rank: int | None = None) -> Trace | None:
+    """A JSON file read as a stream (a PyTorch profiler trace, event by event: kineto.stream_kineto), or None
+    when it is another JSON (read it whole: json_file_trace)."""
+    trace = stream_kineto(path, rank=rank)
+    if trace is not None and rank is None:
+        _rank_from_file_name(trace, path)
+    return trace
 
 
 def json_file_trace(path: Path, data: Any, rank: int | None = None, which: str | None = None,

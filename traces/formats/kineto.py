@@ -24,9 +24,10 @@ import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from traces.names import parse_name, range_span
+from traces.formats.json_stream import ObjectStream
 from traces.formats.project import Launches
 from traces.trace import Span, Trace, TraceError, collector_paused
 
@@ -69,10 +70,14 @@ def read_json(path: str | Path) -> Any:
                          "may be truncated (was the profiler stopped before it finished writing?)") from None
 
 
+KINETO_MEMBERS = frozenset({"schemaVersion", "deviceProperties", "distributedInfo"})  # the profiler writes these
+# before traceEvents (schemaVersion first): a file that opens with one is read event by event (stream_kineto)
+
+
 def is_kineto(data: Any) -> bool:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         return False
-    if "distributedInfo" in data or "deviceProperties" in data or "schemaVersion" in data:
+    if KINETO_MEMBERS & data.keys():
         return True
     cats = {str(e.get("cat")).lower() for e in data["traceEvents"][:5000] if isinstance(e, dict)}
     return bool(cats & {"cpu_op", "kernel", "cuda_runtime", "user_annotation", "gpu_user_annotation", "operator",
@@ -103,7 +108,21 @@ def _num(x: Any) -> float | None:
 
 def load_kineto(path: str | Path, rank: int | None = None) -> Trace:
     path = Path(path)
-    return kineto_to_trace(read_json(path), source=str(path), rank=rank, file_name=path.name)
+    trace = stream_kineto(path, rank)
+    return trace if trace is not None else kineto_to_trace(read_json(path), source=str(path), rank=rank,
+                                                           file_name=path.name)
+
+
+def stream_kineto(path: str | Path, rank: int | None = None) -> Trace | None:
+    """A PyTorch profiler file read event by event (traces.formats.json_stream: no dict per event, no whole text
+    in memory), or None when the file does not open with the profiler's members (KINETO_MEMBERS) before
+    traceEvents: read it whole then (json.loads; older profiler releases, other JSON)."""
+    path = Path(path)
+    stream = ObjectStream(path, "traceEvents", lead=KINETO_MEMBERS)
+    if stream.head is None or not KINETO_MEMBERS & stream.head.keys():
+        stream.close()
+        return None
+    return _to_trace(stream.items(), stream.members, str(path), rank, path.name)
 
 
 def _file_rank(data: dict, rank: int | None) -> tuple[int, bool, str]:
@@ -128,7 +147,7 @@ class _Events:
     old_ops: int = 0  # older schema's `operator` events that are not our ranges
 
 
-def _collect(events: list, source: str) -> _Events:
+def _collect(events: Iterable, source: str) -> _Events:
     out = _Events()
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
@@ -166,9 +185,18 @@ def _collect(events: list, source: str) -> _Events:
 def kineto_to_trace(data: Any, source: str = "<kineto>", rank: int | None = None, file_name: str = "") -> Trace:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise TraceError(f"{source}: not a PyTorch profiler trace (expected a JSON object with a traceEvents list)")
+    return _to_trace(data["traceEvents"], lambda: data, source, rank, file_name)
+
+
+def _to_trace(events: Iterable, members: Callable[[], dict], source: str, rank: int | None,
+              file_name: str) -> Trace:
+    """The trace of a file's `events` (a list, or a stream read once); `members()`: the file's other top-level
+    members, asked for once the events are read."""
+    with collector_paused():  # 10^6 tuples kept: no collection passes over them while they are made
+        evs = _collect(events, source)
+    data = members()
     dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
     rank, rank_assumed, rank_source = _file_rank(data, rank)
-    evs = _collect(data["traceEvents"], source)
     gpu_ops, launches_raw, annotations, gpu_annotations = evs.gpu_ops, evs.launches, evs.annotations, \
         evs.gpu_annotations
     bad, old_ops = evs.bad, evs.old_ops
