@@ -23,6 +23,7 @@ from traces.analysis.critical_path import critical_path
 from traces.formats.io import load_trace
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.overlap_stats import overlap_stats
+from traces.analysis.step_pool import MIN_STEPS
 from traces.analysis.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
 from traces.analysis.step_select import file_trace, parse_steps, select_file_steps, select_steps
 from traces.formats.npz import ColumnFile, is_npz
@@ -60,6 +61,7 @@ def register(subparsers) -> None:
                    help="scale the time of KIND by FACTOR (repeat for several kinds); KIND as listed above")
     w.add_argument("--baseline", help="a trace of the same schedule without mHC: `mhc` then scales each op's "
                    "measured A/B share instead of the recorded mHC kernel parts only")
+    jobs_arg(w, "replayed")
     w.set_defaults(func=run_whatif)
 
     o = subparsers.add_parser("overlap", help="communication under compute per rank and stream (ours, nsys, "
@@ -70,6 +72,19 @@ def register(subparsers) -> None:
     o.add_argument("--rank", type=int, default=None, help="rank of a single-process file without rank info")
     _steps_arg(o)
     o.set_defaults(func=run_overlap)
+
+
+def jobs_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """--jobs for a command whose steps are analysed one by one (traces.analysis.step_pool)."""
+    p.add_argument("--jobs", type=int, default=None, metavar="N", help=f"processes the steps are {what} in "
+                   f"(default: every CPU this process may use; runs of fewer than {MIN_STEPS} steps use one); the "
+                   "result does not depend on it")
+
+
+def check_jobs(jobs: int | None) -> None:
+    """Before the trace is read: a bad --jobs is one line at once, not after minutes of loading."""
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs {jobs}: give a number of processes >= 1")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -133,7 +148,8 @@ def run_whatif(args: argparse.Namespace) -> int:
     scales = parse_scales(args.scale)
     trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup, args.steps)
     base = load_for_analysis(args.baseline, args.which, None, args.keep_warmup) if args.baseline else None
-    res = whatif(trace, scales, baseline=base, baseline_name=args.baseline or "").to_dict()
+    check_jobs(args.jobs)
+    res = whatif(trace, scales, baseline=base, baseline_name=args.baseline or "", jobs=args.jobs).to_dict()
     sys.stdout.write(to_text(whatif_sections(res), res["notes"]))
     if args.json_out:
         _write_json(args.json_out, res)

@@ -31,7 +31,8 @@ import numpy as np
 from traces.analysis.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS
 from traces.analysis.path_overhead import compare_paths
-from traces.analysis.receive_wait import comm_span_meaning, receive_wait
+from traces.analysis.receive_wait import comm_span_meaning, receive_wait, timeline_waits
+from traces.analysis.step_pool import map_steps
 from traces.columns import columns_of
 from traces.trace import Span, Trace, TraceError, union_length
 from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, matched_indices,
@@ -133,36 +134,51 @@ class Comparison:
         return asdict(self)
 
 
-def time_stats(trace: Trace) -> TimeStats:
+def time_stats(trace: Trace, jobs: int | None = 1) -> TimeStats:
+    """Per step, then medians over the steps. `jobs`: processes the steps are spread over
+    (traces.analysis.step_pool); the result does not depend on it."""
     by_step: dict[int, list[Span]] = defaultdict(list)
-    for members in key_groups(trace).values():
+    groups = key_groups(trace)
+    for members in groups.values():
         for k, i in enumerate(members):
             by_step[k].append(trace.spans[i])
     # a step only counts when it is complete enough: at least half the spans of the first step
     full = len(by_step.get(0, []))
     steps = sorted(k for k, spans in by_step.items() if len(spans) >= 0.5 * full)
-    mks: list[float] = []
-    busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
-    step_kt: list[Counter[tuple[int, str]]] = []
-    step_streams: list[list[str]] = []
-    ranks = sorted({s.rank for spans in by_step.values() for s in spans})
-    for k in steps:
+    ranks = sorted({key[0] for key in groups})  # a key's spans are its rank's (matching.span_key)
+    waits_recorded = bool(trace.meta.get("wait_spans"))  # receive waits from WAIT spans, not from the timeline
+
+    def one_step(k: int) -> tuple[float, list[tuple[float, float]], Counter, dict[int, float] | None, list[int]]:
         spans = by_step[k]
         t0 = min(s.start for s in spans)
         mk = max(s.end for s in spans) - t0
-        mks.append(mk)
         per_rank: dict[int, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         streams = [logical_stream(s) for s in spans]
-        step_streams.append(streams)
         for s, ls in zip(spans, streams):
             per_rank[s.rank][ls].append((s.start, s.end))
-        step_kt.append(_kind_times([(s, ls) for s, ls in zip(spans, streams) if ls != "comm"]))
+        kt = _kind_times([(s, ls) for s, ls in zip(spans, streams) if ls != "comm"])
+        rank_times = []  # per rank in `ranks`: (busy, exposed comm)
         for r in ranks:
             comp = per_rank[r]["compute"] + per_rank[r]["hp"]
             b = union_length(comp)
+            rank_times.append((b, union_length(comp + per_rank[r]["comm"]) - b))
+        return mk, rank_times, kt, None if waits_recorded else timeline_waits(spans, streams), list(per_rank)
+
+    mks: list[float] = []
+    busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
+    step_kt: list[Counter[tuple[int, str]]] = []
+    step_waits: list[dict[int, float]] = []
+    counted_ranks: set[int] = set()  # the ranks with spans in a counted step
+    for mk, rank_times, kt, waits, present in map_steps(one_step, steps, jobs):
+        counted_ranks.update(present)
+        mks.append(mk)
+        for r, (b, x) in zip(ranks, rank_times):
             busy[r].append(b)
             idle[r].append(mk - b)
-            exposed[r].append(union_length(comp + per_rank[r]["comm"]) - b)
+            exposed[r].append(x)
+        step_kt.append(kt)
+        step_waits.append(waits)
+
     def med(xs) -> float:
         return float(np.median(xs)) if len(xs) else 0.0
 
@@ -178,7 +194,7 @@ def time_stats(trace: Trace) -> TimeStats:
                      steps=len(steps), busy={r: med(v) for r, v in busy.items()},
                      idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
                      kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
-                     recv_wait=receive_wait(trace, [by_step[k] for k in steps], step_streams))
+                     recv_wait=receive_wait(trace, sorted(counted_ranks), step_waits))
 
 
 def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
@@ -249,9 +265,10 @@ def _rank_rows(ps: TimeStats, ms: TimeStats, overlap) -> list[RankStats]:
 
 
 def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = None,
-            names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True) -> Comparison:
+            names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True, jobs: int | None = 1) -> Comparison:
     """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
-    base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths."""
+    base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths. `jobs`: the
+    processes each trace's steps are spread over (time_stats); the result does not depend on it."""
     check_same_schedule(pred, meas, *names)
     # the matched pairs as index arrays and masks, per kind in pair order (10^6 spans: no tuple, set or float
     # object per pair)
@@ -291,7 +308,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if not matched_p[i]]
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
                    if not matched_m[i] and i not in fb_halves and i not in unpriced_parts]
-    ps, ms = time_stats(pred), time_stats(meas)
+    ps, ms = time_stats(pred, jobs), time_stats(meas, jobs)
     ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
     if comm_spans:
@@ -322,7 +339,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         makespan_err_pct=_pct((ps.makespan_us - ms.makespan_us) / ms.makespan_us) if ms.makespan_us else float("nan"),
         ranks=ranks, notes=notes, comm_span_meaning=meaning, comm_spans=comm_spans)
     if baseline is not None:
-        comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms)
+        comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms, jobs)
     if critical:
         comp.critical_path, path_notes = compare_paths(pred, meas, baseline)
         comp.notes.extend(path_notes)
@@ -330,12 +347,12 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
 
 
 def overhead(base_pred: Trace, base_meas: Trace, mhc_pred: Trace, mhc_meas: Trace,
-             mhc_ps: TimeStats | None = None, mhc_ms: TimeStats | None = None) -> Overhead:
+             mhc_ps: TimeStats | None = None, mhc_ms: TimeStats | None = None, jobs: int | None = 1) -> Overhead:
     """overhead = T_mHC / T_base - 1 for prediction and measurement; breakdown per kind in percentage points of
     the baseline makespan (added time per kind summed over ranks / (ranks x T_base)), plus idle."""
     check_same_schedule(base_pred, base_meas, "--baseline-pred", "--baseline-meas")
-    bp, bm = time_stats(base_pred), time_stats(base_meas)
-    mp, mm = mhc_ps or time_stats(mhc_pred), mhc_ms or time_stats(mhc_meas)
+    bp, bm = time_stats(base_pred, jobs), time_stats(base_meas, jobs)
+    mp, mm = mhc_ps or time_stats(mhc_pred, jobs), mhc_ms or time_stats(mhc_meas, jobs)
     for name, st in (("--baseline-pred", bp), ("--baseline-meas", bm)):
         if st.makespan_us <= 0:
             raise TraceError(f"{name}: the baseline trace has zero makespan; cannot compute an overhead")

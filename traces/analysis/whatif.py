@@ -39,6 +39,7 @@ from traces.analysis.replay import critical_chain, replay
 from traces.analysis.replicas import one_replica
 from traces.analysis.span_graph import SpanGraph, build_span_graph
 from traces.analysis.stage_chains import stage_chains
+from traces.analysis.step_pool import map_steps
 from traces.analysis.step_select import steps_of
 from traces.trace import Trace, TraceError
 
@@ -98,26 +99,34 @@ class WhatIf:
 
 
 def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None, schedule: Any = None,
-           baseline_name: str = "the baseline trace") -> WhatIf:
+           baseline_name: str = "the baseline trace", jobs: int | None = 1) -> WhatIf:
+    """`jobs`: processes the steps are spread over (traces.analysis.step_pool; None: every CPU this process may
+    use); the result does not depend on it."""
     info = steps_of(trace)
     rep = one_replica(trace)  # what build_span_graph analyses: its steps and stage chains, once for all steps
     rep_info = info if rep is trace else steps_of(rep)
     chains = stage_chains(rep, schedule)
     share, source = _mhc_shares(trace, baseline, baseline_name) if baseline is not None else (None, "")
-    rows, before_after, known = [], {}, set()
     median_k = info.median_step()
     steps = len(info.steps)
-    for k in info.steps:  # one step's graph at a time: 10^3 steps of a long run do not sit in memory together
+
+    def one_step(k: int) -> tuple[dict, set[str], dict]:
+        # one step's graph at a time: 10^3 steps of a long run do not sit in memory together
         g = build_span_graph(rep, step=k, schedule=schedule, info=rep_info, chains=chains)
-        known.update(p for n in g.nodes for p in n.parts)
         base = replay(g)
         dur, parts = scaled_durations(g, scales, share)
         tm = replay(g, dur, gap_scale=scales.get("gap", 1.0))
-        rows.append({"step": g.step, "measured_us": g.makespan, "replay_us": base.makespan,
-                     "predicted_us": tm.makespan})
+        row = {"step": g.step, "measured_us": g.makespan, "replay_us": base.makespan, "predicted_us": tm.makespan}
+        ends = {}
         if g.step == median_k:
-            before_after = {"before": from_timing(base, steps),
-                            "after": from_timing(tm, steps, critical_chain(tm), parts)}
+            ends = {"before": from_timing(base, steps), "after": from_timing(tm, steps, critical_chain(tm), parts)}
+        return row, {p for n in g.nodes for p in n.parts}, ends
+
+    rows, before_after, known = [], {}, set()
+    for row, parts_seen, ends in map_steps(one_step, info.steps, jobs):
+        rows.append(row)
+        known |= parts_seen
+        before_after = ends or before_after
     check_kinds(scales, known)  # a part no step records: refused, whatever was computed
     source = source or _recorded_source(known)
     err = max(abs(r["replay_us"] - r["measured_us"]) / r["measured_us"] for r in rows if r["measured_us"] > 0)
@@ -128,8 +137,9 @@ def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None
     if baseline is not None:  # the baseline's own recorded step, read the same way (median over its steps)
         brep = one_replica(baseline)
         binfo, bchains = steps_of(brep), stage_chains(brep, schedule)
-        base_step = float(np.median([build_span_graph(brep, step=k, schedule=schedule, info=binfo,
-                                                      chains=bchains).makespan for k in steps_of(baseline).steps]))
+        base_step = float(np.median(map_steps(lambda k: build_span_graph(brep, step=k, schedule=schedule, info=binfo,
+                                                                         chains=bchains).makespan,
+                                              steps_of(baseline).steps, jobs)))
     return WhatIf(scales=dict(scales), measured_step_us=med("measured_us"), replay_step_us=med("replay_us"),
                   step_us=med("predicted_us"), reproduction_error_pct=100.0 * err, steps=rows, mhc_source=source,
                   baseline_step_us=base_step, **before_after)
