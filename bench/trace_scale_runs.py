@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,21 +67,57 @@ def tiled(trace: Trace, spans: int) -> Trace:
 
 
 def timed(argv: list[str], tree: Path = ROOT) -> dict:
-    """Wall seconds and peak RSS (GB) of one command run from `tree`, from GNU time; its exit code."""
+    """Wall seconds and peak memory (GB) of one command run from `tree`; its exit code. Memory: the larger of GNU
+    time's peak RSS (of the largest process) and the peak, sampled every 50 ms, of the proportional set sizes
+    summed over the command's process tree (whatif and compare fork workers that share the parent's pages:
+    their RSS would count the shared pages twice, GNU time's only the largest process)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
         proc = subprocess.Popen(["/usr/bin/time", "-f", "%e %M", "-o", f.name, PY, "-m", "mhcpipe", *argv],
                                 cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(tree)}, start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=CAP_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # time and the command under it
-            proc.communicate()
-            return {"wall_s": float(CAP_S), "peak_rss_gb": float("nan"), "rc": -1,
-                    "error": f"stopped after {CAP_S} s"}
+        err_chunks: list[str] = []
+        reader = threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True)
+        reader.start()
+        tree_peak, t0 = 0, time.monotonic()
+        while proc.poll() is None:
+            if time.monotonic() - t0 > CAP_S:
+                os.killpg(proc.pid, signal.SIGKILL)  # time and the command under it
+                proc.wait()
+                return {"wall_s": float(CAP_S), "peak_rss_gb": float("nan"), "rc": -1,
+                        "error": f"stopped after {CAP_S} s"}
+            tree_peak = max(tree_peak, sum(_pss(p) for p in _process_tree(proc.pid)))
+            time.sleep(0.05)
+        reader.join()
+        err = "".join(err_chunks)
         wall, kb = f.read().split()[-2:]
-    return {"wall_s": float(wall), "peak_rss_gb": int(kb) / 1e6, "rc": proc.returncode,
-            "error": err.strip().splitlines()[-1] if proc.returncode and err.strip() else ""}
+    return {"wall_s": float(wall), "peak_rss_gb": max(int(kb) * 1e3, tree_peak) / 1e9,
+            "peak_rss_largest_process_gb": int(kb) / 1e6, "peak_pss_tree_gb": tree_peak / 1e9,
+            "rc": proc.returncode, "error": err.strip().splitlines()[-1] if proc.returncode and err.strip() else ""}
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc)."""
+    out = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                for child in fh.read().split():
+                    out += _process_tree(int(child))
+    except OSError:  # exited meanwhile
+        pass
+    return out
+
+
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (its private pages, and its share of pages it shares)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def main() -> int:
