@@ -73,7 +73,7 @@ def register(subparsers) -> None:
     c.add_argument("--steps", default=None, metavar="A..B", help="compare the measured run's steps A to B only (or "
                    "one step: A), counted from 0 as the file holds them (step 0: the warm-up), as `mhcpipe convert "
                    "--steps` cuts them")
-    jobs_arg(c, "summarised")
+    jobs_arg(c, "summarised", default=1, why=": its per-step part is small beside reading the two traces")
     c.set_defaults(func=run_compare)
 
 
