@@ -59,3 +59,15 @@ def test_whatif_and_compare_over_processes_are_them_in_one(tmp_path, capsys):
     assert main(["whatif", str(path), "--scale", "F=0.5", "--jobs", "0"]) == 2
     err = capsys.readouterr().err
     assert "--jobs 0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_worker_that_dies_is_one_error_naming_it():
+    import signal
+
+    def work(k: int) -> int:
+        if k == MIN_STEPS + 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return k
+
+    with pytest.raises(RuntimeError, match=r"step worker \d \(pid \d+\) died without its results \(killed by SIGKILL"):
+        map_steps(work, range(2 * MIN_STEPS), jobs=2)
