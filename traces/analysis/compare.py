@@ -145,10 +145,12 @@ def time_stats(trace: Trace, jobs: int | None = 1) -> TimeStats:
     # a step only counts when it is complete enough: at least half the spans of the first step
     full = len(by_step.get(0, []))
     steps = sorted(k for k, spans in by_step.items() if len(spans) >= 0.5 * full)
-    ranks = sorted({key[0] for key in groups})  # a key's spans are its rank's (matching.span_key)
+    # a key's spans are its rank's (matching.span_key), and its first is in step 0, which always counts: these
+    # are also the ranks of the counted steps
+    ranks = sorted({key[0] for key in groups})
     waits_recorded = bool(trace.meta.get("wait_spans"))  # receive waits from WAIT spans, not from the timeline
 
-    def one_step(k: int) -> tuple[float, list[tuple[float, float]], Counter, dict[int, float] | None, list[int]]:
+    def one_step(k: int) -> tuple[float, list[tuple[float, float]], Counter, dict[int, float] | None]:
         spans = by_step[k]
         t0 = min(s.start for s in spans)
         mk = max(s.end for s in spans) - t0
@@ -162,15 +164,13 @@ def time_stats(trace: Trace, jobs: int | None = 1) -> TimeStats:
             comp = per_rank[r]["compute"] + per_rank[r]["hp"]
             b = union_length(comp)
             rank_times.append((b, union_length(comp + per_rank[r]["comm"]) - b))
-        return mk, rank_times, kt, None if waits_recorded else timeline_waits(spans, streams), list(per_rank)
+        return mk, rank_times, kt, None if waits_recorded else timeline_waits(spans, streams)
 
     mks: list[float] = []
     busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
     step_kt: list[Counter[tuple[int, str]]] = []
     step_waits: list[dict[int, float]] = []
-    counted_ranks: set[int] = set()  # the ranks with spans in a counted step
-    for mk, rank_times, kt, waits, present in map_steps(one_step, steps, jobs):
-        counted_ranks.update(present)
+    for mk, rank_times, kt, waits in map_steps(one_step, steps, jobs):
         mks.append(mk)
         for r, (b, x) in zip(ranks, rank_times):
             busy[r].append(b)
@@ -194,7 +194,7 @@ def time_stats(trace: Trace, jobs: int | None = 1) -> TimeStats:
                      steps=len(steps), busy={r: med(v) for r, v in busy.items()},
                      idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
                      kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
-                     recv_wait=receive_wait(trace, sorted(counted_ranks), step_waits))
+                     recv_wait=receive_wait(trace, ranks, step_waits))
 
 
 def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
