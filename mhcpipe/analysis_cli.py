@@ -148,9 +148,9 @@ def run_critical_path(args: argparse.Namespace) -> int:
 
 def run_whatif(args: argparse.Namespace) -> int:
     scales = parse_scales(args.scale)
+    check_jobs(args.jobs)
     trace = load_for_analysis(args.trace, args.which, args.rank, args.keep_warmup, args.steps)
     base = load_for_analysis(args.baseline, args.which, None, args.keep_warmup) if args.baseline else None
-    check_jobs(args.jobs)
     res = whatif(trace, scales, baseline=base, baseline_name=args.baseline or "", jobs=args.jobs).to_dict()
     sys.stdout.write(to_text(whatif_sections(res), res["notes"]))
     if args.json_out:
