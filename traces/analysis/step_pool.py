@@ -9,9 +9,10 @@ pickled through a pipe per worker. Forked workers share the parent's pages until
 collector is frozen before the fork (gc.freeze) so that its passes do not write to every object's header and copy
 the whole trace into each worker. A worker runs its steps and leaves with os._exit: no exit handler or finaliser
 of the parent's (a test runner's threads, torch's) runs in it, and no pool threads run in the parent
-(multiprocessing.Pool's result thread hung a test run once a forked worker's step raised). Serial where fork is not
-available, not worth it (fewer than MIN_STEPS steps) or asked for (`--jobs 1`). A step that raises raises in the
-caller; a worker that dies (killed, out of memory) is one error line naming it.
+(multiprocessing.Pool's result thread hung a test run once a forked worker's step raised). Serial off Linux (no
+fork on Windows; on macOS system frameworks are not safe to fork, which is why Python's multiprocessing spawns
+there), where it is not worth it (fewer than MIN_STEPS steps) or asked for (`--jobs 1`). A step that raises
+raises in the caller; a worker that dies (killed, out of memory) is one error line naming it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import gc
 import os
 import pickle
 import signal
+import sys
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -40,7 +42,7 @@ def map_steps(work: Callable[[int], T], steps: Sequence[int], jobs: int | None =
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: give a number of processes >= 1")
     steps = list(steps)
-    if jobs == 1 or len(steps) < MIN_STEPS or not hasattr(os, "fork"):
+    if jobs == 1 or len(steps) < MIN_STEPS or not sys.platform.startswith("linux"):
         return [work(k) for k in steps]
     n = min(len(steps), jobs * CHUNKS_PER_JOB)
     chunks = [steps[i * len(steps) // n:(i + 1) * len(steps) // n] for i in range(n)]
