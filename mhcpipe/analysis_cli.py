@@ -77,7 +77,8 @@ def register(subparsers) -> None:
 def jobs_arg(p: argparse.ArgumentParser, what: str, default: int | None = None, why: str = "") -> None:
     """--jobs for a command whose steps are analysed one by one (traces.analysis.step_pool). Workers are forked:
     each holds its own copy of the pages of the trace it reads, so memory grows with them."""
-    told = "every CPU this process may use" if default is None else str(default)
+    told = ("every CPU this process may use, one when the memory available is under twice what it holds"
+            if default is None else str(default))
     p.add_argument("--jobs", type=int, default=default, metavar="N", help=f"processes the steps are {what} in "
                    f"(default: {told}{why}; runs of fewer than {MIN_STEPS} steps use one); each worker copies the "
                    "part of the trace it reads; the result does not depend on it")

@@ -71,3 +71,14 @@ def test_a_worker_that_dies_is_one_error_naming_it():
 
     with pytest.raises(RuntimeError, match=r"step worker \d \(pid \d+\) died without its results \(killed by SIGKILL"):
         map_steps(work, range(2 * MIN_STEPS), jobs=2)
+
+
+def test_the_default_is_one_process_when_the_workers_copies_would_not_fit(monkeypatch):
+    import traces.analysis.step_pool as sp
+
+    monkeypatch.setattr(sp, "_memory", lambda: (6 << 30, 10 << 30))  # 6 GiB held, 10 available: not twice
+    assert sp.default_jobs() == 1
+    assert set(map_steps(lambda k: os.getpid(), range(2 * MIN_STEPS))) == {os.getpid()}
+    monkeypatch.setattr(sp, "_memory", lambda: (1 << 30, 10 << 30))
+    assert sp.default_jobs() == len(os.sched_getaffinity(0))
+    assert map_steps(lambda k: os.getpid(), range(2 * MIN_STEPS), jobs=2)[0] != os.getpid()  # asked: forked
