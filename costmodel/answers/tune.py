@@ -287,8 +287,7 @@ class Tuner:
         def price(key: tuple) -> float:
             got = prices.get(key)
             if got is None:
-                k, st, b = key
-                got = prices[key] = pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1))
+                got = prices[key] = pr.compute_time(_action(key))
             return got
 
         fill = []  # per rank: the upstream forwards (and sends) before its first action can start
@@ -311,7 +310,7 @@ class Tuner:
         _, per_rank = self._schedule(cand)
         kinds = sorted({key for counts in per_rank for key in counts})
         pairs = any(k is Kind.FB for k, _, _ in kinds)
-        prices = tuple(pr.compute_time(Action(k, st, 0, b, 0 if b >= 0 else -1)) for k, st, b in kinds)
+        prices = tuple(pr.compute_time(_action(key)) for key in kinds)
         return (id(lowered), pr.opt.p2p, pr.transfer_time(None), prices, id(pr) if pairs else None)
 
     def evaluate(self, ev: Evaluated) -> Evaluated:
@@ -336,6 +335,13 @@ class Tuner:
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
         return ev
+
+
+def _action(key: tuple) -> Action:
+    """The action a schedule's (kind, stage, backward stage) count stands for, micro-batch 0 (prices do not
+    depend on the micro-batch)."""
+    k, st, b = key
+    return Action(k, st, 0, b, 0 if b >= 0 else -1)
 
 
 def pareto(evals: list[Evaluated]) -> list[Evaluated]:
