@@ -74,14 +74,13 @@ def register(subparsers) -> None:
     o.set_defaults(func=run_overlap)
 
 
-def jobs_arg(p: argparse.ArgumentParser, what: str, default: int | None = None, why: str = "") -> None:
+def jobs_arg(p: argparse.ArgumentParser, what: str) -> None:
     """--jobs for a command whose steps are analysed one by one (traces.analysis.step_pool). Workers are forked:
     each holds its own copy of the pages of the trace it reads, so memory grows with them."""
-    told = ("every CPU this process may use, one when the memory available is under twice what it holds"
-            if default is None else str(default))
-    p.add_argument("--jobs", type=int, default=default, metavar="N", help=f"processes the steps are {what} in "
-                   f"(default: {told}{why}; runs of fewer than {MIN_STEPS} steps use one); each worker copies the "
-                   "part of the trace it reads; the result does not depend on it")
+    p.add_argument("--jobs", type=int, default=None, metavar="N", help=f"processes the steps are {what} in "
+                   "(default: every CPU this process may use, one when the memory available is under twice what it "
+                   f"holds; runs of fewer than {MIN_STEPS} steps use one); each worker copies the part of the trace "
+                   "it reads; the result does not depend on it")
 
 
 def check_jobs(jobs: int | None) -> None:

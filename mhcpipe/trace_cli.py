@@ -22,7 +22,7 @@ from pathlib import Path
 from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
-from mhcpipe.analysis_cli import check_jobs, jobs_arg, load_for_analysis, load_steps
+from mhcpipe.analysis_cli import load_for_analysis, load_steps
 from traces.formats.io import json_file_trace, load_trace, sniff, streamed_trace
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
@@ -73,7 +73,6 @@ def register(subparsers) -> None:
     c.add_argument("--steps", default=None, metavar="A..B", help="compare the measured run's steps A to B only (or "
                    "one step: A), counted from 0 as the file holds them (step 0: the warm-up), as `mhcpipe convert "
                    "--steps` cuts them")
-    jobs_arg(c, "summarised", default=1, why=": its per-step part is small beside reading the two traces")
     c.set_defaults(func=run_compare)
 
 
@@ -187,7 +186,6 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.plot_out and not args.baseline_pred:  # before any output: the chart is mHC's overhead over a baseline
         raise TraceError("--plot draws mHC's overhead against a baseline: add --baseline-pred and --baseline-meas "
                          "(the baseline run's prediction and measurement), or drop --plot")
-    check_jobs(args.jobs)
     # one reading of "the step" everywhere: the warm-up step dropped (analysis_cli.load_for_analysis)
     pred = load_trace(args.pred, which="predicted")
     meas = load_for_analysis(args.meas, "measured", None, args.keep_warmup, args.steps)
@@ -195,7 +193,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.baseline_pred:
         baseline = (load_trace(args.baseline_pred, which="predicted"),
                     load_for_analysis(args.baseline_meas, "measured", None, args.keep_warmup, args.steps))
-    comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas), jobs=args.jobs)
+    comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
     sys.stdout.write(to_text(comp))
     sys.stdout.write("\n" + path_report.to_text(path_report.compare_sections(comp.critical_path)))
     if args.json_out:

@@ -1,5 +1,5 @@
 """traces/analysis/step_pool.py: per-step analyses over forked processes give the serial result in step order, a
-step's error reaches the caller, and `--jobs` changes nothing in whatif and compare but the time."""
+step's error reaches the caller, and `--jobs` changes nothing in whatif but the time."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from mhcpipe.cli import main
-from traces.analysis.compare import compare
 from traces.analysis.step_pool import MIN_STEPS, map_steps
 from traces.analysis.step_select import steps_of
 from traces.analysis.whatif import whatif
@@ -48,13 +47,12 @@ def test_a_step_that_fails_fails_the_caller():
         map_steps(work, range(3), jobs=0)
 
 
-def test_whatif_and_compare_over_processes_are_them_in_one(tmp_path, capsys):
+def test_whatif_over_processes_is_it_in_one(tmp_path, capsys):
     run = load_trace(MEASURED)
     long = tiled(run, -(-MIN_STEPS // len(steps_of(run).steps)) + 1)
     assert len(steps_of(long).steps) >= MIN_STEPS  # the pool runs
     scales = {"F": 0.5, "comm": 0.7}
     assert whatif(long, scales, jobs=2).to_dict() == whatif(long, scales, jobs=1).to_dict()
-    assert compare(long, long, jobs=2).to_dict() == compare(long, long, jobs=1).to_dict()
     path = long.save(tmp_path / "long.json")
     assert main(["whatif", str(path), "--scale", "F=0.5", "--jobs", "0"]) == 2
     err = capsys.readouterr().err

@@ -21,8 +21,6 @@ Clocks: spans of different ranks are compared on their trace's time axis, which 
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
 
@@ -31,11 +29,11 @@ import numpy as np
 from traces.analysis.comm_overlap import comm_overlap
 from traces.names import ALL_COMM_KINDS
 from traces.analysis.path_overhead import compare_paths
-from traces.analysis.receive_wait import comm_span_meaning, receive_wait, timeline_waits
-from traces.analysis.step_pool import map_steps
+from traces.analysis.receive_wait import comm_span_meaning
+from traces.analysis.time_stats import TimeStats, time_stats
 from traces.columns import columns_of
-from traces.trace import Span, Trace, TraceError, union_length
-from traces.analysis.matching import (check_same_schedule, key_groups, key_label, logical_stream, matched_indices,
+from traces.trace import Trace, TraceError
+from traces.analysis.matching import (check_same_schedule, key_label, logical_stream, matched_indices,
                              schedule_spans, span_key)
 
 @dataclass
@@ -79,22 +77,6 @@ class CommSpans:
 
 
 @dataclass
-class TimeStats:
-    """Makespan and per-rank time budget of one trace (schedule spans only); measured values are medians
-    over steps."""
-    makespan_us: float
-    makespan_min_us: float
-    makespan_max_us: float
-    steps: int
-    busy: dict[int, float]
-    idle: dict[int, float]
-    exposed_comm: dict[int, float]
-    kind_time: dict[str, float]  # per kind, summed over ranks, per step (top-level compute + hp spans)
-    rank_kind_time: dict[int, dict[str, float]] = field(default_factory=dict)  # the same per rank
-    recv_wait: dict[int, float] = field(default_factory=dict)  # per rank and step: waiting for messages
-
-
-@dataclass
 class Overhead:
     pred_pct: float
     meas_pct: float
@@ -134,111 +116,6 @@ class Comparison:
         return asdict(self)
 
 
-def time_stats(trace: Trace, jobs: int | None = 1) -> TimeStats:
-    """Per step, then medians over the steps. `jobs`: processes the steps are spread over
-    (traces.analysis.step_pool); the result does not depend on it."""
-    by_step: dict[int, list[Span]] = defaultdict(list)
-    groups = key_groups(trace)
-    for members in groups.values():
-        for k, i in enumerate(members):
-            by_step[k].append(trace.spans[i])
-    # a step only counts when it is complete enough: at least half the spans of the first step
-    full = len(by_step.get(0, []))
-    steps = sorted(k for k, spans in by_step.items() if len(spans) >= 0.5 * full)
-    # a key's spans are its rank's (matching.span_key), and its first is in step 0, which always counts: these
-    # are also the ranks of the counted steps
-    ranks = sorted({key[0] for key in groups})
-    waits_recorded = bool(trace.meta.get("wait_spans"))  # receive waits from WAIT spans, not from the timeline
-
-    def one_step(k: int) -> tuple[float, list[tuple[float, float]], Counter, dict[int, float] | None]:
-        spans = by_step[k]
-        t0 = min(s.start for s in spans)
-        mk = max(s.end for s in spans) - t0
-        per_rank: dict[int, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-        streams = [logical_stream(s) for s in spans]
-        for s, ls in zip(spans, streams):
-            per_rank[s.rank][ls].append((s.start, s.end))
-        kt = _kind_times([(s, ls) for s, ls in zip(spans, streams) if ls != "comm"])
-        rank_times = []  # per rank in `ranks`: (busy, exposed comm)
-        for r in ranks:
-            comp = per_rank[r]["compute"] + per_rank[r]["hp"]
-            b = union_length(comp)
-            rank_times.append((b, union_length(comp + per_rank[r]["comm"]) - b))
-        return mk, rank_times, kt, None if waits_recorded else timeline_waits(spans, streams)
-
-    mks: list[float] = []
-    busy, idle, exposed = defaultdict(list), defaultdict(list), defaultdict(list)
-    step_kt: list[Counter[tuple[int, str]]] = []
-    step_waits: list[dict[int, float]] = []
-    for mk, rank_times, kt, waits in map_steps(one_step, steps, jobs):
-        mks.append(mk)
-        for r, (b, x) in zip(ranks, rank_times):
-            busy[r].append(b)
-            idle[r].append(mk - b)
-            exposed[r].append(x)
-        step_kt.append(kt)
-        step_waits.append(waits)
-
-    def med(xs) -> float:
-        return float(np.median(xs)) if len(xs) else 0.0
-
-    rank_kind: dict[int, dict[str, float]] = defaultdict(dict)
-    kind_time: dict[str, float] = defaultdict(float)
-    # (rank, kind) in sorted order: a set's order follows str hashes, which differ per process, and kind_time's
-    # sums over ranks would then differ in their last bits from run to run
-    for rk in sorted(set().union(*step_kt)) if step_kt else ():
-        v = med([kt.get(rk, 0.0) for kt in step_kt])
-        rank_kind[rk[0]][rk[1]] = v
-        kind_time[rk[1]] += v
-    return TimeStats(makespan_us=med(mks), makespan_min_us=min(mks, default=0.0), makespan_max_us=max(mks, default=0.0),
-                     steps=len(steps), busy={r: med(v) for r, v in busy.items()},
-                     idle={r: med(v) for r, v in idle.items()}, exposed_comm={r: med(v) for r, v in exposed.items()},
-                     kind_time=dict(kind_time), rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
-                     recv_wait=receive_wait(trace, ranks, step_waits))
-
-
-def _kind_times(spans: list[tuple[Span, str]]) -> Counter[tuple[int, str]]:
-    """(rank, kind) -> time of top-level spans, with mHC kernel parts that run inside their op on the same
-    stream (e.g. `F/s3/mb7/L12.pre` inside `F/s3/mb7`) carved out of the op and counted as their own kind."""
-    kt: Counter[tuple[int, str]] = Counter()
-    top = _top_level([s for s, _ in spans])
-    for s in top:
-        kt[(s.rank, s.kind)] += s.duration
-    top_ids = {id(s) for s in top}
-    enclosing: dict[tuple[int, str], list[Span]] = defaultdict(list)
-    for s, ls in spans:
-        if id(s) in top_ids:
-            enclosing[(s.rank, ls)].append(s)
-    starts = {k: [s.start for s in v] for k, v in enclosing.items()}
-    for s, ls in spans:
-        if "." not in s.kind or id(s) in top_ids:
-            continue
-        cands = enclosing.get((s.rank, ls), [])
-        j = bisect_right(starts.get((s.rank, ls), []), s.start) - 1
-        if j >= 0 and cands[j].end >= s.end and "." not in cands[j].kind:
-            if cands[j].kind == "FB" and s.kind.split(".", 1)[0] in ("F", "B"):
-                continue  # a stretch of an overlapped pair's half: the pair's own time, not another kind
-            kt[(s.rank, s.kind)] += s.duration
-            kt[(s.rank, cands[j].kind)] -= s.duration
-    return kt
-
-
-def _top_level(spans: list[Span]) -> list[Span]:
-    """Spans not nested inside another span of the same rank (a part inside its op, F/B inside their FB)."""
-    out = []
-    by_rank: dict[int, list[Span]] = defaultdict(list)
-    for s in spans:
-        by_rank[s.rank].append(s)
-    for items in by_rank.values():
-        top_end = float("-inf")
-        for s in sorted(items, key=lambda s: (s.start, -s.duration)):
-            if s.end <= top_end:
-                continue
-            out.append(s)
-            top_end = s.end
-    return out
-
-
 def _pct(x: float) -> float:
     return float(100.0 * x)
 
@@ -265,10 +142,9 @@ def _rank_rows(ps: TimeStats, ms: TimeStats, overlap) -> list[RankStats]:
 
 
 def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = None,
-            names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True, jobs: int | None = 1) -> Comparison:
+            names: tuple[str, str] = ("PRED", "MEAS"), critical: bool = True) -> Comparison:
     """Compare a predicted with a measured trace of the same schedule; with `baseline=(base_pred,
-    base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths. `jobs`: the
-    processes each trace's steps are spread over (time_stats); the result does not depend on it."""
+    base_meas)` also the measured vs predicted mHC overhead; `critical`: also both critical paths."""
     check_same_schedule(pred, meas, *names)
     # the matched pairs as index arrays and masks, per kind in pair order (10^6 spans: no tuple, set or float
     # object per pair)
@@ -308,7 +184,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if not matched_p[i]]
     unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
                    if not matched_m[i] and i not in fb_halves and i not in unpriced_parts]
-    ps, ms = time_stats(pred, jobs), time_stats(meas, jobs)
+    ps, ms = time_stats(pred), time_stats(meas)
     ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
     if comm_spans:
@@ -339,7 +215,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         makespan_err_pct=_pct((ps.makespan_us - ms.makespan_us) / ms.makespan_us) if ms.makespan_us else float("nan"),
         ranks=ranks, notes=notes, comm_span_meaning=meaning, comm_spans=comm_spans)
     if baseline is not None:
-        comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms, jobs)
+        comp.overhead = overhead(baseline[0], baseline[1], pred, meas, ps, ms)
     if critical:
         comp.critical_path, path_notes = compare_paths(pred, meas, baseline)
         comp.notes.extend(path_notes)
@@ -347,12 +223,12 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
 
 
 def overhead(base_pred: Trace, base_meas: Trace, mhc_pred: Trace, mhc_meas: Trace,
-             mhc_ps: TimeStats | None = None, mhc_ms: TimeStats | None = None, jobs: int | None = 1) -> Overhead:
+             mhc_ps: TimeStats | None = None, mhc_ms: TimeStats | None = None) -> Overhead:
     """overhead = T_mHC / T_base - 1 for prediction and measurement; breakdown per kind in percentage points of
     the baseline makespan (added time per kind summed over ranks / (ranks x T_base)), plus idle."""
     check_same_schedule(base_pred, base_meas, "--baseline-pred", "--baseline-meas")
-    bp, bm = time_stats(base_pred, jobs), time_stats(base_meas, jobs)
-    mp, mm = mhc_ps or time_stats(mhc_pred, jobs), mhc_ms or time_stats(mhc_meas, jobs)
+    bp, bm = time_stats(base_pred), time_stats(base_meas)
+    mp, mm = mhc_ps or time_stats(mhc_pred), mhc_ms or time_stats(mhc_meas)
     for name, st in (("--baseline-pred", bp), ("--baseline-meas", bm)):
         if st.makespan_us <= 0:
             raise TraceError(f"{name}: the baseline trace has zero makespan; cannot compute an overhead")
@@ -396,8 +272,13 @@ def _fb_halves(meas: Trace, matched: np.ndarray) -> set[int]:
             halves.add((s.rank, "F", s.stage, s.mb))
             halves.add((s.rank, "B", s.partner[0], s.partner[1]))
     out = set()
-    for i in schedule_spans(meas):
+    if not halves:
+        return out
+    half_kind = np.array([name.split(".", 1)[0] in ("F", "B") for name in cols.kinds], dtype=bool)
+    for i in np.flatnonzero(half_kind[cols.kind]).tolist():  # the F and B spans and their parts, by kind code
         s = meas.spans[i]
+        if s.stage is None:  # not a schedule span
+            continue
         op = s.kind.split(".", 1)[0]
         if (s.rank, op, s.stage, s.mb) in halves and (op == s.kind or logical_stream(s) == "compute"):
             out.add(i)

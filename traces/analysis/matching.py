@@ -6,14 +6,13 @@ agree and enough keys are shared.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 
 import numpy as np
 
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import GIVEN, KEY_GROUPS, keep_step_arrays, step_arrays
+from traces.analysis.step_keys import GIVEN, KEY_GROUPS, keep_step_arrays, key_groups_of, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -51,17 +50,9 @@ def schedule_spans(trace: Trace) -> list[int]:
 
 
 def _schedule_spans(trace: Trace) -> list[int]:
-    ok: dict[str, bool] = {}
-    out = []
-    for i, s in enumerate(trace.spans):
-        if s.stage is None:
-            continue
-        v = ok.get(s.kind)
-        if v is None:
-            v = ok[s.kind] = is_schedule_span(s.kind, s.stage)
-        if v:
-            out.append(i)
-    return out
+    cols, spans = columns_of(trace), trace.spans  # the kinds on the columns, the stage read only where they are
+    cand = np.flatnonzero(np.array([is_schedule_span(k, 0) for k in cols.kinds], dtype=bool)[cols.kind]).tolist()
+    return [i for i in cand if spans[i].stage is not None]
 
 
 def key_groups(trace: Trace) -> dict[Key, list[int]]:
@@ -70,14 +61,7 @@ def key_groups(trace: Trace) -> dict[Key, list[int]]:
 
 
 def _key_groups(trace: Trace) -> dict[Key, list[int]]:
-    groups: dict[Key, list[int]] = defaultdict(list)
-    spans = trace.spans
-    for i in schedule_spans(trace):
-        groups[span_key(spans[i])].append(i)
-    starts = [s.start for s in spans]  # a list lookup per comparison key, not an attribute read in a lambda
-    for idx in groups.values():
-        idx.sort(key=starts.__getitem__)
-    return dict(groups)  # a lookup of a missing key must not add it
+    return key_groups_of(trace, span_key)  # grouped on integer key columns: no key tuple per span
 
 
 def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:

@@ -29,7 +29,8 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from traces.formats.chrome import assign_lanes, is_predicted
-from traces.analysis.compare import TimeStats, _kind_order, time_stats
+from traces.analysis.compare import _kind_order
+from traces.analysis.time_stats import TimeStats, time_stats
 from traces.analysis.matching import schedule_spans
 from traces.names import RANGE_KIND, STEP_KIND
 from traces.drawing.path_marks import PATH_COLOR, draw_marks, paths_for, place
