@@ -52,6 +52,23 @@ def keep_columns(cut: Trace, whole: Trace, idx) -> None:
     keep(cut, "_columns", columns_of(whole).take(idx))
 
 
+def keep_file_columns(trace: Trace, rank: np.ndarray, start: np.ndarray, duration: np.ndarray, kind: np.ndarray,
+                      kinds: list[str], stream: np.ndarray, streams: list[str]) -> None:
+    """`trace`'s columns from a file that holds them (our .npz: traces.formats.npz), its codes into `kinds` and
+    `streams` numbered again in order of first appearance, as columns_of numbers them: the same Columns without a
+    pass over the spans (0.25 s per 10^6 spans)."""
+    keep(trace, "_columns", Columns(rank.astype(np.int32), start.astype(np.float64), duration.astype(np.float64),
+                                    *_recoded(kind, kinds), *_recoded(stream, streams)))
+
+
+def _recoded(codes: np.ndarray, values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
+    used, first = np.unique(codes, return_index=True)
+    order = used[np.argsort(first)]  # the codes in order of first appearance
+    table = np.zeros(len(values), dtype=np.int32)
+    table[order] = np.arange(len(order), dtype=np.int32)
+    return table[codes], tuple(values[c] for c in order.tolist())
+
+
 def _codes(values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
     """Codes into the distinct values (a few kinds or streams for 10^6 spans)."""
     index = {v: k for k, v in enumerate(dict.fromkeys(values))}

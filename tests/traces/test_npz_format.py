@@ -18,7 +18,8 @@ from traces.analysis.step_keys import file_step_index, step_arrays
 from traces.analysis.step_select import select_file_steps, select_steps, steps_of
 from traces.formats.io import load_trace
 from traces.formats.npz import ColumnFile, save_npz
-from traces.trace import Span, Trace, TraceError
+from traces.columns import columns_of
+from traces.trace import Span, Trace, TraceError, has_kept
 from traces_testlib import shared_traces  # noqa: F401  (fixture)
 
 DATA = Path(__file__).parent / "data"
@@ -64,6 +65,18 @@ def _check_steps(trace: Trace, path: Path) -> None:
     for a, b in ((have[0], have[0]), (have[0], have[-1]), (have[len(have) // 2], have[-1])):
         want, got = select_steps(trace, a, b), select_file_steps(cf, a, b)
         assert got.spans == want.spans and got.meta == want.meta, (a, b)
+        _same_columns(got)
+    _same_columns(cf.trace())
+
+
+def _same_columns(trace: Trace) -> None:
+    """A trace read from .npz keeps the file's columns (codes numbered again): the columns its spans make."""
+    assert has_kept(trace, "_columns")
+    got, want = columns_of(trace), columns_of(Trace(list(trace.spans), trace.meta))
+    for f in ("rank", "start", "duration", "kind", "stream"):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
+    assert got.kinds == want.kinds and got.streams == want.streams
 
 
 @pytest.mark.parametrize("name", OURS)

@@ -117,11 +117,17 @@ def _rank_overlap(rank: int, comm: list[Span], fbs: list[tuple[float, float]], w
     starts = {name: [comm[i].start for i in idx] for name, idx in by_name.items()}
     exposed = [0.0] * len(comm)
     out = RankCommOverlap(rank, p2p_timed=p2p_timed)
-    for w in waits:
+    labels = [w.label for w in waits]
+    target_of: dict[str, str | None] = {}  # a wait's label -> the op it waited for (None: not matched; few labels)
+    for label in set(labels):
+        target = label[5:] if label.startswith("WAIT/") else ""
+        # a wait for an untimed P2P op: exposed, but not matched against a duration
+        target_of[label] = None if not p2p_timed and target.split("/", 1)[0] in COMM_KINDS else target
+    for w, label in zip(waits, labels):
         out.blocked_us += w.duration
-        target = w.label[5:] if w.label.startswith("WAIT/") else ""
-        if not p2p_timed and target.split("/", 1)[0] in COMM_KINDS:
-            continue  # a wait for an untimed P2P op: exposed, but not matched against a duration
+        target = target_of[label]
+        if target is None:
+            continue
         cands = by_name.get(target, [])
         # the instance of that op (one per step) posted last before the wait began
         j = bisect_right(starts.get(target, []), w.start + 1e-6) - 1

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from traces.columns import keep_file_columns
 from traces.trace import FORMAT_NAME, Span, Trace, TraceError, collector_paused
 
 NPZ_VERSION = 1
@@ -207,7 +208,12 @@ class ColumnFile:
         with collector_paused():
             for lo in range(0, len(rows), CHUNK):
                 spans.extend(self._spans(rows[lo:lo + CHUNK]))
-        return Trace(spans=spans, meta=dict(self.meta if meta is None else meta))
+        trace = Trace(spans=spans, meta=dict(self.meta if meta is None else meta))
+        kind, stream = self.column("kind_codes", rows), self.column("stream_codes", rows)
+        if kind is not None and stream is not None and len(rows):  # the analyses' columns, from the file's
+            keep_file_columns(trace, self.column("rank", rows), self.column("start", rows),
+                              self.column("duration", rows), kind, self.values["kind"], stream, self.values["stream"])
+        return trace
 
     def _spans(self, rows: np.ndarray):
         n = len(rows)
