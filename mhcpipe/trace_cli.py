@@ -187,11 +187,11 @@ def run_compare(args: argparse.Namespace) -> int:
         raise TraceError("--plot draws mHC's overhead against a baseline: add --baseline-pred and --baseline-meas "
                          "(the baseline run's prediction and measurement), or drop --plot")
     # one reading of "the step" everywhere: the warm-up step dropped (analysis_cli.load_for_analysis)
-    pred = load_trace(args.pred, which="predicted")
+    pred = load_steps(args.pred, which="predicted")  # from .npz: with its step arrays and key ids
     meas = load_for_analysis(args.meas, "measured", None, args.keep_warmup, args.steps)
     baseline = None
     if args.baseline_pred:
-        baseline = (load_trace(args.baseline_pred, which="predicted"),
+        baseline = (load_steps(args.baseline_pred, which="predicted"),
                     load_for_analysis(args.baseline_meas, "measured", None, args.keep_warmup, args.steps))
     comp = compare(pred, meas, baseline=baseline, names=(args.pred, args.meas))
     sys.stdout.write(to_text(comp))

@@ -14,8 +14,8 @@ import pytest
 from mhcpipe.cli import main
 from schedules import build, simulate
 from traces.analysis.matching import drop_warmup_step, key_groups
-from traces.analysis.step_keys import file_step_index, step_arrays
-from traces.analysis.step_select import select_file_steps, select_steps, steps_of
+from traces.analysis.step_keys import KEY_IDS, file_step_index, step_arrays
+from traces.analysis.step_select import file_trace, select_file_steps, select_steps, steps_of
 from traces.formats.io import load_trace
 from traces.formats.npz import ColumnFile, save_npz
 from traces.columns import columns_of
@@ -66,7 +66,19 @@ def _check_steps(trace: Trace, path: Path) -> None:
         want, got = select_steps(trace, a, b), select_file_steps(cf, a, b)
         assert got.spans == want.spans and got.meta == want.meta, (a, b)
         _same_columns(got)
+        _same_key_groups(got)
     _same_columns(cf.trace())
+    whole = file_trace(cf)
+    _same_key_groups(whole)
+    _same_key_groups(drop_warmup_step(whole))
+
+
+def _same_key_groups(trace: Trace) -> None:
+    """A trace read from .npz (whole, a step range, its warm-up dropped) keeps its key ids from the file's columns:
+    key_groups on them are those its spans make, keys and indices in the same order."""
+    assert has_kept(trace, KEY_IDS)
+    got = [(k, v.tolist()) for k, v in key_groups(trace).items()]
+    assert got == [(k, v.tolist()) for k, v in key_groups(Trace(list(trace.spans), trace.meta)).items()]
 
 
 def _same_columns(trace: Trace) -> None:

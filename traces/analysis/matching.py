@@ -12,7 +12,7 @@ import numpy as np
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import GIVEN, KEY_GROUPS, keep_step_arrays, key_groups_of, step_arrays
+from traces.analysis.step_keys import GIVEN, KEY_GROUPS, cut_key_ids, keep_step_arrays, key_groups_of, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -55,13 +55,13 @@ def _schedule_spans(trace: Trace) -> list[int]:
     return [i for i in cand if spans[i].stage is not None]
 
 
-def key_groups(trace: Trace) -> dict[Key, list[int]]:
-    """Key -> its spans' indices in start order (kept on the trace: traces.trace.kept)."""
+def key_groups(trace: Trace) -> dict[Key, np.ndarray]:
+    """Key -> its spans' indices (an int64 array) in start order (kept on the trace: traces.trace.kept)."""
     return kept(trace, KEY_GROUPS, lambda: _key_groups(trace))
 
 
-def _key_groups(trace: Trace) -> dict[Key, list[int]]:
-    return key_groups_of(trace, span_key)  # grouped on integer key columns: no key tuple per span
+def _key_groups(trace: Trace) -> dict[Key, np.ndarray]:
+    return key_groups_of(trace, span_key)  # grouped on integer key ids: no key tuple per span
 
 
 def match_spans(pred: Trace, meas: Trace) -> list[tuple[int, int]]:
@@ -79,7 +79,7 @@ def matched_indices(pred: Trace, meas: Trace) -> tuple[np.ndarray, np.ndarray]:
     ms: list[np.ndarray] = []
     for key, pidx in pg.items():
         midx = mg.get(key)
-        if not midx:
+        if midx is None or not len(midx):
             continue
         if len(pidx) == 1:
             ps.append(np.full(len(midx), pidx[0], dtype=np.int64))
@@ -103,7 +103,7 @@ def step_index(trace: Trace) -> dict[int, int]:
         if has_kept(trace, GIVEN):
             rows, steps = step_arrays(trace)
             return dict(zip(rows.tolist(), steps.tolist()))
-        return {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx)}
+        return {i: k for idx in key_groups(trace).values() for k, i in enumerate(idx.tolist())}
     return kept(trace, "_step_index", make)
 
 
@@ -132,6 +132,7 @@ def drop_warmup_step(trace: Trace) -> Trace:
     kept_sched = np.flatnonzero(step[remain] >= 0).astype(np.int32)
     keep_step_arrays(out, kept_sched, step[remain[kept_sched]] - 1)
     keep_columns(out, trace, remain)
+    cut_key_ids(trace, out, remain)
     return out
 
 

@@ -8,7 +8,6 @@ and `file_step_index(cf)` from a .npz file's columns before any span exists (tra
 """
 from __future__ import annotations
 
-import itertools
 from operator import attrgetter
 from typing import Callable, Hashable
 
@@ -73,7 +72,7 @@ def _from_key_groups(groups: dict) -> tuple[np.ndarray, np.ndarray]:
     """The same arrays from key -> its spans' indices in (start, index) order: a span's step is its place in
     its key's list."""
     lens = np.fromiter(map(len, groups.values()), np.int64, len(groups))
-    flat = np.fromiter(itertools.chain.from_iterable(groups.values()), np.int64, int(lens.sum()))
+    flat = np.concatenate(list(groups.values())) if groups else np.zeros(0, np.int64)
     step = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
     order = np.argsort(flat, kind="stable")
     return flat[order].astype(np.int32), step[order].astype(np.int32)
@@ -89,30 +88,70 @@ GIVEN = "_step_arrays_given"  # kept beside them: matching.step_index lists such
 
 
 def _from_spans(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    rows, keys, start = _span_keys(trace)
-    return keyed_steps(rows, keys, start)
+    rows, ids = key_ids(trace)
+    return keyed_steps(rows, (ids,), columns_of(trace).start[rows])
 
 
-def key_groups_of(trace: Trace, key_of: Callable[[Span], Hashable]) -> dict[Hashable, list[int]]:
-    """matching.key_groups' dict: key -> its spans' indices in (start, index) order, the keys in the order of their
-    first span. The spans are grouped on their integer keys (one lexsort), and `key_of` (matching.span_key) is asked
-    once per key, of its first span: 10^6 spans, ~600 keys."""
-    rows, keys, start = _span_keys(trace)
+def key_groups_of(trace: Trace, key_of: Callable[[Span], Hashable]) -> dict[Hashable, np.ndarray]:
+    """matching.key_groups' dict: key -> its spans' indices (an int64 array) in (start, index) order, the keys in
+    the order of their first span. The spans are grouped on their key ids (one lexsort), and `key_of`
+    (matching.span_key) is asked once per key, of its first span: 10^6 spans, ~600 keys."""
+    rows, ids = key_ids(trace)
     n = len(rows)
     if not n:
         return {}
-    order = np.lexsort((rows, start) + keys)
+    order = np.lexsort((rows, columns_of(trace).start[rows], ids))
+    members = rows[order].astype(np.int64)
+    grouped = ids[order]
+    bounds = np.r_[0, np.flatnonzero(grouped[1:] != grouped[:-1]) + 1, n]
+    first = np.minimum.reduceat(members, bounds[:-1])  # where each key first appears
+    spans = trace.spans
+    return {key_of(spans[first[g]]): members[bounds[g]:bounds[g + 1]]
+            for g in np.argsort(first, kind="stable").tolist()}
+
+
+KEY_IDS = "_key_ids"
+
+
+def key_ids(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """(the schedule spans' indices ascending, each one's key as an integer id: equal ids, equal
+    matching.span_key), kept on the trace: from a .npz file's columns where it was read so (keep_key_ids), else from
+    the spans."""
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        rows, keys, _ = _span_keys(trace)
+        return rows.astype(np.int32), _ids(keys)
+    return kept(trace, KEY_IDS, make)
+
+
+def keep_key_ids(trace: Trace, rows: np.ndarray, ids: np.ndarray) -> None:
+    keep(trace, KEY_IDS, (rows, ids))
+
+
+def cut_key_ids(whole: Trace, cut: Trace, kept_rows: np.ndarray) -> None:
+    """`cut` holds the spans `kept_rows` (ascending) of `whole`: where whole's key ids are known, cut's are theirs
+    (a 10^7-span run's warm-up drop needs no pass over its spans for them)."""
+    if has_kept(whole, KEY_IDS):
+        keep_key_ids(cut, *cut_ids(*key_ids(whole), kept_rows))
+
+
+def cut_ids(rows: np.ndarray, ids: np.ndarray, kept_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The key ids of the spans `kept_rows` (ascending), indexed as the cut holds them."""
+    inside = np.isin(rows, kept_rows)
+    return np.searchsorted(kept_rows, rows[inside]).astype(np.int32), ids[inside]
+
+
+def _ids(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """One int32 per row, equal where every key column is."""
+    n = len(keys[0]) if keys else 0
+    order = np.lexsort(keys)
     new = np.zeros(n, dtype=bool)
-    new[0] = True
+    new[:1] = True
     for k in keys:
         ks = k[order]
         new[1:] |= ks[1:] != ks[:-1]
-    bounds = np.r_[np.flatnonzero(new), n]
-    members = rows[order]
-    first = np.minimum.reduceat(members, bounds[:-1])  # where each key first appears
-    spans = trace.spans
-    return {key_of(spans[first[g]]): members[bounds[g]:bounds[g + 1]].tolist()
-            for g in np.argsort(first, kind="stable").tolist()}
+    ids = np.empty(n, dtype=np.int32)
+    ids[order] = np.cumsum(new) - 1
+    return ids
 
 
 def _span_keys(trace: Trace) -> tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]:
@@ -142,6 +181,12 @@ def _span_keys(trace: Trace) -> tuple[np.ndarray, tuple[np.ndarray, ...], np.nda
 
 def file_step_index(cf: ColumnFile) -> tuple[np.ndarray, np.ndarray]:
     """step_arrays of a .npz trace, on its columns: no Span object made."""
+    rows, ids = file_key_ids(cf)
+    return keyed_steps(rows, (ids,), cf.cols["start"][rows])
+
+
+def file_key_ids(cf: ColumnFile) -> tuple[np.ndarray, np.ndarray]:
+    """key_ids of a .npz trace, on its columns."""
     stage = cf.column("stage")
     if stage is None:
         return np.zeros(0, np.int32), np.zeros(0, np.int32)
@@ -173,4 +218,4 @@ def file_step_index(cf: ColumnFile) -> tuple[np.ndarray, np.ndarray]:
                           streams[cf.cols["stream_codes"][rows[j]]])
         part[j] = parts.code(label)
     keys = (part, partner[:, 1], partner[:, 0], has_partner, mb, stage[rows], kind, cf.cols["rank"][rows])
-    return keyed_steps(rows, keys, cf.cols["start"][rows])
+    return rows.astype(np.int32), _ids(keys)

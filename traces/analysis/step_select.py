@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.analysis.step_keys import file_step_index, keep_step_arrays, step_arrays
+from traces.analysis.step_keys import (cut_ids, file_key_ids, keep_key_ids, keep_step_arrays, keyed_steps,
+                                      step_arrays)
 from traces.columns import columns_of
 from traces.formats.npz import ColumnFile
 from traces.trace import Trace, TraceError
@@ -131,21 +132,27 @@ def select_steps(trace: Trace, first: int, last: int) -> Trace:
 def select_file_steps(cf: ColumnFile, first: int, last: int) -> Trace:
     """select_steps of a .npz trace (traces.formats.npz) found on its columns: Span objects are made for the
     steps kept only, so a 10^7-span run's steps A..B load in the memory of those steps."""
-    sched, sched_k = file_step_index(cf)
+    sched, ids = file_key_ids(cf)
     if not len(sched):
         raise TraceError(NO_STEPS)
     cols = cf.cols
+    sched_k = keyed_steps(sched, (ids,), cols["start"][sched])[1]
     info = _step_info(cols["rank"], cols["start"], cols["duration"], sched, sched_k)
     keep, meta = _cut(info, cf.meta, first, last)
-    return cf.trace(np.asarray(keep, dtype=np.int64), meta)
+    rows = np.asarray(keep, dtype=np.int64)
+    trace = cf.trace(rows, meta)
+    keep_key_ids(trace, *cut_ids(sched, ids, rows))  # a key's id does not depend on the steps around it
+    return trace
 
 
 def file_trace(cf: ColumnFile) -> Trace:
     """Every span of a .npz trace, its step arrays found on the columns before the spans are made (the
     temporaries of the search gone before 10^7 spans exist)."""
-    rows, steps = file_step_index(cf)
+    rows, ids = file_key_ids(cf)
+    steps = keyed_steps(rows, (ids,), cf.cols["start"][rows])[1]
     trace = cf.trace()
     keep_step_arrays(trace, rows, steps)
+    keep_key_ids(trace, rows, ids)  # matching.key_groups groups on them: no pass over the spans
     return trace
 
 

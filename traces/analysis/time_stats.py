@@ -16,7 +16,6 @@ one np.maximum.accumulate over integer codes (group, rank of the value), not ove
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import itertools
 
 import numpy as np
 
@@ -93,7 +92,7 @@ def _by_step(groups: dict) -> tuple[np.ndarray, np.ndarray]:
     """The schedule spans grouped by step, in the order of their keys (the order the one-step rule listed them in,
     which decides ties below), and each one's step."""
     lens = np.fromiter(map(len, groups.values()), np.int64, len(groups))
-    flat = np.fromiter(itertools.chain.from_iterable(groups.values()), np.int64, int(lens.sum()))
+    flat = np.concatenate(list(groups.values())) if groups else np.zeros(0, np.int64)
     inst = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
     order = np.argsort(inst, kind="stable")
     return flat[order], inst[order]

@@ -239,8 +239,8 @@ def _mhc_shares(trace: Trace, baseline: Trace, name: str) -> tuple[dict[tuple, f
     for key, idx in mg.items():
         if key not in bg or key[1] in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
             continue
-        m = float(np.median([trace.spans[i].duration - rc.get(i, 0.0) for i in idx]))
-        b = float(np.median([baseline.spans[i].duration for i in bg[key]]))
+        m = float(np.median([trace.spans[i].duration - rc.get(i, 0.0) for i in idx.tolist()]))
+        b = float(np.median([baseline.spans[i].duration for i in bg[key].tolist()]))
         if m > 0:
             out[key] = min(1.0, max(0.0, 1.0 - b / m))
     return out, f"A/B: each op's share 1 - median(baseline) / median(mHC) over steps, per (rank, op), against {name}"
