@@ -3,7 +3,8 @@
 peak memory (RSS) measured by /usr/bin/time.
 
     .venv/bin/python bench/trace_scale_runs.py [--spans 1000000] [--source TRACE.json] [--rev 972bc6e]
-                                               [--commands critical-path,overlap] [--npz] [--json RESULT.json]
+                                               [--commands critical-path,overlap] [--npz] [--repeat 3]
+                                               [--json RESULT.json]
 
 The measured run: `mhcpipe run --config configs/tiny.yaml --schedule dualpipev --steps 6 --trace-dir ...` on 4 gloo
 ranks (or --source, a trace of ours). The commands: critical-path, overlap, whatif (--scale F=0.5), compare (the
@@ -13,7 +14,8 @@ trace written as our binary columns (.npz, docs/traces.md §8), and critical-pat
 (`--steps`: spans made for those steps only). Targets (issue 58): <= 5 s and
 <= 1 GB at 10^6 spans, <= 60 s and <= 4 GB at 10^7; a row over either is marked, and the exit code is 1 if any row
 is. --rev: the same commands at another git revision too (a scratch worktree), in the same run, on the same file,
-or on the version-1 file for a revision before version 2.
+or on the version-1 file for a revision before version 2, the .npz rows too where that revision reads .npz; the two
+revisions take turns command by command (this VM's speed drifts by tens of percent within minutes).
 """
 from __future__ import annotations
 
@@ -95,6 +97,15 @@ def timed(argv: list[str], tree: Path = ROOT) -> dict:
             "rc": proc.returncode, "error": err.strip().splitlines()[-1] if proc.returncode and err.strip() else ""}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Several runs of one command: the median wall time, the largest memory, every wall time listed."""
+    out = dict(sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2])
+    out["peak_rss_gb"] = max(r["peak_rss_gb"] for r in runs)
+    if len(runs) > 1:
+        out["walls_s"] = [r["wall_s"] for r in runs]
+    return out
+
+
 def _process_tree(pid: int) -> list[int]:
     """`pid` and its descendants (Linux /proc)."""
     out = [pid]
@@ -126,6 +137,8 @@ def main() -> int:
     ap.add_argument("--source", type=Path, help="a trace of ours to tile (default: measure a tiny run first)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "trace_scale_runs.json")
     ap.add_argument("--rev", help="also run the commands at this git revision (a scratch worktree)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each command (the revisions taking turns): the "
+                    "median wall time, the largest memory")
     ap.add_argument("--npz", action="store_true", help="also the commands on the trace as .npz, and --steps on it")
     ap.add_argument("--commands", help="run only these, comma-separated (critical-path, overlap, whatif, compare, "
                                        "view, v1: critical-path on the version-1 file); default all")
@@ -165,25 +178,43 @@ def main() -> int:
             commands["whatif npz --steps 100..109"] = ["whatif", str(npz), "--scale", "F=0.5", "--steps", "100..109"]
         size = len(big.spans)
         del big  # the commands run in their own processes: this one need not hold 10^7 spans meanwhile
-        rows = {name: timed(argv) for name, argv in commands.items()}
-        if not args.commands or "v1" in args.commands.split(","):
-            path_v1.write_text(json.dumps(Trace.load(path).to_records()))
-            rows["critical-path v1 file"] = timed(["critical-path", str(path_v1)])
-        before = None
+        old: dict[str, list[str]] = {}
+        tree = work / "rev"
         if args.rev:
-            # a revision that reads version 2 gets the same file; an older one the version-1 file
-            src = subprocess.run(["git", "show", f"{args.rev}:traces/trace.py"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout
-            reads_v2 = "FORMAT_VERSION = 2" in src
+            # a revision that reads version 2 gets the same file; an older one the version-1 file; the .npz rows
+            # where the revision reads .npz (and --steps)
+            def at(path_in_tree: str) -> str:
+                return subprocess.run(["git", "show", f"{args.rev}:{path_in_tree}"], cwd=ROOT, capture_output=True,
+                                      text=True).stdout
+            reads_v2 = "FORMAT_VERSION = 2" in at("traces/trace.py")
             old = {name: [str(path_v1) if a == str(path) and not reads_v2 else a for a in argv]
                    for name, argv in at_rev.items()}
-            tree = work / "rev"
+            if at("traces/formats/npz.py"):
+                steps = '"--steps"' in at("mhcpipe/analysis_cli.py")
+                old.update({name: argv for name, argv in commands.items()
+                            if name.endswith(" npz") or (steps and "--steps" in name)})
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
                            capture_output=True)
-            try:
-                before = {name: timed(argv, tree) for name, argv in old.items()}
-            finally:
+        want_v1 = not args.commands or "v1" in args.commands.split(",")
+        if want_v1 or (args.rev and not reads_v2):
+            path_v1.write_text(json.dumps(Trace.load(path).to_records()))
+        try:
+            # the revisions take turns command by command: this VM's speed drifts by tens of percent in minutes
+            rows, before = {}, ({} if args.rev else None)
+            for name, argv in commands.items():
+                runs, runs_then = [], []
+                for _ in range(args.repeat):
+                    runs.append(timed(argv))
+                    if name in old:
+                        runs_then.append(timed(old[name], tree))
+                rows[name] = _median_run(runs)
+                if runs_then:
+                    before[name] = _median_run(runs_then)
+        finally:
+            if args.rev:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+        if want_v1:
+            rows["critical-path v1 file"] = timed(["critical-path", str(path_v1)])
         result = {"spans": size, "source_spans": len(base.spans), "file_mb": path.stat().st_size / 1e6,
                   "file_npz_mb": (work / "big.npz").stat().st_size / 1e6 if args.npz else None,
                   "file_v1_mb": path_v1.stat().st_size / 1e6 if path_v1.exists() else None,

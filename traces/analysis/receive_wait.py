@@ -44,11 +44,12 @@ def receive_wait(trace: Trace, ranks: list[int], waits: list[dict[int, float] | 
         code = cols.kinds.index(WAIT_KIND) if WAIT_KIND in cols.kinds else -1
         waits_at = np.flatnonzero(cols.kind == code)
         spans = trace.spans
+        labels = [spans[i].label for i in waits_at.tolist()]
         receive: dict[str, bool] = {}  # label -> a wait for a receive? (a few hundred distinct labels)
-        for label in {spans[i].label for i in waits_at.tolist()}:
+        for label in set(labels):
             target = label[5:] if label.startswith("WAIT/") else ""
             receive[label] = target.split("/", 1)[0] in RECEIVE_KINDS
-        mine = waits_at[[receive[spans[i].label] for i in waits_at.tolist()]] if len(waits_at) else waits_at
+        mine = waits_at[[receive[label] for label in labels]] if len(waits_at) else waits_at
         for r in dict.fromkeys(cols.rank[mine].tolist()):  # ranks without schedule spans after the others
             total.setdefault(r, 0.0)
         order = list(total)
