@@ -53,18 +53,19 @@ def time_stats(trace: Trace) -> TimeStats:
     full = int(counts[0]) if len(counts) else 0
     counted = np.flatnonzero(counts >= 0.5 * full)  # a step counts when it is complete enough
     keep = np.isin(step, counted)
-    rows, step = rows[keep], np.searchsorted(counted, step[keep])  # steps renumbered 0..len(counted)-1
+    rows, step = rows[keep], np.searchsorted(counted, step[keep]).astype(np.int32)  # renumbered 0..len(counted)-1
+    del keep  # 10^7 spans: each array here is 40-80 MB, so none outlives its use
     n_steps = len(counted)
     cols = columns_of(trace)
     start, dur = cols.start[rows], cols.duration[rows]
     end = start + dur
-    rank = np.searchsorted(np.asarray(ranks, dtype=np.int64), cols.rank[rows])  # its index in `ranks`
-    stream = _logical_streams(trace, cols, rows)
+    rank = np.searchsorted(np.asarray(ranks, dtype=np.int64), cols.rank[rows]).astype(np.int32)  # index in `ranks`
+    stream = _logical_streams(trace, cols, rows).astype(np.int8)
     first = np.r_[0, np.flatnonzero(np.diff(step)) + 1] if len(step) else np.zeros(0, np.int64)
     t0 = np.minimum.reduceat(start, first) if len(first) else np.zeros(0)
     mks = np.maximum.reduceat(end, first) - t0 if len(first) else np.zeros(0)
     R = len(ranks)
-    group = step * R + rank  # one group per (step, rank)
+    group = step.astype(np.int64) * R + rank  # one group per (step, rank)
     on_compute = stream != COMM
     busy = _union_lengths(group[on_compute], start[on_compute], end[on_compute], n_steps * R)
     exposed = _union_lengths(group, start, end, n_steps * R) - busy
@@ -74,7 +75,7 @@ def time_stats(trace: Trace) -> TimeStats:
     if trace.meta.get("wait_spans"):  # receive waits from WAIT spans, not from the timeline
         waits: list[dict[int, float] | None] = [None] * n_steps
     else:
-        waits = _timeline_waits(cols, rows, group, stream, start, end, t0[step], n_steps, ranks)
+        waits = _timeline_waits(cols, rows, group, stream, start, end, t0, step, n_steps, ranks)
 
     def med(xs) -> float:
         return float(np.median(xs)) if len(xs) else 0.0
@@ -95,7 +96,7 @@ def _by_step(groups: dict) -> tuple[np.ndarray, np.ndarray]:
     flat = np.concatenate(list(groups.values())) if groups else np.zeros(0, np.int64)
     inst = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
     order = np.argsort(inst, kind="stable")
-    return flat[order], inst[order]
+    return flat[order], inst[order].astype(np.int32)
 
 
 def _logical_streams(trace: Trace, cols: Columns, rows: np.ndarray) -> np.ndarray:
@@ -217,7 +218,7 @@ def _carved(g, stream, kind, start, end, top, part, fb, in_pair) -> tuple[np.nda
     return cand[ok], host[ok]
 
 
-def _timeline_waits(cols: Columns, rows, group, stream, start, end, t0, n_steps: int,
+def _timeline_waits(cols: Columns, rows, group, stream, start, end, t0, step, n_steps: int,
                     ranks: list[int]) -> list[dict[int, float]]:
     """Per step, per rank with compute: the idle stretches before its compute (from the step's start or its
     previous compute's end), each counted up to the last receive that completes inside it
@@ -233,7 +234,7 @@ def _timeline_waits(cols: Columns, rows, group, stream, start, end, t0, n_steps:
     if len(g):
         prev[0] = -np.inf
         prev[1:] = np.where(g[1:] == g[:-1], reach[:-1], -np.inf)
-    free = np.maximum(t0[order], prev)
+    free = np.maximum(t0[step[order]], prev)  # the step's start, or the end reached before
     q = a + 1e-9 * np.maximum(1.0, np.abs(a))
     # the last arrival of the group at or before q: arrivals and queries sorted together, arrivals first on ties
     ev_g = np.r_[group[arr_rows], g]
