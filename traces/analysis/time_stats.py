@@ -179,18 +179,18 @@ def _kind_medians(trace: Trace, cols: Columns, rows, step, rank, stream, start, 
         add_k.append(np.column_stack([kind[j], kind[host]]).ravel())
         add_v.append(np.column_stack([s_dur[j], -s_dur[j]]).ravel())
     ag, ak, av = np.concatenate(add_g), np.concatenate(add_k), np.concatenate(add_v)
-    total = np.zeros((n_steps * R, K))
-    np.add.at(total, (ag, ak), av)
-    touched = np.zeros((R, K), dtype=bool)
-    touched[ag % R, ak] = True
-    per_step = total.reshape(n_steps, R, K)
+    # one column per (rank, kind) a step touched (a profiler file's hundreds of kernel kinds never get one)
+    touched, column = np.unique((ag % R) * K + ak, return_inverse=True)
+    per_step = np.zeros((n_steps, len(touched)))
+    np.add.at(per_step, (ag // R, column.ravel()), av)
     rank_kind: dict[int, dict[str, float]] = {}
     kind_time: dict[str, float] = {}
     # (rank, kind) in sorted order: kind_time's sums over ranks in one order whatever the process
-    for r_j, k_j in sorted(zip(*np.nonzero(touched)), key=lambda rk: (ranks[rk[0]], kinds[rk[1]])):
-        v = float(np.median(per_step[:, r_j, k_j]))
-        rank_kind.setdefault(ranks[r_j], {})[kinds[k_j]] = v
-        kind_time[kinds[k_j]] = kind_time.get(kinds[k_j], 0.0) + v
+    for q, rk in sorted(enumerate(touched.tolist()), key=lambda c: (ranks[c[1] // K], kinds[c[1] % K])):
+        r, k = ranks[rk // K], kinds[rk % K]
+        v = float(np.median(per_step[:, q]))
+        rank_kind.setdefault(r, {})[k] = v
+        kind_time[k] = kind_time.get(k, 0.0) + v
     return kind_time, rank_kind
 
 
