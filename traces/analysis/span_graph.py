@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from traces.analysis.receive_wait import POST_TO_COMPLETION, comm_span_meaning
 from traces.analysis.replicas import one_replica
-from traces.analysis.span_nodes import Node, add_parts, comm_name, compute_roles, is_collective, op_of, wait_target
+from traces.analysis.span_nodes import Node, add_parts, comm_name, compute_roles, kind_role, op_of, wait_target
 from traces.analysis.stage_chains import channel_order, neighbours, receive_posts, stage_chains
 from traces.analysis.step_select import step_trace
 from traces.trace import Trace, TraceError
@@ -224,10 +224,12 @@ class _Builder:
         self.waits: dict[tuple[int, str], list[int]] = defaultdict(list)
         collectives = []
         for i, s in enumerate(self.spans):
-            target = wait_target(s)
-            if target is not None:
-                self.waits[(s.rank, target)].append(i)
-            elif is_collective(s):
+            role = kind_role(s.kind)
+            if role == "wait":
+                target = wait_target(s)
+                if target is not None:
+                    self.waits[(s.rank, target)].append(i)
+            elif role == "collective" and s.stage is not None:  # posted between ops, or inside one
                 collectives.append(i)
         nodes, self.transfers, self.wire, notes = build_transfers(self.trace, self.waits, len(self.nodes), self.tol,
                                                                   self._send_posted)

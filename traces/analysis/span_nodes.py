@@ -77,6 +77,20 @@ def op_of(s: Span) -> str:
     return op
 
 
+_ROLES: dict[str, str] = {}  # kind -> kind_role: a few dozen kinds, asked once per span of every step's graph
+
+
+def kind_role(kind: str) -> str:
+    """What a span of this kind is in the graph: "compute" (an op of COMPUTE_OPS or a part of one), "p2p" (a
+    SEND/RECV), "collective" (an all-to-all or gradient all-reduce), "wait" or "other"."""
+    role = _ROLES.get(kind)
+    if role is None:
+        op = kind.split(".", 1)[0]
+        role = _ROLES[kind] = ("wait" if kind == WAIT_KIND else "compute" if op in COMPUTE_OPS else
+                               "p2p" if op in COMM_KINDS else "collective" if op in COLLECTIVE_OPS else "other")
+    return role
+
+
 def part_name(s: Span) -> str:
     """`F.post_res` -> `post_res`; `RC` -> `RC`; a stretch `F.block` -> `block`."""
     return s.kind.split(".", 1)[1] if "." in s.kind else s.kind
@@ -92,8 +106,9 @@ def compute_roles(spans: list[Span], tol: float) -> tuple[list[int], dict[int, i
     notes: list[str] = []
     by_rank: dict[int, list[int]] = defaultdict(list)
     hp: list[int] = []
+    roles = _ROLES
     for i, s in enumerate(spans):
-        if s.stage is None or op_of(s) not in COMPUTE_OPS:
+        if s.stage is None or (roles.get(s.kind) or kind_role(s.kind)) != "compute":
             continue
         ls = logical_stream(s)
         if ls == "compute":
@@ -176,10 +191,3 @@ def comm_name(s: Span) -> str:
     label = s.label
     return label[:-5] if label.endswith("~comm") else label
 
-
-def is_p2p(s: Span) -> bool:
-    return op_of(s) in COMM_KINDS
-
-
-def is_collective(s: Span) -> bool:
-    return op_of(s) in COLLECTIVE_OPS and s.stage is not None

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from traces.analysis.span_nodes import Node, comm_name, is_p2p
+from traces.analysis.span_nodes import Node, comm_name, kind_role
 from traces.names import P2P_NODE
 from traces.trace import Span, Trace
 
@@ -58,7 +58,7 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
     sends: dict[tuple[str, int | None, int | None, int, int | None], list[int]] = defaultdict(list)
     recvs: list[int] = []
     for i, s in enumerate(spans):
-        if is_p2p(s):
+        if kind_role(s.kind) == "p2p":
             if s.kind.startswith("SEND"):
                 sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
             elif s.kind.startswith("RECV") and s.stage is not None and s.mb is not None:
