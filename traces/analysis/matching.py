@@ -6,7 +6,6 @@ agree and enough keys are shared.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name

@@ -1,10 +1,12 @@
-"""Which step each schedule span belongs to, as two integer arrays (issue 58: 10^7 spans without a key tuple or a
+"""Which step and which key each schedule span has, as integer arrays (issue 58: 10^7 spans without a key tuple or a
 dict entry per span, ~0.8 GB less than `matching.step_index`'s dict at that size).
 
 A schedule span's key is `matching.span_key`'s (rank, kind, stage, micro-batch, FB partner, kernel part) written as
-integers; its step is its instance number among its key's spans in (start, index) order, as `matching.key_groups`
-sorts them. Two front ends, one rule (`keyed_steps`): `step_arrays(trace)` from a trace's spans, kept on the trace,
-and `file_step_index(cf)` from a .npz file's columns before any span exists (traces.formats.npz).
+integer columns, then one int32 id per span (`key_ids`: equal ids, equal keys); its step is its instance number
+among its key's spans in (start, index) order, as `matching.key_groups` sorts them (`key_groups_of` groups on the
+ids). Two front ends, one rule (`keyed_steps`): from a trace's spans (`step_arrays`, `key_ids`, kept on the trace),
+and from a .npz file's columns before any span exists (`file_key_ids`, `file_step_index`; traces.formats.npz), the
+ids then kept on the trace read, its warm-up drop and its step cuts.
 """
 from __future__ import annotations
 

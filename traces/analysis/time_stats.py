@@ -11,7 +11,9 @@ On columns (issue 58: compare of two 10^6-span traces spent ~4 s here one step a
 once by (step, rank, start), and each rule a pass of numpy over all of them. The floats are those of the
 one-step-at-a-time rule it replaces (tests/traces/test_time_stats.py runs both on every trace it has): sums are
 taken one after another in the same order (np.add.at adds in index order), and a running maximum within a group is
-one np.maximum.accumulate over integer codes (group, rank of the value), not over shifted floats.
+one np.maximum.accumulate over integer codes (group, rank of the value), not over shifted floats. A part's op is
+found by start among its lane's top-level ops (the old rule bisected them in listing order: the same op wherever a
+run lists a lane's ops in start order, an arbitrary one where it does not).
 """
 from __future__ import annotations
 
