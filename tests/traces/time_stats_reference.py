@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from traces.analysis.matching import key_groups, logical_stream
-from traces.analysis.receive_wait import receive_wait, timeline_waits
+from traces.analysis.receive_wait import RECEIVE_KINDS, receive_wait
 from traces.analysis.time_stats import TimeStats
 from traces.trace import Span, Trace, union_length
 
@@ -97,4 +97,30 @@ def _top_level(spans: list[Span]) -> list[Span]:
                 continue
             out.append(s)
             top_end = s.end
+    return out
+
+
+def timeline_waits(spans: list[Span], streams: list[str]) -> dict[int, float]:
+    """One step: per rank, the idle stretches before compute, each counted up to the last receive completing
+    inside it. `streams`: the spans' logical streams (compute, hp, comm)."""
+    t0 = min(s.start for s in spans)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    arrivals: dict[int, list[float]] = defaultdict(list)
+    for s, ls in zip(spans, streams):
+        if ls in ("compute", "hp"):
+            busy[s.rank].append((s.start, s.end))
+        elif s.kind.split(".", 1)[0] in RECEIVE_KINDS:
+            arrivals[s.rank].append(s.end)
+    out = {}
+    for r, intervals in busy.items():
+        waited, free = 0.0, t0
+        ends = sorted(arrivals.get(r, ()))
+        for start, end in sorted(intervals):
+            if start > free:
+                eps = 1e-9 * max(1.0, abs(start))
+                inside = [a for a in ends if free < a <= start + eps]
+                if inside:
+                    waited += min(max(inside), start) - free
+            free = max(free, end)
+        out[r] = waited
     return out

@@ -11,7 +11,7 @@ import numpy as np
 from traces.names import ALL_COMM_KINDS, LOGICAL_STREAMS, is_schedule_span, kernel_part, parse_name
 from traces.columns import columns_of, keep_columns
 from traces.analysis.stage_chains import schedule_descriptor
-from traces.analysis.step_keys import GIVEN, KEY_GROUPS, cut_key_ids, keep_step_arrays, key_groups_of, step_arrays
+from traces.analysis.step_keys import GIVEN, cut_key_ids, keep_step_arrays, key_groups_of, step_arrays
 from traces.trace import Span, Trace, TraceError, has_kept, kept
 
 Key = tuple[int, str, int | None, int | None, tuple[int, int] | None, str | None]
@@ -56,7 +56,7 @@ def _schedule_spans(trace: Trace) -> list[int]:
 
 def key_groups(trace: Trace) -> dict[Key, np.ndarray]:
     """Key -> its spans' indices (an int64 array) in start order (kept on the trace: traces.trace.kept)."""
-    return kept(trace, KEY_GROUPS, lambda: _key_groups(trace))
+    return kept(trace, "_key_groups", lambda: _key_groups(trace))
 
 
 def _key_groups(trace: Trace) -> dict[Key, np.ndarray]:

@@ -8,18 +8,17 @@ traces.analysis.compare compares it per rank; the SEND/RECV spans themselves mea
 * Any other trace (predictions, imported runs): read off the timeline. On each rank, a stretch in which it
   computes nothing before a compute action - from the step's start or from its previous compute's end - counts
   up to the last receive that completes inside it. That is the same wait: a simulated rank idles only until a
-  message it needs arrives, and a receive's span ends at its arrival (a transfer) or its completion.
+  message it needs arrives, and a receive's span ends at its arrival (a transfer) or its completion. Computed
+  for every step at once by traces.analysis.time_stats.
 Both are summed over a rank's steps and divided by the number of steps.
 """
 from __future__ import annotations
-
-from collections import defaultdict
 
 import numpy as np
 
 from traces.columns import columns_of
 from traces.names import WAIT_KIND
-from traces.trace import Span, Trace
+from traces.trace import Trace
 
 RECEIVE_KINDS = ("RECV_F", "RECV_B")
 TRANSFER = "transfer"  # a SEND/RECV span is the message on the wire: both sides posted -> arrival
@@ -34,8 +33,8 @@ def comm_span_meaning(trace: Trace) -> str:
 
 def receive_wait(trace: Trace, ranks: list[int], waits: list[dict[int, float] | None]) -> dict[int, float]:
     """Per rank, the mean time per step its compute waited for incoming messages (see the module docstring).
-    `ranks`: those of the counted steps' schedule spans; `waits`: each counted step's timeline_waits (None where
-    the trace records its waits as WAIT spans, which are read instead)."""
+    `ranks`: those of the counted steps' schedule spans; `waits`: each counted step's waits read off the timeline
+    (time_stats; None where the trace records its waits as WAIT spans, which are read instead)."""
     if not waits:
         return {}
     total: dict[int, float] = dict.fromkeys(ranks, 0.0)
@@ -64,28 +63,3 @@ def receive_wait(trace: Trace, ranks: list[int], waits: list[dict[int, float] | 
                 total[r] = total.get(r, 0.0) + v
     return {r: v / len(waits) for r, v in total.items()}
 
-
-def timeline_waits(spans: list[Span], streams: list[str]) -> dict[int, float]:
-    """One step: per rank, the idle stretches before compute, each counted up to the last receive completing
-    inside it. `streams`: the spans' logical streams (compute, hp, comm)."""
-    t0 = min(s.start for s in spans)
-    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    arrivals: dict[int, list[float]] = defaultdict(list)
-    for s, ls in zip(spans, streams):
-        if ls in ("compute", "hp"):
-            busy[s.rank].append((s.start, s.end))
-        elif s.kind.split(".", 1)[0] in RECEIVE_KINDS:
-            arrivals[s.rank].append(s.end)
-    out = {}
-    for r, intervals in busy.items():
-        waited, free = 0.0, t0
-        ends = sorted(arrivals.get(r, ()))
-        for start, end in sorted(intervals):
-            if start > free:
-                eps = 1e-9 * max(1.0, abs(start))
-                inside = [a for a in ends if free < a <= start + eps]
-                if inside:
-                    waited += min(max(inside), start) - free
-            free = max(free, end)
-        out[r] = waited
-    return out

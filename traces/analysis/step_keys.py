@@ -56,28 +56,10 @@ def _dotted(kinds: list[str], kind: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.array(["." in k for k in kinds], dtype=bool)[kind])
 
 
-KEY_GROUPS = "_key_groups"  # the name matching.key_groups keeps its dict under (traces.trace.kept)
-
-
 def step_arrays(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """(schedule span indices ascending, their steps) of `trace` (kept on it: traces.trace.kept); read off
-    matching.key_groups' dict where the trace has it already (compare asks for both: one pass over the spans, not
-    two)."""
-    def make() -> tuple[np.ndarray, np.ndarray]:
-        if has_kept(trace, KEY_GROUPS):
-            return _from_key_groups(kept(trace, KEY_GROUPS, dict))
-        return _from_spans(trace)
-    return kept(trace, "_step_arrays", make)
-
-
-def _from_key_groups(groups: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The same arrays from key -> its spans' indices in (start, index) order: a span's step is its place in
-    its key's list."""
-    lens = np.fromiter(map(len, groups.values()), np.int64, len(groups))
-    flat = np.concatenate(list(groups.values())) if groups else np.zeros(0, np.int64)
-    step = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-    order = np.argsort(flat, kind="stable")
-    return flat[order].astype(np.int32), step[order].astype(np.int32)
+    """(schedule span indices ascending, their steps) of `trace` (kept on it: traces.trace.kept), numbered on its
+    key ids (key_ids, which matching.key_groups groups on too: one pass over the spans for both)."""
+    return kept(trace, "_step_arrays", lambda: _from_spans(trace))
 
 
 def keep_step_arrays(trace: Trace, rows: np.ndarray, steps: np.ndarray) -> None:
