@@ -15,9 +15,10 @@ import gc
 import itertools
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from operator import attrgetter
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterable
+from typing import Annotated, Any, Iterable, Protocol, Sequence
 
 from typing_extensions import NotRequired, Required, TypedDict  # pydantic needs its TypedDict before 3.12
 
@@ -164,7 +165,8 @@ class _ColumnFile(TypedDict):
 
 
 _COLUMN_FILE = pydantic.TypeAdapter(_ColumnFile)
-_FIELDS = ("rank", "stream", "kind", "stage", "mb", "start", "duration", "partner", "peer", "name", "group", "batch")
+SPAN_FIELDS = ("rank", "stream", "kind", "stage", "mb", "start", "duration", "partner", "peer", "name", "group",
+               "batch")  # Span's fields, in order
 _CODED = ("stream", "kind", "group")
 _DEFAULTS = {"stage": None, "mb": None, "partner": None, "peer": None, "name": "", "group": None, "batch": None}
 
@@ -184,7 +186,7 @@ def collector_paused():
 
 def _columns(spans: list[Span]) -> dict[str, Any]:
     cols: dict[str, Any] = {}
-    for f in _FIELDS:
+    for f in SPAN_FIELDS:
         values = [getattr(s, f) for s in spans]
         if f in _DEFAULTS and all(v == _DEFAULTS[f] for v in values):
             continue  # every span at the default: the column is left out
@@ -207,7 +209,7 @@ def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
     together (~0.7 GB less at 10^7 spans)."""
     n = len(cols["rank"])
     lists: dict[str, Any] = {}
-    for f in _FIELDS:
+    for f in SPAN_FIELDS:
         col = cols.get(f)
         if col is None:
             lists[f] = None
@@ -227,7 +229,7 @@ def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
     while end > 0:
         begin = max(0, end - SPAN_CHUNK)
         args = []
-        for f in _FIELDS:
+        for f in SPAN_FIELDS:
             col = lists[f]
             if col is None:
                 args.append(itertools.repeat(_DEFAULTS[f], end - begin))
@@ -236,7 +238,7 @@ def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
             else:
                 args.append(col[begin:end])
         pieces.append(list(map(Span, *args)))
-        for f in _FIELDS:
+        for f in SPAN_FIELDS:
             col = lists[f]
             if col is not None:
                 del (col["codes"] if f in _CODED else col)[begin:]
@@ -244,17 +246,119 @@ def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
     return list(itertools.chain.from_iterable(reversed(pieces)))
 
 
-@dataclass
-class Trace:
-    """A timeline of spans over ranks and streams, plus free-form metadata (source, schedule, units...)."""
+class SpanRows(Protocol):
+    """Spans held as columns elsewhere (our .npz file: traces.formats.npz), made into Span objects when asked."""
 
-    spans: list[Span] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    def __len__(self) -> int: ...
+
+    def spans(self, rows: Sequence[int] | None = None) -> list[Span]:
+        """The Spans of `rows` (indices, in the order given), or of every row."""
+        ...
+
+    def field(self, name: str, rows: Sequence[int] | None = None) -> list:
+        """Span field `name` of `rows` (or of every row), as the Span objects hold it."""
+        ...
+
+    def take(self, rows: Sequence[int]) -> SpanRows:
+        """The rows `rows` (in the order given) as rows of their own."""
+        ...
+
+
+class Trace:
+    """A timeline of spans over ranks and streams, plus free-form metadata (source, schedule, units...).
+
+    A trace read from columns (`of_rows`) makes its Span objects the first time `spans` is asked for: the analyses
+    that work on columns (traces.columns) never ask, and 10^7 Span objects are ~3 GB. `span_count`, `span(i)` and
+    `spans_at(idx)` answer without making them all."""
+
+    def __init__(self, spans: list[Span] | None = None, meta: dict[str, Any] | None = None):
+        self._spans: list[Span] | None = [] if spans is None else spans
+        self._rows: SpanRows | None = None
+        self._kept: dict[str, tuple] = {}  # kept()'s values
+        self.meta: dict[str, Any] = {} if meta is None else meta
+
+    @classmethod
+    def of_rows(cls, rows: SpanRows, meta: dict[str, Any]) -> Trace:
+        trace = cls(meta=meta)
+        trace._spans, trace._rows = None, rows
+        return trace
+
+    @property
+    def spans(self) -> list[Span]:
+        if self._spans is None:
+            rows = self._rows
+            self._spans, self._rows = rows.spans(), None
+            for name, (held, n, value) in self._kept.items():  # what was kept for the rows holds for their spans
+                if held is rows:
+                    self._kept[name] = (self._spans, n, value)
+        return self._spans
+
+    @spans.setter
+    def spans(self, value: list[Span]) -> None:
+        self._spans, self._rows = value, None
+
+    @property
+    def spans_made(self) -> bool:
+        """Whether the Span objects exist (always, except for a trace read from columns not yet asked)."""
+        return self._spans is not None
+
+    @property
+    def span_count(self) -> int:
+        return len(self._rows) if self._spans is None else len(self._spans)
+
+    def span(self, i: int) -> Span:
+        """Span `i`, without making the others."""
+        return self._rows.spans([i])[0] if self._spans is None else self._spans[i]
+
+    def spans_at(self, idx: Sequence[int]) -> list[Span]:
+        """The spans `idx`, in that order, without making the others."""
+        if self._spans is None:
+            return self._rows.spans(idx)
+        spans = self._spans
+        return [spans[i] for i in (idx.tolist() if hasattr(idx, "tolist") else idx)]
+
+    def field(self, name: str, idx: Sequence[int] | None = None) -> list:
+        """Span field `name` (`rank`, `kind`, ...) of the spans `idx` (default: every span), without making the
+        Span objects."""
+        if self._spans is None:
+            return self._rows.field(name, idx)
+        spans = self._spans if idx is None else self.spans_at(idx)
+        return list(map(attrgetter(name), spans))
+
+    def labels(self, idx: Sequence[int]) -> list[str]:
+        """Span.label of the spans `idx`, without making the Span objects."""
+        if self._spans is not None:
+            return [s.label for s in self.spans_at(idx)]
+        names = self.field("name", idx)
+        unnamed = [j for j, name in enumerate(names) if not name]
+        if unnamed:
+            at = [idx[j] for j in unnamed]
+            for j, s in zip(unnamed, self._rows.spans(at)):
+                names[j] = s.label
+        return names
+
+    def subset(self, idx: Sequence[int], meta: dict[str, Any]) -> Trace:
+        """The trace of the spans `idx` (in that order) with `meta`; from a trace whose Span objects are not made
+        yet, one whose are not either."""
+        if self._spans is None:
+            return Trace.of_rows(self._rows.take(idx), meta)
+        spans = self._spans
+        return Trace([spans[i] for i in (idx.tolist() if hasattr(idx, "tolist") else idx)], meta)
+
+    def __repr__(self) -> str:
+        return f"Trace({self.span_count} spans, meta={self.meta!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return self.meta == other.meta and self.spans == other.spans
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
     def ranks(self) -> list[int]:
-        return sorted({s.rank for s in self.spans})
+        return sorted(set(self.field("rank")))
 
     def start(self) -> float:
         return min((s.start for s in self.spans), default=0.0)
@@ -356,7 +460,7 @@ def kept(trace: Trace, name: str, make):
     the same length: every analysis of a loaded trace asks for the same few (compare: four times each), each a pass
     over every span. Callers read them, never change them."""
     if has_kept(trace, name):
-        return trace.__dict__[name][2]
+        return trace._kept[name][2]
     value = make()
     keep(trace, name, value)
     return value
@@ -364,13 +468,18 @@ def kept(trace: Trace, name: str, make):
 
 def has_kept(trace: Trace, name: str) -> bool:
     """Whether a value under `name` is kept for the trace's present span list."""
-    got = trace.__dict__.get(name)
-    return got is not None and got[0] is trace.spans and got[1] == len(trace.spans)
+    got = trace._kept.get(name)
+    return got is not None and got[0] is _held(trace) and got[1] == trace.span_count
 
 
 def keep(trace: Trace, name: str, value) -> None:
     """Keep `value` under `name` on the trace for `kept`."""
-    trace.__dict__[name] = (trace.spans, len(trace.spans), value)
+    trace._kept[name] = (_held(trace), trace.span_count, value)
+
+
+def _held(trace: Trace) -> Any:
+    """What the trace's spans are held in now: its span list, or the rows its spans will be made from."""
+    return trace._rows if trace._spans is None else trace._spans
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:

@@ -228,8 +228,8 @@ def test_a_pickle_in_the_archive_never_runs(tmp_path, capsys):
 
 
 def test_spans_are_made_only_for_the_steps_asked_for(tmp_path, monkeypatch):
-    """select_file_steps builds Span objects for the kept rows only (what keeps a 10^7-span file's steps A..B in
-    the memory of those steps)."""
+    """select_file_steps builds Span objects for the kept rows only, and only when asked for (what keeps a
+    10^7-span file's steps A..B in the memory of those steps)."""
     trace = _run()
     cf = ColumnFile.read(save_npz(trace, tmp_path / "r.npz"))
     made = []
@@ -244,7 +244,9 @@ def test_spans_are_made_only_for_the_steps_asked_for(tmp_path, monkeypatch):
 
     monkeypatch.setattr(npz, "Span", Counting)
     cut = select_file_steps(cf, 1, 1)
-    assert 0 < len(made) == len(cut.spans) < len(trace.spans) / 4
+    assert not made and not cut.spans_made  # made when first asked for
+    n = len(cut.spans)
+    assert 0 < len(made) == n < len(trace.spans) / 4
 
 
 def test_a_negative_stage_is_refused_when_written(tmp_path):

@@ -85,7 +85,7 @@ def comm_overlap(trace: Trace) -> dict[int, RankCommOverlap] | None:
     p2p_timed = trace.meta.get("p2p_completion", "stamped") == "stamped"
     timed = ALL_COMM_KINDS if p2p_timed else ALL_COMM_KINDS - COMM_KINDS
     # the three kinds of span this reads, picked on the columns (10^6 spans: a pass of numpy, not of Python)
-    cols, spans = columns_of(trace), trace.spans
+    cols = columns_of(trace)
     on_comm = np.array([s == "comm" for s in cols.streams], dtype=bool)[cols.stream]
     comm = on_comm & np.array([_base(k) in timed for k in cols.kinds], dtype=bool)[cols.kind]
     fb = np.array([k == "FB" for k in cols.kinds], dtype=bool)[cols.kind]
@@ -99,8 +99,8 @@ def comm_overlap(trace: Trace) -> dict[int, RankCommOverlap] | None:
         c = c[np.argsort(cols.start[c], kind="stable")]  # by post, ties in listing order
         f = idx[fb[idx]]
         f = f[np.lexsort((cols.duration[f], cols.start[f]))]
-        out[r] = _rank_overlap(r, [spans[i] for i in c.tolist()], [(spans[i].start, spans[i].end) for i in f.tolist()],
-                               [spans[i] for i in idx[wait[idx]].tolist()], p2p_timed)
+        fbs = list(zip(cols.start[f].tolist(), (cols.start[f] + cols.duration[f]).tolist()))  # Span.end's float
+        out[r] = _rank_overlap(r, trace.spans_at(c), fbs, trace.spans_at(idx[wait[idx]]), p2p_timed)
     return out
 
 

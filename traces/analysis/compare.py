@@ -149,9 +149,9 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     # the matched pairs as index arrays and masks, per kind in pair order (10^6 spans: no tuple, set or float
     # object per pair)
     pp, mm = matched_indices(pred, meas)
-    matched_p = np.zeros(len(pred.spans), dtype=bool)
+    matched_p = np.zeros(pred.span_count, dtype=bool)
     matched_p[pp] = True
-    matched_m = np.zeros(len(meas.spans), dtype=bool)
+    matched_m = np.zeros(meas.span_count, dtype=bool)
     matched_m[mm] = True
     pc, mc = columns_of(pred), columns_of(meas)
     pd_all, md_all = pc.duration[pp], mc.duration[mm]
@@ -181,9 +181,9 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
                                pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
     fb_halves = {i for i in _fb_halves(meas, matched_m) if not matched_m[i]}
     unpriced_parts = _unpriced_parts(pred, meas, matched_m)
-    unmatched_p = [key_label(span_key(pred.spans[i])) for i in schedule_spans(pred) if not matched_p[i]]
-    unmatched_m = [key_label(span_key(meas.spans[i])) for i in schedule_spans(meas)
-                   if not matched_m[i] and i not in fb_halves and i not in unpriced_parts]
+    unmatched_p = [key_label(span_key(s)) for s in pred.spans_at([i for i in schedule_spans(pred) if not matched_p[i]])]
+    unmatched_m = [key_label(span_key(s)) for s in meas.spans_at([i for i in schedule_spans(meas) if not matched_m[i]
+                                                                  and i not in fb_halves and i not in unpriced_parts])]
     ps, ms = time_stats(pred), time_stats(meas)
     ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
@@ -195,7 +195,7 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
     if fb_halves:
         notes.append(f"{len(fb_halves)} measured F/B child ranges of overlapped FB pairs are covered by their FB span")
     if unpriced_parts:
-        part_kinds = sorted({meas.spans[i].kind for i in unpriced_parts})
+        part_kinds = sorted(set(meas.field("kind", sorted(unpriced_parts))))
         notes.append(f"{len(unpriced_parts)} measured kernel parts ({', '.join(part_kinds)}) are inside their actions: "
                      "the prediction prices whole actions, not parts")
     units = {label: t.meta.get("time_unit", "us") for label, t in (("predicted", pred), ("measured", meas))}
@@ -254,9 +254,10 @@ def _unpriced_parts(pred: Trace, meas: Trace, matched: np.ndarray) -> set[int]:
     """Measured kernel parts (kind "F.post_res", ...) when the prediction has no parts at all (it priced whole
     actions, e.g. the `local` runtime profile): inside their actions, not missing from the schedule. `matched`:
     a mask over meas's spans."""
-    if any("." in pred.spans[i].kind for i in schedule_spans(pred)):
+    if any("." in kind for kind in pred.field("kind", schedule_spans(pred))):
         return set()
-    return {i for i in schedule_spans(meas) if "." in meas.spans[i].kind and not matched[i]}
+    sched = schedule_spans(meas)
+    return {i for i, kind in zip(sched, meas.field("kind", sched)) if "." in kind and not matched[i]}
 
 
 def _fb_halves(meas: Trace, matched: np.ndarray) -> set[int]:
@@ -266,22 +267,28 @@ def _fb_halves(meas: Trace, matched: np.ndarray) -> set[int]:
     halves: set[tuple[int, str, int, int]] = set()
     cols = columns_of(meas)
     fb = [k for k, name in enumerate(cols.kinds) if name == "FB"]
-    for i in np.flatnonzero(matched & np.isin(cols.kind, fb)).tolist():
-        s = meas.spans[i]
-        if s.kind == "FB" and s.partner is not None:
-            halves.add((s.rank, "F", s.stage, s.mb))
-            halves.add((s.rank, "B", s.partner[0], s.partner[1]))
+    pairs = np.flatnonzero(matched & np.isin(cols.kind, fb)).tolist()
+    for rank, stage, mb, partner in zip(*(meas.field(f, pairs) for f in ("rank", "stage", "mb", "partner"))):
+        if partner is not None:
+            halves.add((rank, "F", stage, mb))
+            halves.add((rank, "B", partner[0], partner[1]))
     out = set()
     if not halves:
         return out
     half_kind = np.array([name.split(".", 1)[0] in ("F", "B") for name in cols.kinds], dtype=bool)
-    for i in np.flatnonzero(half_kind[cols.kind]).tolist():  # the F and B spans and their parts, by kind code
-        s = meas.spans[i]
-        if s.stage is None:  # not a schedule span
+    cand = np.flatnonzero(half_kind[cols.kind]).tolist()  # the F and B spans and their parts, by kind code
+    parts = []
+    for i, rank, kind, stage, mb in zip(cand, *(meas.field(f, cand) for f in ("rank", "kind", "stage", "mb"))):
+        if stage is None:  # not a schedule span
             continue
-        op = s.kind.split(".", 1)[0]
-        if (s.rank, op, s.stage, s.mb) in halves and (op == s.kind or logical_stream(s) == "compute"):
-            out.add(i)
+        op = kind.split(".", 1)[0]
+        if (rank, op, stage, mb) in halves:
+            if op == kind:
+                out.add(i)
+            else:
+                parts.append(i)
+    # a part counts when it runs on the compute stream
+    out.update(i for i, s in zip(parts, meas.spans_at(parts)) if logical_stream(s) == "compute")
     return out
 
 
@@ -296,4 +303,5 @@ def _kind_order(kind: Hashable) -> tuple[int, str]:
 
 def _describe(t: Trace) -> dict[str, Any]:
     keep = ("source", "format", "file", "schedule", "schema_version", "projection")
-    return {k: t.meta[k] for k in keep if k in t.meta} | {"spans": len(t.spans), "ranks": len(t.ranks)}
+    return {k: t.meta[k] for k in keep if k in t.meta} | {"spans": t.span_count,
+                                                            "ranks": len(np.unique(columns_of(t).rank))}

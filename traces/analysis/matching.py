@@ -49,9 +49,9 @@ def schedule_spans(trace: Trace) -> list[int]:
 
 
 def _schedule_spans(trace: Trace) -> list[int]:
-    cols, spans = columns_of(trace), trace.spans  # the kinds on the columns, the stage read only where they are
+    cols = columns_of(trace)  # the kinds on the columns, the stage read only where they are
     cand = np.flatnonzero(np.array([is_schedule_span(k, 0) for k in cols.kinds], dtype=bool)[cols.kind]).tolist()
-    return [i for i in cand if spans[i].stage is not None]
+    return [i for i, stage in zip(cand, trace.field("stage", cand)) if stage is not None]
 
 
 def key_groups(trace: Trace) -> dict[Key, np.ndarray]:
@@ -126,7 +126,7 @@ def drop_warmup_step(trace: Trace) -> Trace:
     next_start[np.isinf(next_start)] = -np.inf  # a rank without a next step keeps its other spans
     drop |= (step < 0) & (cols.start < next_start[cols.rank])
     remain = np.flatnonzero(~drop)
-    out = Trace([trace.spans[i] for i in remain.tolist()], dict(trace.meta))
+    out = trace.subset(remain, dict(trace.meta))
     # every key lost its first instance and kept the rest in order: a kept span's step is one less
     kept_sched = np.flatnonzero(step[remain] >= 0).astype(np.int32)
     keep_step_arrays(out, kept_sched, step[remain[kept_sched]] - 1)

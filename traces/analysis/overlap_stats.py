@@ -71,18 +71,14 @@ class OverlapStats:
                 "unmatched": {str(r): u for r, u in self.unmatched.items()}, "notes": self.notes}
 
 
-def is_nccl(s: Span) -> bool:
-    return s.kind == "kernel" and "nccl" in s.name.lower()
-
-
 def classify(trace: Trace, idx: np.ndarray, cols: Columns, category: np.ndarray) -> tuple[str, np.ndarray, np.ndarray,
                                                                                         np.ndarray, np.ndarray]:
     """(basis, communication, compute, blocked (WAIT), unmatched) span indices of one rank (`idx`, in trace
     order); `category`: every span's in the ops basis (_categories)."""
     kernel = cols.kinds.index("kernel") if "kernel" in cols.kinds else -1
     if kernel >= 0 and np.any(cols.kind[idx] == kernel):
-        is_kernel = cols.kind[idx] == kernel
-        nccl = np.fromiter((is_nccl(trace.spans[i]) for i in idx), bool, len(idx))
+        is_kernel = cols.kind[idx] == kernel  # an NCCL kernel: a kernel whose name says nccl
+        nccl = np.fromiter(("nccl" in name.lower() for name in trace.field("name", idx)), bool, len(idx))
         none = np.empty(0, dtype=np.int64)
         return "kernels", idx[is_kernel & nccl], idx[is_kernel & ~nccl], none, idx[~is_kernel]
     c = category[idx]
@@ -111,9 +107,9 @@ def _categories(trace: Trace, cols: Columns) -> np.ndarray:
         at = np.flatnonzero(pairs == p)
         kind, stream = cols.kinds[p // len(cols.streams)], cols.streams[p % len(cols.streams)]
         if stream in LOGICAL_STREAMS or kind in (RANGE_KIND, STEP_KIND):
-            out[at] = _category(trace.spans[int(at[0])])
+            out[at] = _category(trace.span(int(at[0])))
         else:
-            out[at] = [_category(trace.spans[i]) for i in at.tolist()]
+            out[at] = [_category(s) for s in trace.spans_at(at)]
     return out
 
 
@@ -210,7 +206,7 @@ def overlap_stats(trace: Trace) -> OverlapStats:
         codes, streams = _groups(cols.stream[comm])
         _add_shares(per_stream, [(r, cols.streams[k]) for k in streams], codes, dur, ov)
         if b == "kernels":
-            names = [trace.spans[i].name for i in comm.tolist()]
+            names = trace.field("name", comm)
             index: dict[str, int] = {}
             codes = np.fromiter((index.setdefault(n, len(index)) for n in names), np.int64, len(names))
             keys = [(r, n) for n in index]
@@ -226,8 +222,7 @@ def overlap_stats(trace: Trace) -> OverlapStats:
         else:
             per_rank[r] = tot
         u: dict[str, dict[str, float]] = {}
-        for i in other.tolist():
-            s = trace.spans[i]
+        for s in trace.spans_at(other):
             key = f"{s.kind}: {s.label if s.kind not in GPU_OPS else s.name or s.kind}"
             d = u.setdefault(key, {"count": 0, "us": 0.0})
             d["count"] += 1

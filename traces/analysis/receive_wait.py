@@ -42,8 +42,7 @@ def receive_wait(trace: Trace, ranks: list[int], waits: list[dict[int, float] | 
         cols = columns_of(trace)  # the WAIT spans by their kind's code: 10^6 spans, 10^5 waits
         code = cols.kinds.index(WAIT_KIND) if WAIT_KIND in cols.kinds else -1
         waits_at = np.flatnonzero(cols.kind == code)
-        spans = trace.spans
-        labels = [spans[i].label for i in waits_at.tolist()]
+        labels = trace.labels(waits_at.tolist())
         receive: dict[str, bool] = {}  # label -> a wait for a receive? (a few hundred distinct labels)
         for label in set(labels):
             target = label[5:] if label.startswith("WAIT/") else ""

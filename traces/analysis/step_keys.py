@@ -89,9 +89,8 @@ def key_groups_of(trace: Trace, key_of: Callable[[Span], Hashable]) -> dict[Hash
     grouped = ids[order]
     bounds = np.r_[0, np.flatnonzero(grouped[1:] != grouped[:-1]) + 1, n]
     first = np.minimum.reduceat(members, bounds[:-1])  # where each key first appears
-    spans = trace.spans
-    return {key_of(spans[first[g]]): members[bounds[g]:bounds[g + 1]]
-            for g in np.argsort(first, kind="stable").tolist()}
+    groups = np.argsort(first, kind="stable")
+    return {key_of(s): members[bounds[g]:bounds[g + 1]] for s, g in zip(trace.spans_at(first[groups]), groups.tolist())}
 
 
 KEY_IDS = "_key_ids"

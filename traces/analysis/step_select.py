@@ -108,7 +108,7 @@ def step_trace(trace: Trace, step: int | None = None, info: StepInfo | None = No
         raise TraceError(f"--step {k}: the trace holds steps {', '.join(map(str, info.steps))} (counted from 0 "
                          "after any dropped warm-up step); pick one of them")
     meta = {**trace.meta, "step": k, "steps": len(info.steps)}
-    return k, Trace(spans=[trace.spans[i] for i in info.spans[k]], meta=meta)
+    return k, trace.subset(info.spans[k], meta)
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -126,7 +126,7 @@ def select_steps(trace: Trace, first: int, last: int) -> Trace:
     """Steps `first` to `last` of `trace` (steps counted as traces.analysis.step_select counts them, warm-up
     included), their spans in the file's order; meta `first_step` records where the cut starts."""
     keep, meta = _cut(steps_of(trace), trace.meta, first, last)
-    return Trace(spans=[trace.spans[i] for i in keep], meta=meta)
+    return trace.subset(keep, meta)
 
 
 def select_file_steps(cf: ColumnFile, first: int, last: int) -> Trace:

@@ -23,15 +23,16 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from traces.columns import keep_file_columns
-from traces.trace import FORMAT_NAME, Span, Trace, TraceError, collector_paused
+from traces.trace import FORMAT_NAME, SPAN_FIELDS, Span, Trace, TraceError, collector_paused
 
 NPZ_VERSION = 1
-CHUNK = 1 << 18  # spans made at a time (ColumnFile.trace)
+CHUNK = 1 << 18  # spans made at a time (ColumnFile.spans)
+_CODED_FIELDS = {"stream": None, "kind": None, "name": "", "group": None}  # dictionary-encoded, and their default
 MAGIC = b"PK\x03\x04"  # a zip archive (what np.savez writes)
 _INT = {"rank", "stage", "mb", "peer", "batch", "stream_codes", "kind_codes", "name_codes", "group_codes"}
 _FLOAT = {"start", "duration"}
@@ -201,49 +202,70 @@ class ColumnFile:
         return arr if arr is None or rows is None else arr[rows]
 
     def trace(self, rows: np.ndarray | None = None, meta: dict[str, Any] | None = None) -> Trace:
-        """A Trace of every span, or of the spans `rows` (indices in file order) only. Made CHUNK spans at a time:
-        the per-field lists of a chunk are all that exists beside the spans (10^7 spans: ~1 GB less at the peak)."""
-        rows = np.arange(len(self)) if rows is None else np.asarray(rows)
-        spans: list[Span] = []
-        with collector_paused():
-            for lo in range(0, len(rows), CHUNK):
-                spans.extend(self._spans(rows[lo:lo + CHUNK]))
-        trace = Trace(spans=spans, meta=dict(self.meta if meta is None else meta))
+        """A Trace of every span, or of the spans `rows` (indices in file order) only, its Span objects made from
+        the columns when first asked for (traces.trace.Trace.of_rows): the analyses on columns never ask."""
+        rows = np.arange(len(self)) if rows is None else np.asarray(rows, dtype=np.int64)
+        trace = Trace.of_rows(FileRows(self, rows), dict(self.meta if meta is None else meta))
         kind, stream = self.column("kind_codes", rows), self.column("stream_codes", rows)
         if kind is not None and stream is not None and len(rows):  # the analyses' columns, from the file's
             keep_file_columns(trace, self.column("rank", rows), self.column("start", rows),
                               self.column("duration", rows), kind, self.values["kind"], stream, self.values["stream"])
         return trace
 
-    def _spans(self, rows: np.ndarray):
+    def spans(self, rows: np.ndarray) -> list[Span]:
+        """The Spans of `rows` (indices in file order), made CHUNK at a time: the per-field lists of a chunk are
+        all that exists beside the spans (10^7 spans: ~1 GB less at the peak)."""
+        spans: list[Span] = []
+        with collector_paused():
+            for lo in range(0, len(rows), CHUNK):
+                spans.extend(self._spans(rows[lo:lo + CHUNK]))
+        return spans
+
+    def field(self, name: str, rows: np.ndarray) -> list:
+        """Span field `name` of the spans `rows`, as the Span objects would hold it (None for none)."""
         n = len(rows)
-
-        def col(name: str) -> list:
-            arr = self.column(name, rows)
-            return arr.tolist() if arr is not None else [None] * n
-
-        def coded(f: str, default: Any) -> list:
-            codes = self.column(f"{f}_codes", rows)
+        if name in _CODED_FIELDS:
+            codes = self.column(f"{name}_codes", rows)
             if codes is None:
-                return [default] * n
-            vals = self.values[f] + ([None] if f == "group" else [])  # code -1 -> None
+                return [_CODED_FIELDS[name]] * n
+            vals = self.values[name] + ([None] if name == "group" else [])  # code -1 -> None
             return list(map(vals.__getitem__, codes.tolist()))
-
-        def optional(name: str) -> list:
-            arr = self.column(name, rows)
-            return [None] * n if arr is None else [None if v < 0 else v for v in arr.tolist()]
-
-        def masked(name: str, as_tuple: bool) -> list:
-            arr = self.column(name, rows)
-            if arr is None:
-                return [None] * n
+        arr = self.column(name, rows)
+        if arr is None:
+            return [None] * n
+        if name in ("stage", "mb", "batch"):  # -1: none
+            return [None if v < 0 else v for v in arr.tolist()]
+        if name in ("partner", "peer"):  # set where the mask says so
             mask = self.column(f"{name}_set", rows).tolist()
-            out = arr.tolist()
-            return [(tuple(v) if as_tuple else v) if m else None for v, m in zip(out, mask)]
+            as_tuple = name == "partner"
+            return [(tuple(v) if as_tuple else v) if m else None for v, m in zip(arr.tolist(), mask)]
+        return arr.tolist()
 
-        return map(Span, col("rank"), coded("stream", None), coded("kind", None), optional("stage"), optional("mb"),
-                   col("start"), col("duration"), masked("partner", True), masked("peer", False), coded("name", ""),
-                   coded("group", None), optional("batch"))
+    def _spans(self, rows: np.ndarray):
+        return map(Span, *(self.field(name, rows) for name in SPAN_FIELDS))
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Rows `rows` of a ColumnFile as a trace's spans to be made (traces.trace.SpanRows): span i is row rows[i]."""
+
+    file: ColumnFile
+    rows: np.ndarray  # int64 indices in file order
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def spans(self, rows: Sequence[int] | None = None) -> list[Span]:
+        return self.file.spans(self._rows(rows))
+
+    def field(self, name: str, rows: Sequence[int] | None = None) -> list:
+        return self.file.field(name, self._rows(rows))
+
+    def _rows(self, rows: Sequence[int] | None) -> np.ndarray:
+        return self.rows if rows is None else self.rows[np.asarray(rows, dtype=np.int64)]
+
+    def take(self, rows: Sequence[int]) -> FileRows:
+        return FileRows(self.file, self.rows[np.asarray(rows, dtype=np.int64)])
 
 
 def load_npz(path: str | Path) -> Trace:
