@@ -259,6 +259,14 @@ class SpanRows(Protocol):
         """Span field `name` of `rows` (or of every row), as the Span objects hold it."""
         ...
 
+    def known(self, name: str, rows: Sequence[int] | None = None) -> Any:
+        """Per row of `rows` (or every row), whether Span field `name` is set (not None)."""
+        ...
+
+    def ints(self, name: str, rows: Sequence[int] | None = None) -> Any:
+        """Integer Span field `name` of `rows` (or every row) as an int64 array, -1 where it is None."""
+        ...
+
     def take(self, rows: Sequence[int]) -> SpanRows:
         """The rows `rows` (in the order given) as rows of their own."""
         ...
@@ -324,6 +332,25 @@ class Trace:
             return self._rows.field(name, idx)
         spans = self._spans if idx is None else self.spans_at(idx)
         return list(map(attrgetter(name), spans))
+
+    def known(self, name: str, idx: Sequence[int] | None = None) -> Any:
+        """Per span of `idx` (default: every span), whether its field `name` is set (not None): a bool array."""
+        if self._spans is None:
+            return self._rows.known(name, idx)
+        import numpy as np  # here: the simulator's spans come from this module, and predict starts without numpy
+
+        values = self.field(name, idx)
+        return np.fromiter((v is not None for v in values), bool, len(values))
+
+    def ints(self, name: str, idx: Sequence[int] | None = None) -> Any:
+        """Integer Span field `name` (`rank`, `stage`, `mb`, `peer`, `batch`) of the spans `idx` (default: every
+        span) as an int64 array, -1 where it is None."""
+        if self._spans is None:
+            return self._rows.ints(name, idx)
+        import numpy as np  # (see known)
+
+        values = self.field(name, idx)
+        return np.fromiter((-1 if v is None else v for v in values), np.int64, len(values))
 
     def labels(self, idx: Sequence[int]) -> list[str]:
         """Span.label of the spans `idx`, without making the Span objects."""

@@ -36,6 +36,11 @@ def test_fields_labels_and_cuts_answer_as_the_spans_would(tmp_path, name):
     for f in SPAN_FIELDS:
         assert lazy.field(f) == [getattr(s, f) for s in whole.spans], f
         assert lazy.field(f, idx) == [getattr(whole.spans[i], f) for i in idx], f
+        is_set = [getattr(whole.spans[i], f) is not None for i in idx]
+        assert lazy.known(f, idx).tolist() == is_set == whole.known(f, idx).tolist(), f
+        if f in ("rank", "stage", "mb", "peer", "batch"):
+            ints = [-1 if getattr(whole.spans[i], f) is None else getattr(whole.spans[i], f) for i in idx]
+            assert lazy.ints(f, idx).tolist() == ints == whole.ints(f, idx).tolist(), f
     assert lazy.labels(idx) == [whole.spans[i].label for i in idx]
     assert lazy.spans_at(idx) == [whole.spans[i] for i in idx]
     assert lazy.span(idx[0]) == whole.spans[idx[0]]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from time_stats_reference import reference_time_stats
+import traces.analysis.time_stats as time_stats_module
 from traces.analysis.time_stats import time_stats
 from traces.formats.io import load_trace
 from traces.trace import Span, Trace
@@ -105,6 +106,16 @@ def _random_step(rnd: random.Random, ranks: int) -> list[Span]:
 @pytest.mark.parametrize("seed", range(40))
 def test_random_traces(seed):
     _same(_random_trace(seed))
+
+
+@pytest.mark.parametrize("block_rows", [1, 97])
+@pytest.mark.parametrize("seed", range(0, 40, 5))
+def test_blocks_of_steps_give_the_whole_s_floats(monkeypatch, seed, block_rows):
+    """time_stats works on blocks of whole steps (bounded temporaries at 10^7 spans): a step per block, or a few,
+    gives the floats of the rule over every step at once; the suite's measured run too."""
+    monkeypatch.setattr(time_stats_module, "BLOCK_ROWS", block_rows)
+    _same(_random_trace(seed))
+    _same(load_trace(DATA / "measured_dualpipev_tiny.json.gz"))
 
 
 def test_a_part_listed_before_its_op_is_carved_out_of_it():

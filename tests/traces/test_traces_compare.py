@@ -165,6 +165,26 @@ def test_fb_pairs_match_with_partner_and_children_are_not_unmatched():
     assert c2.unmatched_pred == ["rank 0 FB/s0/mb1+s1/mb0"] and c2.unmatched_meas == ["rank 0 FB/s0/mb1+s1/mb1"]
 
 
+def test_stretches_of_an_overlapped_pair_s_halves_are_its_children_on_the_compute_stream_only():
+    """A measured pair's halves recorded as stretches (`F/s0/mb1/L3.block`) on the compute stream are covered by the
+    FB span; the same kind of range on the hp stream is not one of them, nor is a stretch of another micro-batch."""
+    pred = Trace(spans=[Span(0, "compute", "FB", 0, 1, 0, 30, partner=(1, 0)), Span(0, "compute", "W", 1, 0, 30, 5),
+                        Span(0, "hp", "F.post_res", 0, 1, 2, 1, name="F/s0/mb1/L3.post_res~hp")],
+                 meta={"source": "simulated"})
+    meas = Trace(spans=[Span(0, "compute", "FB", 0, 1, 0, 33, partner=(1, 0)), Span(0, "compute", "W", 1, 0, 33, 5),
+                        Span(0, "hp", "F.post_res", 0, 1, 3, 2, name="F/s0/mb1/L3.post_res~hp"),
+                        Span(0, "compute", "F.block", 0, 1, 0, 9, name="F/s0/mb1/L3.block"),
+                        Span(0, "compute", "B.block", 1, 0, 9, 12, name="B/s1/mb0/L2.block"),
+                        Span(0, "hp", "F.block", 0, 1, 21, 4, name="F/s0/mb1/L5.block~hp"),
+                        Span(0, "compute", "F.block", 0, 2, 25, 4, name="F/s0/mb2/L3.block")],
+                 meta={"source": "measured"})
+    more = [Span(0, "compute", "W", 1, mb, 40 + 5 * mb, 5) for mb in range(1, 5)]  # the same schedule: keys shared
+    pred, meas = Trace(pred.spans + more, pred.meta), Trace(meas.spans + more, meas.meta)
+    c = compare(pred, meas)
+    assert c.unmatched_meas == ["rank 0 F/s0/mb1/L5.block", "rank 0 F/s0/mb2/L3.block"]
+    assert any(n.startswith("2 measured F/B child ranges") for n in c.notes), c.notes
+
+
 def test_parts_of_a_prediction_that_prices_whole_actions_are_not_unmatched():
     """A prediction without kernel parts (the `local` runtime profile) against a run that records them: the
     parts are inside their matched actions, said in a note; a prediction with parts still lists a missing one."""

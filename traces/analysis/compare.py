@@ -179,11 +179,15 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
         kinds.append(KindError(kind=kind, n=len(errs[kind]), signed_median_pct=_pct(stats[0]),
                                median_abs_pct=_pct(stats[1]), p90_abs_pct=_pct(stats[2]),
                                pred_mean_us=float(np.mean(pdur[kind])), meas_mean_us=float(np.mean(mdur[kind]))))
-    fb_halves = {i for i in _fb_halves(meas, matched_m) if not matched_m[i]}
+    fb_halves = _fb_halves(meas, matched_m)
+    fb_halves = fb_halves[~matched_m[fb_halves]]
     unpriced_parts = _unpriced_parts(pred, meas, matched_m)
-    unmatched_p = [key_label(span_key(s)) for s in pred.spans_at([i for i in schedule_spans(pred) if not matched_p[i]])]
-    unmatched_m = [key_label(span_key(s)) for s in meas.spans_at([i for i in schedule_spans(meas) if not matched_m[i]
-                                                                  and i not in fb_halves and i not in unpriced_parts])]
+    sp, sm = schedule_spans(pred), schedule_spans(meas)
+    unmatched_p = [key_label(span_key(s)) for s in pred.spans_at(sp[~matched_p[sp]])]
+    covered = matched_m.copy()  # matched, or an F&B pair's half, or a part the prediction does not price
+    covered[fb_halves] = True
+    covered[unpriced_parts] = True
+    unmatched_m = [key_label(span_key(s)) for s in meas.spans_at(sm[~covered[sm]])]
     ps, ms = time_stats(pred), time_stats(meas)
     ranks = _rank_rows(ps, ms, comm_overlap(meas))
     notes = []
@@ -192,10 +196,11 @@ def compare(pred: Trace, meas: Trace, baseline: tuple[Trace, Trace] | None = Non
                      "measurement: listed apart, not compared per op; waiting for messages is compared per rank")
     if zero_meas:
         notes.append(f"{zero_meas} matched measured spans have zero duration and are left out of the error statistics")
-    if fb_halves:
+    if len(fb_halves):
         notes.append(f"{len(fb_halves)} measured F/B child ranges of overlapped FB pairs are covered by their FB span")
-    if unpriced_parts:
-        part_kinds = sorted(set(meas.field("kind", sorted(unpriced_parts))))
+    if len(unpriced_parts):
+        mc = columns_of(meas)
+        part_kinds = sorted({mc.kinds[k] for k in np.unique(mc.kind[unpriced_parts]).tolist()})
         notes.append(f"{len(unpriced_parts)} measured kernel parts ({', '.join(part_kinds)}) are inside their actions: "
                      "the prediction prices whole actions, not parts")
     units = {label: t.meta.get("time_unit", "us") for label, t in (("predicted", pred), ("measured", meas))}
@@ -250,46 +255,53 @@ def _breakdown(base: TimeStats, mhc: TimeStats) -> dict[str, float]:
     return out
 
 
-def _unpriced_parts(pred: Trace, meas: Trace, matched: np.ndarray) -> set[int]:
+def _unpriced_parts(pred: Trace, meas: Trace, matched: np.ndarray) -> np.ndarray:
     """Measured kernel parts (kind "F.post_res", ...) when the prediction has no parts at all (it priced whole
     actions, e.g. the `local` runtime profile): inside their actions, not missing from the schedule. `matched`:
     a mask over meas's spans."""
-    if any("." in kind for kind in pred.field("kind", schedule_spans(pred))):
-        return set()
+    pc, mc = columns_of(pred), columns_of(meas)
+    if np.array(["." in k for k in pc.kinds], dtype=bool)[pc.kind[schedule_spans(pred)]].any():
+        return np.zeros(0, dtype=np.int64)
     sched = schedule_spans(meas)
-    return {i for i, kind in zip(sched, meas.field("kind", sched)) if "." in kind and not matched[i]}
+    part = np.array(["." in k for k in mc.kinds], dtype=bool)[mc.kind[sched]]
+    return sched[part & ~matched[sched]]
 
 
-def _fb_halves(meas: Trace, matched: np.ndarray) -> set[int]:
-    """Measured F/B spans that are the children of a matched FB span on the same rank: the whole halves of a
-    pair run one after the other, or the stretches (`F/s3/mb7/L12.block`) of an overlapped pair's halves.
-    `matched`: a mask over meas's spans."""
-    halves: set[tuple[int, str, int, int]] = set()
+def _fb_halves(meas: Trace, matched: np.ndarray) -> np.ndarray:
+    """Measured F/B spans (ascending indices) that are the children of a matched FB span on the same rank: the
+    whole halves of a pair run one after the other, or the stretches (`F/s3/mb7/L12.block`) of an overlapped pair's
+    halves. `matched`: a mask over meas's spans."""
     cols = columns_of(meas)
     fb = [k for k, name in enumerate(cols.kinds) if name == "FB"]
-    pairs = np.flatnonzero(matched & np.isin(cols.kind, fb)).tolist()
-    for rank, stage, mb, partner in zip(*(meas.field(f, pairs) for f in ("rank", "stage", "mb", "partner"))):
-        if partner is not None:
-            halves.add((rank, "F", stage, mb))
-            halves.add((rank, "B", partner[0], partner[1]))
-    out = set()
-    if not halves:
-        return out
+    pairs = np.flatnonzero(matched & np.isin(cols.kind, fb))
+    pairs = pairs[meas.known("partner", pairs)]
+    none = np.zeros(0, dtype=np.int64)
+    if not len(pairs):
+        return none
     half_kind = np.array([name.split(".", 1)[0] in ("F", "B") for name in cols.kinds], dtype=bool)
-    cand = np.flatnonzero(half_kind[cols.kind]).tolist()  # the F and B spans and their parts, by kind code
-    parts = []
-    for i, rank, kind, stage, mb in zip(cand, *(meas.field(f, cand) for f in ("rank", "kind", "stage", "mb"))):
-        if stage is None:  # not a schedule span
-            continue
-        op = kind.split(".", 1)[0]
-        if (rank, op, stage, mb) in halves:
-            if op == kind:
-                out.add(i)
-            else:
-                parts.append(i)
-    # a part counts when it runs on the compute stream
-    out.update(i for i, s in zip(parts, meas.spans_at(parts)) if logical_stream(s) == "compute")
-    return out
+    cand = np.flatnonzero(half_kind[cols.kind])  # the F and B spans and their parts, by kind code
+    cand = cand[meas.known("stage", cand)]  # schedule spans only
+    # (rank, half, stage, mb) as one integer (-1 for an unknown stage or micro-batch, as None matches None)
+    partner = np.asarray(meas.field("partner", pairs), dtype=np.int64).reshape(-1, 2)
+    rank = cols.rank[pairs].astype(np.int64)
+    h_rank = np.r_[rank, rank]
+    h_half = np.r_[np.zeros(len(pairs), np.int64), np.ones(len(pairs), np.int64)]
+    h_stage = np.r_[meas.ints("stage", pairs), partner[:, 0]]
+    h_mb = np.r_[meas.ints("mb", pairs), partner[:, 1]]
+    c_half = np.array([name.split(".", 1)[0] == "B" for name in cols.kinds], dtype=np.int64)[cols.kind[cand]]
+    c_stage, c_mb = meas.ints("stage", cand), meas.ints("mb", cand)
+    S = int(max(h_stage.max(), c_stage.max(initial=-1))) + 2
+    M = int(max(h_mb.max(), c_mb.max(initial=-1))) + 2
+
+    def key(r, half, stage, mb):
+        return ((r * 2 + half) * S + stage + 1) * M + mb + 1
+
+    c_rank = cols.rank[cand].astype(np.int64)
+    hit = cand[np.isin(key(c_rank, c_half, c_stage, c_mb), key(h_rank, h_half, h_stage, h_mb))]
+    is_part = np.array(["." in name for name in cols.kinds], dtype=bool)[cols.kind[hit]]
+    parts = hit[is_part]  # a part counts when it runs on the compute stream
+    on_compute = np.fromiter((logical_stream(s) == "compute" for s in meas.spans_at(parts)), bool, len(parts))
+    return np.sort(np.r_[hit[~is_part], parts[on_compute]])
 
 
 _ORDER = {k: i for i, k in enumerate(("F", "I", "B", "W", "FB", "RC", "RG", "SEND_F", "RECV_F", "SEND_B", "RECV_B",

@@ -43,15 +43,15 @@ def logical_stream(s: Span) -> str:
     return "comm" if s.kind.split(".", 1)[0] in ALL_COMM_KINDS else "compute"
 
 
-def schedule_spans(trace: Trace) -> list[int]:
-    """Indices of the spans that take part in matching (a schedule op kind with a stage)."""
+def schedule_spans(trace: Trace) -> np.ndarray:
+    """Indices (int64, ascending) of the spans that take part in matching (a schedule op kind with a stage)."""
     return kept(trace, "_schedule_spans", lambda: _schedule_spans(trace))
 
 
-def _schedule_spans(trace: Trace) -> list[int]:
+def _schedule_spans(trace: Trace) -> np.ndarray:
     cols = columns_of(trace)  # the kinds on the columns, the stage read only where they are
-    cand = np.flatnonzero(np.array([is_schedule_span(k, 0) for k in cols.kinds], dtype=bool)[cols.kind]).tolist()
-    return [i for i, stage in zip(cand, trace.field("stage", cand)) if stage is not None]
+    cand = np.flatnonzero(np.array([is_schedule_span(k, 0) for k in cols.kinds], dtype=bool)[cols.kind])
+    return cand[trace.known("stage", cand)]
 
 
 def key_groups(trace: Trace) -> dict[Key, np.ndarray]:

@@ -59,6 +59,58 @@ def time_stats(trace: Trace) -> TimeStats:
     del keep  # 10^7 spans: each array here is 40-80 MB, so none outlives its use
     n_steps = len(counted)
     cols = columns_of(trace)
+    blocks = [_block(trace, cols, rows[a:b], step[a:b] - k0, k1 - k0, ranks) for a, b, k0, k1 in _blocks(step, n_steps)]
+    mks = np.concatenate([b.makespan for b in blocks]) if blocks else np.zeros(0)
+    R = len(ranks)
+    busy = np.concatenate([b.busy for b in blocks]) if blocks else np.zeros((0, R))
+    exposed = np.concatenate([b.exposed for b in blocks]) if blocks else np.zeros((0, R))
+    idle = mks[:, None] - busy
+    kind_time, rank_kind = _kind_medians([(b.touched, b.kind_steps) for b in blocks], cols.kinds, ranks, n_steps)
+    waits: list[dict[int, float] | None] = [w for b in blocks for w in b.waits]
+
+    def med(xs) -> float:
+        return float(np.median(xs)) if len(xs) else 0.0
+
+    return TimeStats(makespan_us=med(mks), makespan_min_us=float(mks.min()) if n_steps else 0.0,
+                     makespan_max_us=float(mks.max()) if n_steps else 0.0, steps=n_steps,
+                     busy={r: med(busy[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
+                     idle={r: med(idle[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
+                     exposed_comm={r: med(exposed[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
+                     kind_time=kind_time, rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
+                     recv_wait=receive_wait(trace, ranks, waits))
+
+
+BLOCK_ROWS = 1 << 20  # schedule spans per block of whole steps: the passes' temporaries stay ~100 MB at 10^7 spans
+
+
+@dataclass
+class _Block:
+    """Per step of a block of whole steps: the makespan, each rank's busy and exposed time (step x rank), the time per
+    touched (rank, kind) column (step x column; `touched`: rank index * kinds + kind code) and the timeline's
+    receive waits (None each: the trace records WAIT spans)."""
+    makespan: np.ndarray
+    busy: np.ndarray
+    exposed: np.ndarray
+    touched: np.ndarray
+    kind_steps: np.ndarray
+    waits: list
+
+
+def _blocks(step: np.ndarray, n_steps: int) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, first step, end step) of blocks of whole steps of about BLOCK_ROWS rows; `step` sorted.
+    Every rule below works within a (step, rank), so a block's results are those the whole would give its steps."""
+    bounds = np.searchsorted(step, np.arange(n_steps + 1))  # step k's rows: bounds[k]..bounds[k + 1]
+    out, k0 = [], 0
+    while k0 < n_steps:
+        k1 = max(k0 + 1, int(np.searchsorted(bounds, bounds[k0] + BLOCK_ROWS, side="right")) - 1)
+        k1 = min(k1, n_steps)
+        out.append((int(bounds[k0]), int(bounds[k1]), k0, k1))
+        k0 = k1
+    return out
+
+
+def _block(trace: Trace, cols: Columns, rows: np.ndarray, step: np.ndarray, n_steps: int, ranks: list[int]) -> _Block:
+    """The per-step values of one block of whole steps (`step` numbered 0..n_steps-1 within it)."""
     start, dur = cols.start[rows], cols.duration[rows]
     end = start + dur
     rank = np.searchsorted(np.asarray(ranks, dtype=np.int64), cols.rank[rows]).astype(np.int32)  # index in `ranks`
@@ -71,24 +123,12 @@ def time_stats(trace: Trace) -> TimeStats:
     on_compute = stream != COMM
     busy = _union_lengths(group[on_compute], start[on_compute], end[on_compute], n_steps * R)
     exposed = _union_lengths(group, start, end, n_steps * R) - busy
-    busy, exposed = busy.reshape(n_steps, R), exposed.reshape(n_steps, R)
-    idle = mks[:, None] - busy
-    kind_time, rank_kind = _kind_medians(trace, cols, rows, step, rank, stream, start, dur, n_steps, ranks)
+    touched, kind_steps = _kind_steps(cols, rows, step, rank, stream, start, dur, n_steps, R)
     if trace.meta.get("wait_spans"):  # receive waits from WAIT spans, not from the timeline
         waits: list[dict[int, float] | None] = [None] * n_steps
     else:
         waits = _timeline_waits(cols, rows, group, stream, start, end, t0, step, n_steps, ranks)
-
-    def med(xs) -> float:
-        return float(np.median(xs)) if len(xs) else 0.0
-
-    return TimeStats(makespan_us=med(mks), makespan_min_us=float(mks.min()) if n_steps else 0.0,
-                     makespan_max_us=float(mks.max()) if n_steps else 0.0, steps=n_steps,
-                     busy={r: med(busy[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
-                     idle={r: med(idle[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
-                     exposed_comm={r: med(exposed[:, j]) for j, r in enumerate(ranks)} if n_steps else {},
-                     kind_time=kind_time, rank_kind_time={r: rank_kind.get(r, {}) for r in ranks},
-                     recv_wait=receive_wait(trace, ranks, waits))
+    return _Block(mks, busy.reshape(n_steps, R), exposed.reshape(n_steps, R), touched, kind_steps, waits)
 
 
 def _by_step(groups: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -108,8 +148,7 @@ def _logical_streams(trace: Trace, cols: Columns, rows: np.ndarray) -> np.ndarra
     out = table[cols.stream[rows]]
     other = np.flatnonzero(out < 0)
     if len(other):
-        spans = trace.spans
-        out[other] = [LOGICAL_STREAMS.index(logical_stream(spans[i])) for i in rows[other].tolist()]
+        out[other] = [LOGICAL_STREAMS.index(logical_stream(s)) for s in trace.spans_at(rows[other])]
     return out
 
 
@@ -145,17 +184,17 @@ def _union_lengths(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_grou
     return out
 
 
-def _kind_medians(trace: Trace, cols: Columns, rows, step, rank, stream, start, dur, n_steps: int,
-                  ranks: list[int]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """Per (rank, kind): the median over steps of its top-level compute and hp spans' time, mHC kernel parts that
-    run inside their op on the same stream (`F/s3/mb7/L12.pre` inside `F/s3/mb7`) carved out of the op and counted
-    as their own kind; kind_time sums the ranks' medians in (rank, kind) order."""
+def _kind_steps(cols: Columns, rows, step, rank, stream, start, dur, n_steps: int,
+                R: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step and (rank, kind): the time of its top-level compute and hp spans, mHC kernel parts that run inside
+    their op on the same stream (`F/s3/mb7/L12.pre` inside `F/s3/mb7`) carved out of the op and counted as their own
+    kind. (the (rank, kind) columns a step touched as rank index * kinds + kind code, step x column times)."""
     kinds = cols.kinds
     part = np.array(["." in k for k in kinds], dtype=bool)
     in_pair = np.array([k.split(".", 1)[0] in ("F", "B") for k in kinds], dtype=bool)  # a stretch of a pair's half
     fb = np.array([k == "FB" for k in kinds], dtype=bool)
     sel = np.flatnonzero(stream != COMM)
-    R, K = len(ranks), len(kinds)
+    K = len(kinds)
     kind = cols.kind[rows[sel]].astype(np.int64)
     g = step[sel] * R + rank[sel]
     s_start, s_dur = start[sel], dur[sel]
@@ -185,6 +224,20 @@ def _kind_medians(trace: Trace, cols: Columns, rows, step, rank, stream, start, 
     touched, column = np.unique((ag % R) * K + ak, return_inverse=True)
     per_step = np.zeros((n_steps, len(touched)))
     np.add.at(per_step, (ag // R, column.ravel()), av)
+    return touched, per_step
+
+
+def _kind_medians(blocks: list[tuple[np.ndarray, np.ndarray]], kinds: tuple[str, ...], ranks: list[int],
+                  n_steps: int) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """Per (rank, kind) a block of steps touched: the median over all steps of its time (0 in a step that did not
+    touch it); kind_time sums the ranks' medians in (rank, kind) order."""
+    K = len(kinds)
+    touched = np.unique(np.concatenate([t for t, _ in blocks])) if blocks else np.zeros(0, np.int64)
+    per_step = np.zeros((n_steps, len(touched)))
+    k0 = 0
+    for t, steps in blocks:
+        per_step[k0:k0 + len(steps), np.searchsorted(touched, t)] = steps
+        k0 += len(steps)
     rank_kind: dict[int, dict[str, float]] = {}
     kind_time: dict[str, float] = {}
     # (rank, kind) in sorted order: kind_time's sums over ranks in one order whatever the process

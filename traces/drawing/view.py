@@ -32,6 +32,7 @@ from traces.formats.chrome import assign_lanes, is_predicted
 from traces.analysis.compare import _kind_order
 from traces.analysis.time_stats import TimeStats, time_stats
 from traces.analysis.matching import schedule_spans
+from traces.columns import columns_of
 from traces.names import RANGE_KIND, STEP_KIND
 from traces.drawing.path_marks import PATH_COLOR, draw_marks, paths_for, place
 from traces.drawing.plot import KIND_COLORS, SECOND_DIRECTION_COLORS, _second_direction_stages
@@ -111,8 +112,8 @@ def build_layout(traces: list[Trace], titles: list[str], streams: tuple[str, ...
     origins: dict[int, float] = {}
     for ti, t in enumerate(traces):
         sched = schedule_spans(t)
-        origin = origins[ti] = min((t.spans[i].start for i in sched), default=t.start())
-        if sched:
+        origin = origins[ti] = float(columns_of(t).start[sched].min()) if len(sched) else t.start()
+        if len(sched):
             st = time_stats(t)
             stats[ti] = st
             idle[ti] = {r: (v / st.makespan_us if st.makespan_us else 0.0) for r, v in st.idle.items()}
@@ -294,7 +295,7 @@ def breakdown(trace: Trace, stats: TimeStats | None = None) -> tuple[list[int], 
     traces without schedule ops, busy time per span kind (union per kind) and the rest idle."""
     ranks = trace.ranks
     parts: dict[str, list[float]] = {}
-    if schedule_spans(trace):
+    if len(schedule_spans(trace)):
         st = stats or time_stats(trace)
         ranks = sorted(st.busy)
         kinds = sorted({k for r in ranks for k in st.rank_kind_time.get(r, {})}, key=_kind_order)
@@ -352,7 +353,7 @@ def draw_breakdown(ax, traces: list[Trace], titles: list[str], stats: dict[int, 
     ax.set_yticks(np.arange(len(bars)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
-    per_step = any(schedule_spans(t) for t in traces)
+    per_step = any(len(schedule_spans(t)) for t in traces)
     unit = traces[0].meta.get("time_unit", "us") if traces else "us"
     unit = ms_axis(ax, unit, float(lefts.max()) if len(lefts) else 0.0)
     ax.set_xlabel((f"time per step ({unit}): busy by kind, exposed communication, idle (hatched); bar length = makespan"

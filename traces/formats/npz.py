@@ -241,6 +241,31 @@ class ColumnFile:
             return [(tuple(v) if as_tuple else v) if m else None for v, m in zip(arr.tolist(), mask)]
         return arr.tolist()
 
+    def known(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Whether Span field `name` is set (not None) for the spans `rows`."""
+        if name in _CODED_FIELDS:
+            codes = self.column(f"{name}_codes", rows)
+            if codes is None:
+                return np.full(len(rows), _CODED_FIELDS[name] is not None)
+            return codes >= 0
+        if name in ("partner", "peer"):
+            mask = self.column(f"{name}_set", rows)
+            return np.zeros(len(rows), dtype=bool) if mask is None else mask
+        arr = self.column(name, rows)
+        if arr is None:
+            return np.zeros(len(rows), dtype=bool)
+        return arr >= 0 if name in ("stage", "mb", "batch") else np.ones(len(rows), dtype=bool)
+
+    def ints(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Integer Span field `name` of the spans `rows` as int64, -1 where it is None."""
+        if name not in ("rank", "stage", "mb", "peer", "batch"):
+            raise ValueError(f"field {name!r} is not an integer field")
+        arr = self.column(name, rows)
+        if arr is None:
+            return np.full(len(rows), -1, dtype=np.int64)
+        arr = arr.astype(np.int64)
+        return np.where(self.column("peer_set", rows), arr, -1) if name == "peer" else arr
+
     def _spans(self, rows: np.ndarray):
         return map(Span, *(self.field(name, rows) for name in SPAN_FIELDS))
 
@@ -260,6 +285,12 @@ class FileRows:
 
     def field(self, name: str, rows: Sequence[int] | None = None) -> list:
         return self.file.field(name, self._rows(rows))
+
+    def known(self, name: str, rows: Sequence[int] | None = None) -> np.ndarray:
+        return self.file.known(name, self._rows(rows))
+
+    def ints(self, name: str, rows: Sequence[int] | None = None) -> np.ndarray:
+        return self.file.ints(name, self._rows(rows))
 
     def _rows(self, rows: Sequence[int] | None) -> np.ndarray:
         return self.rows if rows is None else self.rows[np.asarray(rows, dtype=np.int64)]
