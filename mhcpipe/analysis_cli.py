@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 from traces.analysis.critical_path import critical_path
-from traces.formats.io import load_trace
+from traces.formats.io import read_columns
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.overlap_stats import overlap_stats
 from traces.analysis.step_pool import MIN_STEPS
 from traces.analysis.path_report import overlap_sections, path_sections, to_markdown, to_text, whatif_sections
 from traces.analysis.step_select import file_trace, parse_steps, select_file_steps, select_steps
-from traces.formats.npz import ColumnFile, is_npz
+from traces.formats.npz import ColumnFile
 from traces.trace import Trace
 from traces.analysis.whatif import SCALE_HELP, parse_scales, whatif
 
@@ -109,13 +109,13 @@ def _steps_arg(p: argparse.ArgumentParser) -> None:
 
 def load_steps(path: str, rank: int | None = None, which: str | None = None, steps: str | None = None) -> Trace:
     """The trace at `path`, only its steps A..B when `steps` is given (a bad range refused before the file is
-    read). From our .npz columns the steps are found on the columns and only theirs become spans."""
+    read). From our .npz or JSON (version 2) the steps are found on the columns, and Span objects are made only when
+    an analysis asks for them (traces.trace.Trace.of_rows)."""
     span = parse_steps(steps) if steps is not None else None
-    if is_npz(path):
-        cf = ColumnFile.read(path)
-        return select_file_steps(cf, *span) if span is not None else file_trace(cf)
-    trace = load_trace(path, rank=rank, which=which)
-    return select_steps(trace, *span) if span is not None else trace
+    read = read_columns(path, rank=rank, which=which)
+    if isinstance(read, ColumnFile):
+        return select_file_steps(read, *span) if span is not None else file_trace(read)
+    return select_steps(read, *span) if span is not None else read
 
 
 def load_for_analysis(path: str, which: str | None = None, rank: int | None = None,

@@ -23,9 +23,10 @@ from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
 from mhcpipe.analysis_cli import load_for_analysis, load_steps
-from traces.formats.io import json_file_trace, load_trace, sniff, streamed_trace
+from traces.formats.io import json_columns, json_file_trace, load_trace, sniff, streamed_trace
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
+from traces.analysis.step_select import file_trace
 from traces.names import STEP_KIND
 from traces.drawing.path_marks import chrome_path_events, paths_for
 from traces.drawing.replica_summary import summarise_replicas
@@ -87,7 +88,8 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
         if isinstance(data, dict) and data.get("format") != FORMAT_NAME and not is_kineto(data) \
                 and "traceEvents" in data:
             return chrome_to_traces(data, source=str(p))
-        return [json_file_trace(p, data, rank=rank, consume=True)]  # read once, given away
+        cf = json_columns(data, p)  # ours: read once, given away, as columns
+        return [file_trace(cf) if cf is not None else json_file_trace(p, data, rank=rank, consume=True)]
     return [load_steps(path, rank=rank)]  # a .npz file: its steps found on the columns
 
 

@@ -203,16 +203,35 @@ def _columns(spans: list[Span]) -> dict[str, Any]:
 SPAN_CHUNK = 1 << 18  # spans made per piece while the columns are cut down behind them
 
 
-def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
-    """The spans of validated version-2 columns, which this consumes: the spans are made a chunk at a time from the
-    end, each chunk's rows then cut off the column lists, so the columns and the spans never need memory in full
-    together (~0.7 GB less at 10^7 spans)."""
+def validated(data: Any, source: str, consume: bool = False) -> tuple[int, dict[str, Any]]:
+    """(version, the file's content checked against its schema) of our JSON trace `data`; `consume`: Trace.from_dict.
+    A file that is not ours, of a version this build does not read, or off its schema: TraceError naming the field."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
+                         "for Chrome/Perfetto JSON use traces.formats.chrome.load_chrome")
+    version = data.get("version")
+    if version not in READ_VERSIONS:
+        raise TraceError(f"{source}: trace format version {version!r} is not supported (this build reads "
+                         f"versions {', '.join(map(str, READ_VERSIONS))})")
+    with collector_paused():
+        try:
+            parsed = (_COLUMN_FILE if version == 2 else _TRACE_FILE).validate_python(data)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise TraceError(f"{source}: field {where}: {first['msg']}") from None
+    if consume:
+        data.pop("columns" if version == 2 else "spans", None)
+    return version, parsed
+
+
+def check_columns(cols: dict[str, Any], source: str) -> None:
+    """What pydantic does not check in validated version-2 columns: one value per span in every column, every code
+    naming a value."""
     n = len(cols["rank"])
-    lists: dict[str, Any] = {}
     for f in SPAN_FIELDS:
         col = cols.get(f)
         if col is None:
-            lists[f] = None
             continue
         rows = col
         if f in _CODED:
@@ -223,7 +242,15 @@ def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
         if len(rows) != n:
             raise TraceError(f"{source}: field columns.{f}: {len(rows)} values for {n} spans (columns.rank); every "
                              "column has one value per span: the file is damaged, write it again")
-        lists[f] = col
+
+
+def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
+    """The spans of validated version-2 columns, which this consumes: the spans are made a chunk at a time from the
+    end, each chunk's rows then cut off the column lists, so the columns and the spans never need memory in full
+    together (~0.7 GB less at 10^7 spans)."""
+    check_columns(cols, source)
+    n = len(cols["rank"])
+    lists: dict[str, Any] = {f: cols.get(f) for f in SPAN_FIELDS}
     pieces: list[list[Span]] = []
     end = n
     while end > 0:
@@ -440,22 +467,8 @@ class Trace:
         """`consume`: `data` is the caller's to give away (a file just parsed): its span lists are dropped from it
         once validated (pydantic's validated copies hold the values), so the two never need memory together with
         the spans (a 10^7-span file: ~1.5 GB less at its peak)."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
-                             "for Chrome/Perfetto JSON use traces.formats.chrome.load_chrome")
-        version = data.get("version")
-        if version not in READ_VERSIONS:
-            raise TraceError(f"{source}: trace format version {version!r} is not supported (this build reads "
-                             f"versions {', '.join(map(str, READ_VERSIONS))})")
+        version, parsed = validated(data, source, consume)
         with collector_paused():
-            try:
-                parsed = (_COLUMN_FILE if version == 2 else _TRACE_FILE).validate_python(data)
-            except pydantic.ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise TraceError(f"{source}: field {where}: {first['msg']}") from None
-            if consume:
-                data.pop("columns" if version == 2 else "spans", None)
             if version == 2:
                 spans = _spans_from_columns(parsed["columns"], source)
             else:

@@ -1,6 +1,7 @@
 """A trace read from our .npz columns makes its Span objects only when `spans` is first asked for (traces.trace.Trace
 .of_rows): its fields, labels, cuts and kept values answer from the columns exactly as the Spans would, and
-`mhcpipe compare` of two such traces never makes them (10^6 spans: 5.1 -> 3.3 s, 0.73 -> 0.46 GB)."""
+`mhcpipe compare` of two such traces never makes them (10^6 spans: 5.1 -> 3.3 s, 0.73 -> 0.46 GB). Our JSON
+(version 2) is read into the same columns (traces.formats.npz.ColumnFile.of_json)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ from traces.analysis.compare import compare
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.step_select import file_trace
 from traces.columns import columns_of
-from traces.formats.io import load_trace
+from traces.formats.io import load_trace, read_columns
 from traces.formats.npz import ColumnFile, save_npz
 from traces.trace import SPAN_FIELDS, Span, Trace
 
@@ -20,16 +21,20 @@ MEASURED = DATA / "measured_dualpipev_tiny.json.gz"
 PREDICTED = DATA / "predicted_dualpipev_tiny.json.gz"
 
 
-def _lazy(trace: Trace, path: Path) -> Trace:
-    """`trace` read back as the commands read a .npz file."""
-    return file_trace(ColumnFile.read(save_npz(trace, path)))
+def _lazy(trace: Trace, path: Path, how: str = "npz") -> Trace:
+    """`trace` written as our .npz or JSON and read back as the commands read them (traces.formats.io.read_columns)."""
+    written = save_npz(trace, path.with_suffix(".npz")) if how == "npz" else trace.save(path.with_suffix(".json"))
+    read = read_columns(written)
+    assert isinstance(read, ColumnFile)
+    return file_trace(read)
 
 
+@pytest.mark.parametrize("how", ["npz", "json"])
 @pytest.mark.parametrize("name", ["measured_dualpipev_tiny.json.gz", "measured_emulated_pp2_dp2.json.gz",
                                   "predicted_dualpipev_tiny.json.gz"])
-def test_fields_labels_and_cuts_answer_as_the_spans_would(tmp_path, name):
+def test_fields_labels_and_cuts_answer_as_the_spans_would(tmp_path, name, how):
     whole = load_trace(DATA / name)
-    lazy = _lazy(whole, tmp_path / "t.npz")
+    lazy = _lazy(whole, tmp_path / "t", how)
     assert not lazy.spans_made and lazy.span_count == len(whole.spans)
     n = len(whole.spans)
     idx = list(range(n - 1, -1, -3))  # out of order, some rows only
@@ -55,7 +60,7 @@ def test_fields_labels_and_cuts_answer_as_the_spans_would(tmp_path, name):
 def test_what_was_kept_for_the_rows_is_kept_for_their_spans(tmp_path):
     """columns_of's arrays kept before the Span objects exist are the same object after (no second pass), and a
     changed span list still drops them (traces.trace.kept)."""
-    lazy = _lazy(load_trace(MEASURED), tmp_path / "t.npz")
+    lazy = _lazy(load_trace(MEASURED), tmp_path / "t")
     cols = columns_of(lazy)
     spans = lazy.spans
     assert columns_of(lazy) is cols
@@ -63,12 +68,13 @@ def test_what_was_kept_for_the_rows_is_kept_for_their_spans(tmp_path):
     assert len(columns_of(lazy)) == len(spans) // 2
 
 
-def test_compare_of_npz_traces_makes_no_span_objects(tmp_path):
-    """compare on columns: the measured run (WAIT spans, F&B halves, kernel parts) and the prediction, both from
-    .npz, give the comparison their Span-holding twins give, and neither makes its Span objects."""
+@pytest.mark.parametrize("how", ["npz", "json"])
+def test_compare_of_column_read_traces_makes_no_span_objects(tmp_path, how):
+    """compare on columns: the measured run (WAIT spans, F&B halves, kernel parts) and the prediction, both read as
+    columns, give the comparison their Span-holding twins give, and neither makes its Span objects."""
     pred, meas = load_trace(PREDICTED), drop_warmup_step(load_trace(MEASURED))
-    lazy_pred = _lazy(pred, tmp_path / "p.npz")
-    lazy_meas = drop_warmup_step(_lazy(load_trace(MEASURED), tmp_path / "m.npz"))
+    lazy_pred = _lazy(pred, tmp_path / "p", how)
+    lazy_meas = drop_warmup_step(_lazy(load_trace(MEASURED), tmp_path / "m", how))
     assert not lazy_meas.spans_made
     got = compare(lazy_pred, lazy_meas).to_dict()
     assert not lazy_pred.spans_made and not lazy_meas.spans_made

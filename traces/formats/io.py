@@ -14,10 +14,10 @@ from typing import Any
 
 from traces.formats.chrome import chrome_to_traces, pick
 from traces.formats.kineto import is_kineto, kineto_to_trace, read_json, stream_kineto
-from traces.formats.npz import MAGIC as NPZ_MAGIC, load_npz, save_npz
+from traces.formats.npz import MAGIC as NPZ_MAGIC, ColumnFile, load_npz, save_npz
 from traces.formats.nsys import load_nsys
 from traces.formats.nsys_csv import load_nsys_csv, looks_like_nsys_csv, read_text
-from traces.trace import FORMAT_NAME, Trace, TraceError
+from traces.trace import FORMAT_NAME, Trace, TraceError, validated
 
 _RANK_IN_NAME = re.compile(r"(?:rank|proc|prof)[-_]?(\d+)", re.IGNORECASE)
 TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".csv", ".csv.xz", ".csv.gz", ".pt.trace.json", ".pt.trace.json.gz",
@@ -74,6 +74,30 @@ def load_trace(path: str | Path, rank: int | None = None, which: str | None = No
     return trace
 
 
+def read_columns(path: str | Path, rank: int | None = None, which: str | None = None) -> ColumnFile | Trace:
+    """Our .npz, or our JSON version 2, as checked columns (traces.formats.npz.ColumnFile: the analyses find the
+    steps on them and make Span objects only when asked for); any other trace as load_trace reads it."""
+    path = Path(path)
+    kind = None if path.is_dir() else sniff(path)
+    if kind == "npz":
+        return ColumnFile.read(path)
+    if kind != "json":
+        return load_trace(path, rank, which)
+    trace = streamed_trace(path, rank=rank)
+    if trace is not None:
+        return trace
+    data = read_json(path)
+    return json_columns(data, path) or json_file_trace(path, data, rank=rank, which=which, consume=True)
+
+
+def json_columns(data: Any, path: Path) -> ColumnFile | None:
+    """Our JSON version 2, parsed (`data`, given away), as checked columns; None for any other JSON."""
+    if not (isinstance(data, dict) and data.get("format") == FORMAT_NAME and data.get("version") == 2):
+        return None
+    _, parsed = validated(data, str(path), consume=True)
+    return ColumnFile.of_json(parsed["columns"], dict(parsed.get("meta", {})), str(path))
+
+
 def save_trace(trace: Trace, path: str | Path) -> Path:
     """Write `trace` as our binary columns when `path` ends in .npz, else as our JSON."""
     return save_npz(trace, path) if str(path).lower().endswith(".npz") else trace.save(path)
@@ -113,7 +137,7 @@ def from_json_data(data: Any, source: str, rank: int | None = None, which: str |
 def _rank_from_file_name(trace: Trace, path: Path) -> None:
     """Single-process files that carry no rank (nsys CSV, nsys without MPI thread names, Kineto without
     distributedInfo) take it from a `rank3` / `proc3` / `prof_3` in the file name."""
-    if len(trace.ranks) != 1 or trace.meta.get("format") not in ("nsys-sqlite", "nsys-stats-csv", "kineto-json"):
+    if trace.meta.get("format") not in ("nsys-sqlite", "nsys-stats-csv", "kineto-json") or len(trace.ranks) != 1:
         return
     if trace.meta.get("format") == "kineto-json" and not trace.meta.get("rank_assumed"):
         return

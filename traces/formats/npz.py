@@ -19,6 +19,7 @@ spec (NEP 1), and it reads back as data only: `allow_pickle=False` refuses objec
 """
 from __future__ import annotations
 
+import itertools
 import json
 import zipfile
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from traces.columns import keep_file_columns
-from traces.trace import FORMAT_NAME, SPAN_FIELDS, Span, Trace, TraceError, collector_paused
+from traces.trace import FORMAT_NAME, SPAN_FIELDS, Span, Trace, TraceError, check_columns, collector_paused
 
 NPZ_VERSION = 1
 CHUNK = 1 << 18  # spans made at a time (ColumnFile.spans)
@@ -136,6 +137,47 @@ class ColumnFile:
                     raise TraceError(f"{src}: column {name}: cannot be read as plain data ({err}); the file is "
                                      "damaged or forged: write it again with mhcpipe convert") from None
         return cls._checked(src, cols)
+
+    @classmethod
+    def of_json(cls, columns: dict[str, Any], meta: dict[str, Any], source: str) -> "ColumnFile":
+        """Our JSON version 2's columns, validated (traces.trace.validated), as the arrays of a .npz file, checked
+        the same way: the commands then read a JSON trace as they read .npz, its Span objects made only when asked
+        for. Consumes `columns` (each list dropped once it is an array)."""
+        check_columns(columns, source)
+        n = len(columns["rank"])
+        cols: dict[str, np.ndarray] = {"format": np.array(FORMAT_NAME), "version": np.array(NPZ_VERSION),
+                                       "meta": np.array(json.dumps(meta)), "rank": _ints(columns.pop("rank")),
+                                       "start": np.array(columns.pop("start"), dtype=np.float64),
+                                       "duration": np.array(columns.pop("duration"), dtype=np.float64)}
+        for f in ("stream", "kind", "group"):  # dictionary-encoded in JSON too; a group's None becomes code -1
+            col = columns.pop(f, None)
+            if col is not None:
+                values = col["values"]
+                strings = [v for v in values if v is not None]
+                table = np.array([-1 if v is None else strings.index(v) for v in values] or [0], dtype=np.int64)
+                cols[f"{f}_codes"] = _ints(table[np.asarray(col["codes"], dtype=np.int64)])
+                cols[f"{f}_values"] = np.array(strings, dtype=str)
+        names = columns.pop("name", None)
+        if names is not None:  # a few hundred distinct names: a code each, in first-seen order
+            index = {v: k for k, v in enumerate(dict.fromkeys(names))}
+            cols["name_codes"] = np.fromiter(map(index.__getitem__, names), np.int32, n)
+            cols["name_values"] = np.array(list(index), dtype=str)
+        for f in ("stage", "mb", "batch", "peer"):  # None as NaN, then -1 (their values fit a float exactly)
+            col = columns.pop(f, None)
+            if col is not None:
+                v = np.array(col, dtype=np.float64)
+                unset = np.isnan(v)
+                cols[f] = _ints(np.where(unset, -1, v).astype(np.int64))
+                if f == "peer":
+                    cols["peer"][unset] = 0
+                    cols["peer_set"] = ~unset
+        partner = columns.pop("partner", None)
+        if partner is not None:
+            cols["partner_set"] = np.fromiter((p is not None for p in partner), bool, n)
+            none = (0, 0)
+            flat = itertools.chain.from_iterable(none if p is None else p for p in partner)
+            cols["partner"] = _ints(np.fromiter(flat, np.int64, 2 * n)).reshape(n, 2)
+        return cls._checked(source, cols)
 
     @classmethod
     def _checked(cls, src: str, cols: dict[str, np.ndarray]) -> "ColumnFile":
