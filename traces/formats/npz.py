@@ -312,7 +312,7 @@ class ColumnFile:
         return map(Span, *(self.field(name, rows) for name in SPAN_FIELDS))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # rows of a file: compared by identity
 class FileRows:
     """Rows `rows` of a ColumnFile as a trace's spans to be made (traces.trace.SpanRows): span i is row rows[i]."""
 
