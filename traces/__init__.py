@@ -3,8 +3,8 @@
 Times are microseconds (float) everywhere in this package; a simulated trace with unit costs simply uses
 "1 unit = 1 us".
 
-At the top: `trace` (the model, our JSON), `columns` (its spans as numpy columns) and `names` (range names of
-traces.md §5). Below, by role: `formats`
+At the top: `span` (one timed op, its range name, TraceError), `trace` (the model), `trace_json` (our JSON's
+schema), `columns` (its spans as numpy columns) and `names` (range names of traces.md §5). Below, by role: `formats`
 (reading and writing Chrome/Perfetto, PyTorch profiler, Nsight Systems and Flight Recorder files; `io.load_trace`
 reads any of them by content), `analysis` (steps, the dependency graph, critical path, what-if, overlap,
 predicted vs measured) and `drawing` (timeline pictures, the HTML view). The commands that read and draw traces

@@ -1,276 +1,27 @@
 """The `Trace` model: spans with rank, stream, op kind, stage, micro-batch, start and duration.
 
 Predicted (simulated) and measured timelines are the same type, so comparison, export and drawing share one
-code path. Times are microseconds. The JSON schema of our own files is checked with pydantic on load; in-memory
-spans are plain slotted dataclasses because simulations create 10^5-10^6 of them.
+code path. Times are microseconds. The spans are `traces.span.Span`s; our JSON (`Trace.load`, `Trace.save`) is
+`traces.trace_json`'s schema. Span, span_name, TraceError and the other names of those two modules are imported
+from here too (most of the project does).
 
-Our JSON (docs/traces.md §7): version 2 holds the spans as columns, a list per field, the few distinct streams,
-kinds and groups dictionary-encoded; version 1 (an object per span) is still read. Measured at 10^6 spans
-(bench/trace_scale_runs.py's file): 92 instead of 197 MB, read in 1.8 instead of 5.8 s.
+A trace the analysis commands read (our .npz or JSON version 2, as traces.formats.npz.ColumnFile) holds its rows
+(`SpanRows`) and makes the Span objects only when `spans` is asked for (`Trace.of_rows`; docs/traces.md §8).
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-import itertools
 import json
 from collections import defaultdict
+from dataclasses import asdict
 from operator import attrgetter
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
-from typing_extensions import NotRequired, Required, TypedDict  # pydantic needs its TypedDict before 3.12
+from traces.span import FORMAT_NAME, SPAN_FIELDS, STREAMS, Span, TraceError, collector_paused, span_name
+from traces.trace_json import FORMAT_VERSION, check_columns, spans_of_columns, to_columns, validated
 
-import pydantic
-
-# Logical streams of one rank. "hp" is the high-priority compute stream (mHC post+res of MLP sub-layers).
-STREAMS = ("compute", "hp", "comm")
-FORMAT_NAME = "mhc-pipe-trace"
-FORMAT_VERSION = 2  # columns; version 1 (a record per span) is read too
-READ_VERSIONS = (1, 2)
-
-
-class TraceError(ValueError):
-    """A trace file or trace value is malformed; the message names the field and the fix."""
-
-
-def span_name(kind: str, stage: int | None, mb: int | None, partner: tuple[int, int] | None = None,
-              stream: str = "compute", part: str | None = None) -> str:
-    """The range name of traces.md §5, e.g. `F/s3/mb7`, `FB/s3/mb7+s4/mb2`, `SEND_F/s3/mb7~comm`; `part`: a piece
-    of the op, `L12.post_res` in `F/s3/mb7/L12.post_res~hp`. The one place the runtime and the readers build
-    names (traces.names.parse_name reads them back)."""
-    if stage is None or mb is None:
-        name = kind
-    else:
-        name = f"{kind}/s{stage}/mb{mb}"
-        if partner is not None:
-            name += f"+s{partner[0]}/mb{partner[1]}"
-    if part is not None:
-        name += f"/{part}"
-    if stream != "compute":
-        name += f"~{stream}"
-    return name
-
-
-@dataclass(slots=True)
-class Span:
-    """One timed operation on one rank's stream.
-
-    kind: schedule op kind (F, I, W, B, FB, SEND_F, RECV_F, SEND_B, RECV_B) or another label (RC, OPT, a kernel).
-    stage, mb: the (global stage, micro-batch) the op belongs to; for FB the forward half.
-    partner: for FB, the (stage, mb) of the backward half.
-    peer: for SEND/RECV, the other rank (global rank in measured traces).
-    group, batch: for a measured communication span, the process group's name (the same on all its members, one
-    per communicator) and the op's batch on that group (per rank, increasing in posting order; the ops of one
-    batch_isend_irecv share it), so that `traces.analysis.comm_replay` can replay the posting order under NCCL's rules.
-    Not frozen: a frozen dataclass constructs ~5x slower, and simulations create 10^5-10^6 spans; treat spans
-    as values (use dataclasses.replace) all the same.
-    """
-
-    rank: int
-    stream: str
-    kind: str
-    stage: int | None
-    mb: int | None
-    start: float
-    duration: float
-    partner: tuple[int, int] | None = None
-    peer: int | None = None
-    name: str = ""
-    group: str | None = None
-    batch: int | None = None
-
-    @property
-    def end(self) -> float:
-        return self.start + self.duration
-
-    @property
-    def label(self) -> str:
-        return self.name or span_name(self.kind, self.stage, self.mb, self.partner, self.stream)
-
-
-class _SpanRecord(TypedDict, total=False):
-    """On-disk schema of one span (our JSON format). A TypedDict, not a model: pydantic checks 10^6 of them in
-    a third of a model's time and hands back dicts that become Spans directly (an absent optional field takes the
-    Span's default)."""
-
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    rank: Required[Annotated[int, pydantic.Field(ge=0)]]  # pipeline rank
-    stream: Required[Annotated[str, pydantic.Field(min_length=1)]]  # logical stream: compute, hp or comm
-    kind: Required[Annotated[str, pydantic.Field(min_length=1)]]  # op kind, e.g. F, I, W, B, FB, SEND_F
-    stage: Annotated[int | None, pydantic.Field(ge=0)]
-    mb: Annotated[int | None, pydantic.Field(ge=0)]
-    start: Required[float]  # start time in microseconds
-    duration: Required[Annotated[float, pydantic.Field(ge=0)]]  # duration in microseconds
-    partner: tuple[int, int] | None
-    peer: int | None
-    name: str
-    group: str | None  # comm spans: the process group's name
-    batch: Annotated[int | None, pydantic.Field(ge=0)]  # comm spans: batch number on the group, per rank, in order
-
-
-class _TraceFile(TypedDict):
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    format: str
-    version: int
-    meta: NotRequired[dict[str, Any]]
-    spans: list[_SpanRecord]
-
-
-_TRACE_FILE = pydantic.TypeAdapter(_TraceFile)
-
-NonNegInt = Annotated[int, pydantic.Field(ge=0)]
-Text = Annotated[str, pydantic.Field(min_length=1)]
-
-
-class _Coded(TypedDict):
-    """A dictionary-encoded column: value i of the column is values[codes[i]]."""
-
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    values: list[Text]
-    codes: list[NonNegInt]
-
-
-class _CodedGroup(TypedDict):
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    values: list[str | None]
-    codes: list[NonNegInt]
-
-
-class _Columns(TypedDict, total=False):
-    """Version 2: one list per Span field (absent optional columns: every span at the Span's default)."""
-
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    rank: Required[list[NonNegInt]]
-    stream: Required[_Coded]
-    kind: Required[_Coded]
-    stage: list[NonNegInt | None]
-    mb: list[NonNegInt | None]
-    start: Required[list[float]]
-    duration: Required[list[Annotated[float, pydantic.Field(ge=0)]]]
-    partner: list[tuple[int, int] | None]
-    peer: list[int | None]
-    name: list[str]
-    group: _CodedGroup
-    batch: list[NonNegInt | None]
-
-
-class _ColumnFile(TypedDict):
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[misc]
-    format: str
-    version: int
-    meta: NotRequired[dict[str, Any]]
-    columns: _Columns
-
-
-_COLUMN_FILE = pydantic.TypeAdapter(_ColumnFile)
-SPAN_FIELDS = ("rank", "stream", "kind", "stage", "mb", "start", "duration", "partner", "peer", "name", "group",
-               "batch")  # Span's fields, in order
-_CODED = ("stream", "kind", "group")
-_DEFAULTS = {"stage": None, "mb": None, "partner": None, "peer": None, "name": "", "group": None, "batch": None}
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Reading a trace allocates millions of objects and no cycles: without this the cyclic collector walks the
-    growing heap again and again (10^6 Spans built in 2.4 s instead of 0.44 s, measured)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _columns(spans: list[Span]) -> dict[str, Any]:
-    cols: dict[str, Any] = {}
-    for f in SPAN_FIELDS:
-        values = [getattr(s, f) for s in spans]
-        if f in _DEFAULTS and all(v == _DEFAULTS[f] for v in values):
-            continue  # every span at the default: the column is left out
-        if f in _CODED:
-            index: dict[Any, int] = {}
-            codes = [index.setdefault(v, len(index)) for v in values]
-            values = {"values": list(index), "codes": codes}
-        elif f == "partner":
-            values = [None if p is None else list(p) for p in values]
-        cols[f] = values
-    return cols
-
-
-SPAN_CHUNK = 1 << 18  # spans made per piece while the columns are cut down behind them
-
-
-def validated(data: Any, source: str, consume: bool = False) -> tuple[int, dict[str, Any]]:
-    """(version, the file's content checked against its schema) of our JSON trace `data`; `consume`: Trace.from_dict.
-    A file that is not ours, of a version this build does not read, or off its schema: TraceError naming the field."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise TraceError(f"{source}: not an mhc-pipe trace (expected top-level field format={FORMAT_NAME!r}); "
-                         "for Chrome/Perfetto JSON use traces.formats.chrome.load_chrome")
-    version = data.get("version")
-    if version not in READ_VERSIONS:
-        raise TraceError(f"{source}: trace format version {version!r} is not supported (this build reads "
-                         f"versions {', '.join(map(str, READ_VERSIONS))})")
-    with collector_paused():
-        try:
-            parsed = (_COLUMN_FILE if version == 2 else _TRACE_FILE).validate_python(data)
-        except pydantic.ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise TraceError(f"{source}: field {where}: {first['msg']}") from None
-    if consume:
-        data.pop("columns" if version == 2 else "spans", None)
-    return version, parsed
-
-
-def check_columns(cols: dict[str, Any], source: str) -> None:
-    """What pydantic does not check in validated version-2 columns: one value per span in every column, every code
-    naming a value."""
-    n = len(cols["rank"])
-    for f in SPAN_FIELDS:
-        col = cols.get(f)
-        if col is None:
-            continue
-        rows = col
-        if f in _CODED:
-            values, rows = col["values"], col["codes"]
-            if rows and max(rows) >= len(values):
-                raise TraceError(f"{source}: field columns.{f}.codes: code {max(rows)} names no value (the column "
-                                 f"has {len(values)}); the file is damaged: write it again")
-        if len(rows) != n:
-            raise TraceError(f"{source}: field columns.{f}: {len(rows)} values for {n} spans (columns.rank); every "
-                             "column has one value per span: the file is damaged, write it again")
-
-
-def _spans_from_columns(cols: dict[str, Any], source: str) -> list[Span]:
-    """The spans of validated version-2 columns, which this consumes: the spans are made a chunk at a time from the
-    end, each chunk's rows then cut off the column lists, so the columns and the spans never need memory in full
-    together (~0.7 GB less at 10^7 spans)."""
-    check_columns(cols, source)
-    n = len(cols["rank"])
-    lists: dict[str, Any] = {f: cols.get(f) for f in SPAN_FIELDS}
-    pieces: list[list[Span]] = []
-    end = n
-    while end > 0:
-        begin = max(0, end - SPAN_CHUNK)
-        args = []
-        for f in SPAN_FIELDS:
-            col = lists[f]
-            if col is None:
-                args.append(itertools.repeat(_DEFAULTS[f], end - begin))
-            elif f in _CODED:
-                args.append(map(col["values"].__getitem__, col["codes"][begin:end]))
-            else:
-                args.append(col[begin:end])
-        pieces.append(list(map(Span, *args)))
-        for f in SPAN_FIELDS:
-            col = lists[f]
-            if col is not None:
-                del (col["codes"] if f in _CODED else col)[begin:]
-        end = begin
-    return list(itertools.chain.from_iterable(reversed(pieces)))
+__all__ = ["FORMAT_NAME", "SPAN_FIELDS", "STREAMS", "Span", "SpanRows", "Trace", "TraceError", "check_columns",
+           "collector_paused", "has_kept", "keep", "kept", "span_name", "union_length", "validated"]
 
 
 class SpanRows(Protocol):
@@ -442,7 +193,7 @@ class Trace:
     # ---- our JSON ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Our JSON, version 2 (columns)."""
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta, "columns": _columns(self.spans)}
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta, "columns": to_columns(self.spans)}
 
     def to_records(self) -> dict[str, Any]:
         """Our JSON, version 1 (an object per span), for readers built before version 2."""
@@ -470,7 +221,7 @@ class Trace:
         version, parsed = validated(data, source, consume)
         with collector_paused():
             if version == 2:
-                spans = _spans_from_columns(parsed["columns"], source)
+                spans = spans_of_columns(parsed["columns"], source)
             else:
                 unset = {"stage": None, "mb": None}  # optional on disk, positional in Span
                 spans = [Span(**r) if "mb" in r and "stage" in r else Span(**(unset | r)) for r in parsed["spans"]]
@@ -535,3 +286,4 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     if cur_end is not None:
         total += cur_end - cur_start
     return total
+

@@ -96,7 +96,7 @@ def test_an_unknown_version_names_the_ones_read():
 def test_spans_are_read_in_chunks_from_the_end_in_file_order(tmp_path, monkeypatch, chunk):
     """The reader makes the spans a chunk at a time, last chunk first, cutting the columns behind it: any chunk
     size (one span, one that does not divide the count, one larger than the trace) gives the spans in file order."""
-    import traces.trace as T
+    import traces.trace_json as T
 
     sim = simulate(build("dualpipev", 4, 8)).trace
     extra = [Span(1, "comm", "SEND_F", 2, 3, 5.0, 1.5, peer=2, name="SEND_F/s2/mb3~comm", group="pp:1,2", batch=7)]
