@@ -72,7 +72,7 @@ def _recoded(codes: np.ndarray, values: list[str]) -> tuple[np.ndarray, tuple[st
     return table[codes], tuple(values[c] for c in order.tolist())
 
 
-def _codes(values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
+def first_seen_codes(values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
     """Codes into the distinct values (a few kinds or streams for 10^6 spans)."""
     index = {v: k for k, v in enumerate(dict.fromkeys(values))}
     return np.fromiter(map(index.__getitem__, values), np.int32, len(values)), tuple(index)
@@ -81,8 +81,8 @@ def _codes(values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
 def _columns(trace: Trace) -> Columns:
     spans = trace.spans
     n = len(spans)
-    kind, kinds = _codes(list(map(attrgetter("kind"), spans)))
-    stream, streams = _codes(list(map(attrgetter("stream"), spans)))
+    kind, kinds = first_seen_codes(list(map(attrgetter("kind"), spans)))
+    stream, streams = first_seen_codes(list(map(attrgetter("stream"), spans)))
     return Columns(np.fromiter(map(attrgetter("rank"), spans), np.int32, n),
                    np.fromiter(map(attrgetter("start"), spans), np.float64, n),
                    np.fromiter(map(attrgetter("duration"), spans), np.float64, n), kind, kinds, stream, streams)

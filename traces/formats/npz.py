@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from traces.columns import keep_file_columns
+from traces.columns import first_seen_codes, keep_file_columns
 from traces.trace import FORMAT_NAME, SPAN_FIELDS, Span, Trace, TraceError, check_columns, collector_paused
 
 NPZ_VERSION = 1
@@ -159,9 +159,8 @@ class ColumnFile:
                 cols[f"{f}_values"] = np.array(strings, dtype=str)
         names = columns.pop("name", None)
         if names is not None:  # a few hundred distinct names: a code each, in first-seen order
-            index = {v: k for k, v in enumerate(dict.fromkeys(names))}
-            cols["name_codes"] = np.fromiter(map(index.__getitem__, names), np.int32, n)
-            cols["name_values"] = np.array(list(index), dtype=str)
+            cols["name_codes"], distinct = first_seen_codes(names)
+            cols["name_values"] = np.array(distinct, dtype=str)
         for f in ("stage", "mb", "batch", "peer"):  # None as NaN, then -1 (their values fit a float exactly)
             col = columns.pop(f, None)
             if col is not None:
