@@ -8,6 +8,7 @@ dictionary-encoded; version 1 (an object per span) is still read. Measured at 10
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Annotated, Any
 
 from typing_extensions import NotRequired, Required, TypedDict  # pydantic needs its TypedDict before 3.12
@@ -138,6 +139,30 @@ def validated(data: Any, source: str, consume: bool = False) -> tuple[int, dict[
     if consume:
         data.pop("columns" if version == 2 else "spans", None)
     return version, parsed
+
+
+# how our writer opens a version-2 file (Trace.save: json.dumps of to_dict, format then version first)
+_V2_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT_NAME.encode())
+                      + rb'"\s*,\s*"version"\s*:\s*2\s*[,}]')
+
+
+def opens_as_v2(head: bytes) -> bool:
+    """Whether a file's first bytes (256 are enough) open as our writer opens a version-2 file."""
+    return _V2_HEAD.match(head, 0, 256) is not None
+
+
+def validated_v2_bytes(raw: bytes) -> dict[str, Any] | None:
+    """Our JSON version 2 as UTF-8 bytes, parsed and checked against its schema in one pass (pydantic's JSON
+    parser: 0.8 s instead of json.loads' 1.3 s and a second pass's 0.4 s at 10^6 spans), or None for any other
+    bytes, or any that fail the check: the caller then reads them the general way (json.loads, `validated`), whose
+    errors name the field; what both ways accept parses to the same values (tests/traces/test_trace_json_bytes.py)."""
+    if not opens_as_v2(raw):
+        return None
+    with collector_paused():
+        try:
+            return _COLUMN_FILE.validate_json(raw)
+        except pydantic.ValidationError:
+            return None
 
 
 def check_columns(cols: dict[str, Any], source: str) -> None:

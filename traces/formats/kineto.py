@@ -44,6 +44,11 @@ _STREAM_TID = re.compile(r"^\s*stream\s+(\d+)\s*$", re.IGNORECASE)
 
 def read_json(path: str | Path) -> Any:
     """JSON from a plain or gzip file, with clear errors for missing, truncated or non-JSON files."""
+    return parse_json(json_bytes(path), path)
+
+
+def json_bytes(path: str | Path) -> bytes:
+    """A plain or gzip file's bytes, decompressed; one-line errors for a missing file or a damaged gzip stream."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -57,6 +62,11 @@ def read_json(path: str | Path) -> Any:
         except (EOFError, OSError, zlib.error) as err:
             raise TraceError(f"{path}: gzip stream is damaged or truncated ({err}); re-copy or re-capture the "
                              "file") from None
+    return raw
+
+
+def parse_json(raw: bytes, path: str | Path) -> Any:
+    """json_bytes' `raw` parsed (the caller passes its only reference: the bytes are gone before the parse)."""
     try:  # decoded here, as json.loads decodes bytes, so the bytes are gone before the parse: ~1 GB less at 10^7
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
     except UnicodeDecodeError:

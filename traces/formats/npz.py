@@ -19,7 +19,6 @@ spec (NEP 1), and it reads back as data only: `allow_pickle=False` refuses objec
 """
 from __future__ import annotations
 
-import itertools
 import json
 import zipfile
 from dataclasses import dataclass
@@ -171,11 +170,13 @@ class ColumnFile:
                     cols["peer"][unset] = 0
                     cols["peer_set"] = ~unset
         partner = columns.pop("partner", None)
-        if partner is not None:
-            cols["partner_set"] = np.fromiter((p is not None for p in partner), bool, n)
-            none = (0, 0)
-            flat = itertools.chain.from_iterable(none if p is None else p for p in partner)
-            cols["partner"] = _ints(np.fromiter(flat, np.int64, 2 * n)).reshape(n, 2)
+        if partner is not None:  # few pairs among many None: the rows that have one, then their values
+            rows = [i for i, p in enumerate(partner) if p is not None]
+            pairs = np.zeros((n, 2), dtype=np.int64)
+            pairs[rows] = np.array([partner[i] for i in rows], dtype=np.int64).reshape(len(rows), 2)
+            cols["partner"] = _ints(pairs)
+            cols["partner_set"] = np.zeros(n, dtype=bool)
+            cols["partner_set"][rows] = True
         return cls._checked(source, cols)
 
     @classmethod
