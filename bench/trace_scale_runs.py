@@ -186,7 +186,8 @@ def main() -> int:
             def at(path_in_tree: str) -> str:
                 return subprocess.run(["git", "show", f"{args.rev}:{path_in_tree}"], cwd=ROOT, capture_output=True,
                                       text=True).stdout
-            reads_v2 = "FORMAT_VERSION = 2" in at("traces/trace.py")
+            # (FORMAT_VERSION moved from traces/trace.py to traces/trace_json.py at a5f8ae1)
+            reads_v2 = any("FORMAT_VERSION = 2" in at(f) for f in ("traces/trace.py", "traces/trace_json.py"))
             old = {name: [str(path_v1) if a == str(path) and not reads_v2 else a for a in argv]
                    for name, argv in at_rev.items()}
             if at("traces/formats/npz.py"):

@@ -23,7 +23,7 @@ from traces.analysis import path_report
 from traces.formats.chrome import chrome_to_traces, is_predicted, validate_chrome, to_chrome
 from traces.analysis.compare import compare
 from mhcpipe.analysis_cli import load_for_analysis, load_steps
-from traces.formats.io import json_columns, json_file_trace, load_trace, sniff, streamed_trace
+from traces.formats.io import json_columns, json_file_trace, load_trace, one_pass_columns, sniff, streamed_trace
 from traces.formats.kineto import is_kineto, read_json
 from traces.analysis.matching import drop_warmup_step
 from traces.analysis.step_select import file_trace
@@ -81,6 +81,9 @@ def _traces_in(path: str, rank: int | None = None) -> list[Trace]:
     """All traces in a file: a Chrome file of ours may hold a predicted and a measured trace."""
     p = Path(path)
     if p.is_file() and sniff(p) == "json":
+        ours = one_pass_columns(p)  # ours as our writer writes it: columns in one pass
+        if ours is not None:
+            return [file_trace(ours)]
         streamed = streamed_trace(p, rank=rank)  # a PyTorch profiler file, event by event
         if streamed is not None:
             return [streamed]

@@ -88,17 +88,24 @@ def read_columns(path: str | Path, rank: int | None = None, which: str | None = 
         return ColumnFile.read(path)
     if kind != "json":
         return load_trace(path, rank, which)
-    if _plain_v2(path):
-        # ours as written: parsed and checked in one pass; a file that fails the check is read again below, for the
-        # general path's error
-        parsed = validated_v2_bytes(json_bytes(path))
-        if parsed is not None:
-            return ColumnFile.of_json(parsed["columns"], dict(parsed.get("meta", {})), str(path))
+    ours = one_pass_columns(path)
+    if ours is not None:
+        return ours
     trace = streamed_trace(path, rank=rank)
     if trace is not None:
         return trace
     data = read_json(path)
     return json_columns(data, path) or json_file_trace(path, data, rank=rank, which=which, consume=True)
+
+
+def one_pass_columns(path: Path) -> ColumnFile | None:
+    """Our JSON version 2 as our writer writes it, in a plain file of at most ONE_PASS_MAX_BYTES: its columns parsed
+    and checked in one pass (trace_json.validated_v2_bytes); None for any other file, and for one that fails the
+    check (the general path reads it again and says why, naming the field)."""
+    if not _plain_v2(path):
+        return None
+    parsed = validated_v2_bytes(json_bytes(path))
+    return None if parsed is None else ColumnFile.of_json(parsed["columns"], dict(parsed.get("meta", {})), str(path))
 
 
 def _plain_v2(path: Path) -> bool:
