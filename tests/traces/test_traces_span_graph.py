@@ -94,3 +94,32 @@ def test_data_parallel_runs_are_read_one_pipeline_at_a_time():
     assert cp.makespan_us == pytest.approx(10.0)  # replica 1 (starts its P2P at 6, ends at 10), not replica 0
     assert cp.scope == "data-parallel replica 1 (the slowest), pipeline ranks 0 = global 1, 1 = global 3"
     assert one_replica(t, 0).meta["global_ranks"] == {0: 0, 1: 2}
+
+
+def test_an_edge_added_twice_keeps_the_stronger_constraint():
+    """span_graph._Builder.edge: the same pair added again keeps finish-to-start over start-to-start over
+    finish-to-finish, and within a type the larger lag (the fast path for a satisfied finish-to-start edge
+    included); a contradicted edge is listed, not added."""
+    from traces.analysis.span_graph import _Builder
+    from traces.analysis.span_nodes import Node
+
+    b = _Builder(Trace(spans=[], meta={}), 1e-9)
+    for i, (start, end) in enumerate([(0.0, 10.0), (5.0, 20.0), (30.0, 40.0)]):
+        b._add(Node(i, 0, "compute", "F", f"n{i}", start, end, (i,)))
+    b.edge(0, 1, fallback=("ss",))  # 1 starts before 0 ends: start-to-start, lagged as recorded
+    assert b.edges[(0, 1)] == ["ss", 5.0]
+    b.edge(0, 1, kind="ff")
+    assert b.edges[(0, 1)] == ["ss", 5.0]  # weaker: kept as it was
+    b.edge(0, 2, kind="ff")
+    assert b.edges[(0, 2)] == ["ff", 0.0]
+    b.edge(0, 2)  # finish-to-start replaces finish-to-finish
+    assert b.edges[(0, 2)] == ["fs", 0.0]
+    b.edge(0, 2, lag=15.0)
+    assert b.edges[(0, 2)] == ["fs", 15.0]
+    b.edge(0, 2, lag=3.0)
+    assert b.edges[(0, 2)] == ["fs", 15.0]
+    b.edge(1, 2, kind="ss", lag=0.0)
+    b.edge(1, 2)
+    assert b.edges[(1, 2)] == ["fs", 0.0]
+    b.edge(2, 0)  # 0 starts 40 before 2 ends: contradicted
+    assert (2, 0) not in b.edges and len(b.violations) == 1

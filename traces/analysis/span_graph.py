@@ -185,6 +185,13 @@ class _Builder:
         if u == v:
             return
         a, b = self.nodes[u], self.nodes[v]
+        if kind == "fs" and not fallback and a.end + lag - b.start <= self.tol:  # most edges: the rule below for
+            d = self.edges.get((u, v))  # a satisfied finish-to-start edge, without its loop (10^6 calls at 10^6 spans)
+            if d is None:
+                self.edges[(u, v)] = ["fs", lag]
+            elif d[0] != "fs" or lag > d[1]:
+                d[0], d[1] = "fs", lag
+            return
         over = 0.0
         for k in (kind, *fallback):
             over = a.end + lag - b.start if k == "fs" else a.start + lag - b.start if k == "ss" else a.end - b.end

@@ -186,6 +186,10 @@ def scaled_durations(g: SpanGraph, scales: dict[str, float],
         f = factors.get((n.kind, n.lane))
         if f is None:
             f = factors[(n.kind, n.lane)] = node_factor(n.kind, n.lane, scales)
+        if not n.parts and share is None and n.id not in halves:  # most nodes: the rule below without parts or
+            dur[n.id] = f * (max(n.duration, 0.0) + f_mhc * 0.0)  # A/B share, the same floats
+            parts_out.append({})
+            continue
         if n.id in halves:  # an F&B pair recorded as one span: its halves' shares take F's and B's factors
             sf = halves[n.id]
             f *= sf * scales.get("F", 1.0) + (1.0 - sf) * scales.get("B", 1.0)
