@@ -21,6 +21,27 @@ def test_unknown_hardware_lists_names():
         assert name in str(err.value)
 
 
+def test_predict_leaves_the_collector_as_it_found_it():
+    """predict pauses the cyclic garbage collector while it runs (costmodel/answers/predict.py): on, it is on again
+    after, also after an error; off (a caller's choice), it stays off."""
+    import gc
+
+    cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 128}})
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
+        assert gc.isenabled()
+        with pytest.raises(ValueError):
+            predict(cfg, "h800")  # uneven stages refused
+        assert gc.isenabled()
+        gc.disable()
+        predict(cfg, "h800", options=Options(allow_uneven=True), ladder=False)
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_uneven_layers_rejected_unless_allowed():
     cfg = load_config("paper-27b", {"parallel": {"ranks": 8, "microbatches": 128}})
     with pytest.raises(ValueError, match="do not divide evenly.*--uneven.*uneven_stages"):
