@@ -91,8 +91,8 @@ def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | N
     `profile_pricing` prices a hardware spec that carries a runtime profile for this config (required then;
     costmodel.local.host_pricing.HostPricing for `local`)."""
     # ~10^5 short-lived objects (spans, kernel chains, records), no cycles a collection would free: without the
-    # collector's passes over them (and over everything imported) DeepSeek-V3's predict takes 0.20 instead of 0.22 s
-    # in-process (the CLI raises its threshold for the same reason, mhcpipe/cli.py)
+    # collector's passes over them (and over everything imported) DeepSeek-V3's predict takes 0.21 instead of 0.24 s
+    # in-process (bench/results/costmodel_speed_collector.json; the CLI raises its threshold for the same reason)
     with collector_paused():
         return _predict(cfg, hardware, spec, options, ladder, profile_pricing)
 
