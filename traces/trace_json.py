@@ -161,7 +161,7 @@ def validated_v2_bytes(raw: bytes) -> dict[str, Any] | None:
     with collector_paused():
         try:
             return _COLUMN_FILE.validate_json(raw)
-        except pydantic.ValidationError:
+        except (ValueError, RecursionError):  # pydantic.ValidationError is a ValueError: the general path says why
             return None
 
 

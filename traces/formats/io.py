@@ -23,7 +23,7 @@ from traces.trace_json import opens_as_v2, validated_v2_bytes
 _RANK_IN_NAME = re.compile(r"(?:rank|proc|prof)[-_]?(\d+)", re.IGNORECASE)
 # pydantic's one-pass parse (trace_json.validated_v2_bytes) holds its own parse tree while it builds the lists:
 # ~0.3 GB more at its peak per 10^6 spans (92 MB of JSON) than json.loads and a check of the parsed values, for
-# 2.1 s less per file. Above this size the general path's lower peak matters more (10^7 spans: 0.9 GB of JSON).
+# ~0.9 s less per file. Above this size the general path's lower peak matters more (10^7 spans: 0.9 GB of JSON).
 ONE_PASS_MAX_BYTES = 256 << 20
 TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".csv", ".csv.xz", ".csv.gz", ".pt.trace.json", ".pt.trace.json.gz",
                   ".npz")
