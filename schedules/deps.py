@@ -102,3 +102,35 @@ def first_forward_chains(schedule: Schedule) -> list[list[tuple[int, int]]]:
                 u = topo.prev.get(u)
         out.append(chain)
     return out
+
+
+def last_backward_chains(schedule: Schedule) -> list[list[tuple[Kind, int, int]]]:
+    """Per rank, what must still run after its last action ends: when that action is a plain B or I of stage s
+    and micro-batch m (it publishes the input gradient at its end), the backwards of m on the stages upstream of s
+    in its pipeline (nearest first), each as (kind B or I, stage u, u's rank). Each waits for the one before it
+    and for the hop between their ranks, so their summed durations bound how long the step lasts past the rank's
+    last action (the tuner's lower bound on the step, costmodel/answers/tune.py). A chain stops at a backward run
+    inside an F&B pair (the pair may release its input gradient before it ends), and a rank whose last action is
+    a W (it publishes nothing), an F or an F&B pair gets no chain."""
+    topo = Topology(schedule)
+    where: dict[tuple[int, int], tuple[Kind, int]] = {}  # (stage, mb) -> its backward's kind and rank
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.kind is Kind.B or a.kind is Kind.I:
+                where[(a.stage, a.mb)] = (a.kind, r)
+            elif a.kind is Kind.FB:
+                where[(a.b_stage, a.b_mb)] = (Kind.FB, r)
+    out: list[list[tuple[Kind, int, int]]] = []
+    for r, acts in enumerate(schedule.actions):
+        last = next((a for a in reversed(acts) if a.kind in (Kind.F, Kind.FB, Kind.B, Kind.I, Kind.W)), None)
+        chain: list[tuple[Kind, int, int]] = []
+        if last is not None and last.kind in (Kind.B, Kind.I):
+            u = topo.prev.get(last.stage)
+            while u is not None:
+                kind, ru = where.get((u, last.mb), (None, r))
+                if kind is None or kind is Kind.FB or ru == r:  # the rank's own stages run before its last action
+                    break
+                chain.append((kind, u, ru))
+                u = topo.prev.get(u)
+        out.append(chain)
+    return out

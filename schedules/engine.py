@@ -90,8 +90,9 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                p2p: str = "commit") -> EngineResult:
     """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at.
 
-    `compute_time` is called once per distinct (kind, stage[, backward stage]) and `transfer_time` once per
-    message kind: costs may depend on those, not on the micro-batch. The dependency keys of deps.py are
+    `compute_time` is called once per distinct (kind, stage[, backward stage]), `transfer_time` once per
+    message kind and `fb_timing` with no lag once per (stage, backward stage): costs may depend on those (and an
+    F&B pair's on its lags), not on the micro-batch. The dependency keys of deps.py are
     encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per stage
     below; tests check this engine against the explicit graph built from deps.py.
     """
@@ -119,6 +120,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
 
     dur_f, dur_i, dur_w, dur_b = ([None] * S for _ in range(4))  # per-stage costs, filled on first use
     dur_fb: dict[int, float] = {}
+    fb_on_time: dict[int, tuple[float, float, float]] = {}  # an F&B pair's fb_timing with both inputs on time
     done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
     ptr = [0] * P
@@ -256,7 +258,13 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             if table is None:
                 if fb_timing is not None:  # start with the first input there; each half waits for its own
                     t = max(t_free, min(v1, v3))
-                    d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
+                    if v1 > t or v3 > t:
+                        d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
+                    else:  # both inputs on time (most pairs): one call per pair of stages, like compute_time
+                        got = fb_on_time.get(st * S + a[3])
+                        if got is None:
+                            got = fb_on_time[st * S + a[3]] = fb_timing(a, 0.0, 0.0)
+                        d, r1, r2 = got
                 else:
                     d = dur_fb.get(st * S + a[3])
                     if d is None:

@@ -30,7 +30,9 @@ Pruning, exact for the front: (1) recompute choices that give every stage the sa
 are one layout; (2) memory first, from the stage memory and the schedule's peak live chunks in program order, no
 simulation; (3) a lower bound on the step: per rank, the upstream forwards and sends its first action waits for
 (schedules.deps.first_forward_chains), its summed action durations (F&B pairs priced with their inputs on time; a
-rank runs its actions one after another) and the all-reduce its last action posts, the largest over the ranks.
+rank runs its actions one after another) and what must follow its last action, the longer of the all-reduce that
+action posts and the upstream backwards (and sends) waiting for its input gradient (schedules.deps.
+last_backward_chains: 1F1B's drain), the largest over the ranks.
 Candidates are visited in increasing bound; one is simulated only if no simulated layout with at most its memory
 is at least as fast as its bound (first the bound priced without recompute, which adds kernels only and is shared
 by the recompute choices, then the exact one). hp-off layouts never
@@ -61,7 +63,7 @@ from costmodel.answers.predict import residual_spec_of
 from costmodel.answers.tune_space import Candidate, candidates, reference_candidate
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
-from schedules.deps import first_forward_chains
+from schedules.deps import first_forward_chains, last_backward_chains
 from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
 from schedules.simulate import SimResult
@@ -264,9 +266,10 @@ class Tuner:
         return tuple(pr.stage_mem[s].recompute_block for s in sorted(pr.stage_mem))
 
     def bound(self, ev: Evaluated, exact: bool = True) -> float:
-        """A lower bound on the step: per rank, its summed action durations (F&B pairs with their inputs on
-        time; the rank runs them one after another) plus the all-reduce its last action posts
-        (data_parallel.sync_floor); the largest over the ranks. `exact=False`: the actions priced without
+        """A lower bound on the step: per rank, the upstream forwards its first action waits for, its summed action
+        durations (F&B pairs with their inputs on time; the rank runs them one after another) and the longer of
+        the all-reduce its last action posts (data_parallel.sync_floor) and the upstream backwards waiting for
+        that action's input gradient; the largest over the ranks. `exact=False`: the actions priced without
         recompute (it only adds kernels to the backward chains), which candidates differing only in their
         recompute choice share: a weaker bound, priced once for all of them."""
         schedule, per_rank = self._schedule(ev.cand)
@@ -297,7 +300,14 @@ class Tuner:
                 t += price((Kind.F, st, -1)) + (hop if src != down else 0.0)
                 down = src
             fill.append(t)
-        ev.bound_us = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + floor[r]
+        tail = []  # per rank: what follows its last action, the upstream backwards (and sends) or the all-reduce
+        for r, chain in enumerate(derived(schedule, "last backward chains", lambda: last_backward_chains(schedule))):
+            t, up = 0.0, r
+            for kind, st, dst in chain:
+                t += (hop if dst != up else 0.0) + price((kind, st, -1))
+                up = dst
+            tail.append(max(t, floor[r]))
+        ev.bound_us = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + tail[r]
                           for r, counts in enumerate(per_rank))
         return ev.bound_us
 

@@ -28,6 +28,10 @@ class SharedPricer(Pricer):
         # besides the stage key, what an action's kernels are timed by: the shape, the EP placement, the stream,
         # and the NIC share the stage-boundary messages take from the all-to-alls (it follows the layout)
         self.common = (p.microbatch_size, p.expert_parallel, self.opt.ep_per_node, self.opt.hp_stream, self.nic_bytes)
+        # a kernel's timing and a block's kernels depend on these alone (the shape's micro-batch and EP, the NIC
+        # share, the stream): one table of each for every candidate's pricer with them, filled as chains are built
+        self._timed = self.shared.setdefault(("timed",) + self.common, {})
+        self._blocks = self.shared.setdefault(("blocks",) + self.common, {})
 
     def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
         """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its

@@ -3,6 +3,7 @@ simulator's response to costs (P2P time, per-stage durations)."""
 import pytest
 
 from schedules import Durations, build, simulate
+from schedules.ir import Action, Kind
 from schedules.formulas import bubble_formula
 
 UNIT = Durations(F=1, I=1, W=1)  # B = 2, F&B = 3, as DeepSeek's figures
@@ -112,6 +113,47 @@ def test_grad_done_is_each_stages_last_gradient_write_with_or_without_spans(kind
     bare = simulate(schedule, compute_time=compute_time, transfer_time=lambda a: 0.5, p2p="rendezvous", record=False)
     assert not bare.trace.spans
     assert (bare.makespan, bare.busy, bare.grad_done) == (sim.makespan, sim.busy, sim.grad_done)
+
+
+@pytest.mark.parametrize("p2p", ["commit", "rendezvous", "dataflow"])
+@pytest.mark.parametrize("kind", ["1f1b", "zb1p", "dualpipe", "dualpipev", "gpipe"])
+def test_last_backward_chains_bound_what_follows_each_rank(kind, p2p):
+    """deps.last_backward_chains: after a rank's last action ends, its chain of upstream backwards and the sends
+    between their ranks still run before the step ends (the tuner's bound adds this after each rank's busy time),
+    with costs that differ per stage and kind; in 1F1B the first stage's rank ends exactly that much after the
+    last stage's rank."""
+    import random
+
+    from schedules.deps import last_backward_chains
+
+    rng = random.Random(7)
+    cost: dict = {}
+
+    def compute_time(a):
+        return cost.setdefault((a.kind, a.stage, a.b_stage), float(rng.randint(1, 9)))
+
+    def fb_timing(a, lag_f, lag_b):  # each half starts with its input; the input gradient leaves 1 unit in
+        f, b = compute_time(a._replace(kind=Kind.F)), compute_time(Action(Kind.B, a.b_stage, a.b_mb))
+        return max(lag_f + f, lag_b + b), lag_f + f, lag_b + 1.0
+
+    schedule = build(kind, 4, 8)
+    sim = simulate(schedule, compute_time=compute_time, transfer_time=lambda a: 0.5, p2p=p2p, fb_timing=fb_timing)
+    last = {}
+    for s in sim.trace.spans:
+        if s.stream == "compute":
+            last[s.rank] = max(last.get(s.rank, s.end), s.end)
+    chains = last_backward_chains(schedule)
+    for r, chain in enumerate(chains):
+        t, up = last[r], r
+        for k, stage, dst in chain:
+            t += (0.5 if dst != up else 0.0) + cost[(k, stage, -1)]
+            up = dst
+        assert t <= sim.makespan + 1e-9, (r, chain)
+    if kind in ("1f1b", "gpipe"):  # equal stages: tight
+        assert [len(c) for c in chains] == [0, 1, 2, 3]
+        even = simulate(schedule, Durations(F=2.0, I=1.0, W=1.0, p2p_latency=0.5), p2p=p2p)
+        end3 = max(s.end for s in even.trace.spans if s.rank == 3 and s.stream == "compute")
+        assert even.makespan == end3 + 3 * (0.5 + 2.0)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb1p", "dualpipe", "dualpipev", "gpipe"])
