@@ -112,6 +112,10 @@ def last_backward_chains(schedule: Schedule) -> list[list[tuple[Kind, int, int]]
     last action (the tuner's lower bound on the step, costmodel/answers/tune.py). A chain stops at a backward run
     inside an F&B pair (the pair may release its input gradient before it ends), and a rank whose last action is
     a W (it publishes nothing), an F or an F&B pair gets no chain."""
+    lasts = [next((a for a in reversed(acts) if a.kind in (Kind.F, Kind.FB, Kind.B, Kind.I, Kind.W)), None)
+             for acts in schedule.actions]
+    if not any(a is not None and a.kind in (Kind.B, Kind.I) for a in lasts):  # ZB's and DualPipe's end in W
+        return [[] for _ in lasts]
     topo = Topology(schedule)
     where: dict[tuple[int, int], tuple[Kind, int]] = {}  # (stage, mb) -> its backward's kind and rank
     for r, acts in enumerate(schedule.actions):
@@ -121,8 +125,7 @@ def last_backward_chains(schedule: Schedule) -> list[list[tuple[Kind, int, int]]
             elif a.kind is Kind.FB:
                 where[(a.b_stage, a.b_mb)] = (Kind.FB, r)
     out: list[list[tuple[Kind, int, int]]] = []
-    for r, acts in enumerate(schedule.actions):
-        last = next((a for a in reversed(acts) if a.kind in (Kind.F, Kind.FB, Kind.B, Kind.I, Kind.W)), None)
+    for r, last in enumerate(lasts):
         chain: list[tuple[Kind, int, int]] = []
         if last is not None and last.kind in (Kind.B, Kind.I):
             u = topo.prev.get(last.stage)

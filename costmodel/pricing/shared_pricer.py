@@ -37,10 +37,13 @@ class SharedPricer(Pricer):
         """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
         index: computed once per such key for every candidate (a copy per stage index: candidates share them, and
         dataclasses.replace costs more than the lookup)."""
-        c = self.cfg
-        key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len, c.parallel.expert_parallel,
-               c.recompute.mode, c.recompute.block_size, c.train.dtype, c.train.fp8, c.train.fp8_storage,
-               blocks[0] if len(blocks) else -1, len(blocks), first, last, self.recompute)
+        prefix = self.__dict__.get("_memory_key")
+        if prefix is None:  # the config's part, once per pricer (its stages all ask)
+            c = self.cfg
+            prefix = self._memory_key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len,
+                                         c.parallel.expert_parallel, c.recompute.mode, c.recompute.block_size,
+                                         c.train.dtype, c.train.fp8, c.train.fp8_storage, self.recompute)
+        key = prefix + (blocks[0] if len(blocks) else -1, len(blocks), first, last)
         mine = self.shared.get((key, stage))
         if mine is None:
             got = self.shared.get(key)
