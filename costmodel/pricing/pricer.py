@@ -148,6 +148,11 @@ class Pricer:
         fd = 0 if cfg.model.moe is None else cfg.model.moe.first_dense_blocks
         self.stage_key = {st: (tuple(b < fd for b in blocks), first, last, self.stage_mem[st].recompute_block)
                           for st, (blocks, first, last) in layout.items()}
+        # per chain kind, the stage key it depends on: the forward and the weight gradients never recompute
+        # (backward_ops adds recompute kernels to the I chain only), so stages and layouts that differ in L_r alone
+        # share their F and W chains and prices
+        no_lr = {st: k[:3] for st, k in self.stage_key.items()}
+        self.chain_key = {Kind.F: no_lr, Kind.W: no_lr, Kind.I: self.stage_key, Kind.B: self.stage_key}
         self._blocks: dict[bool, list[tuple]] = {}  # dense? -> _block
         self._timed: dict[tuple[Kernel, bool], TimedOp] = {}  # (kernel, backward) -> its timed op
         self._runs: dict[tuple, OverlapResult] = {}  # per shape key (_shape_key): the action's stream simulation
@@ -360,7 +365,7 @@ class Pricer:
 
     def _chain(self, kind: Kind, stage: int) -> list[TimedOp]:
         """One chain, built once per kind and stage key (the pricing reads chains, never changes them)."""
-        key = (kind.value, self.stage_key[stage])
+        key = (kind.value, self.chain_key[kind][stage])
         chain = self._chain_cache.get(key)
         if chain is None:
             chain = self._chain_cache[key] = self._build_chain(kind, stage)
@@ -381,7 +386,10 @@ class Pricer:
 
     def _shape_key(self, a: Action) -> tuple:
         """What the action's price depends on: its kind and its stage's (and backward stage's) key."""
-        return (a.kind.value, self.stage_key[a.stage]) + ((self.stage_key[a.b_stage],) if a.kind is Kind.FB else ())
+        k = a.kind
+        if k is Kind.FB:
+            return (k.value, self.chain_key[Kind.F][a.stage], self.stage_key[a.b_stage])
+        return (k.value, self.chain_key.get(k, self.stage_key)[a.stage])  # other kinds: _chains says why not
 
     def compute_time(self, a: Action) -> float:
         k = a.kind

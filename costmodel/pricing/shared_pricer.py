@@ -55,7 +55,7 @@ class SharedPricer(Pricer):
     def _chain(self, kind: Kind, stage: int) -> list[TimedOp]:
         """A chain is timed by what a price depends on (`common` and the stage key): built once for every candidate
         (an F&B pair's halves are the F and B chains other layouts of the search built already)."""
-        key = ("chain",) + self.common + (kind.value, self.stage_key[stage])
+        key = ("chain",) + self.common + (kind.value, self.chain_key[kind][stage])
         chain = self.shared.get(key)
         if chain is None:
             chain = self.shared[key] = self._build_chain(kind, stage)
