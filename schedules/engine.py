@@ -29,7 +29,7 @@ from typing import Callable
 
 from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
-from traces.trace import Span
+from traces.trace import Span, collector_paused
 
 P2P_MODES = ("rendezvous", "commit", "dataflow")
 
@@ -84,6 +84,65 @@ def _channels(schedule: Schedule, C: int, XF_: int, XG_: int):
     return channel_of, channel_ends, channel_msgs, message_slot
 
 
+_RECV, _SEND, _ONE, _PAIR = 0, 1, 2, 3  # program entry codes
+
+
+def _programs(schedule: Schedule, C: int, F_: int, G_: int, I_: int, XF_: int, XG_: int) -> list[list[tuple]]:
+    """Each rank's program as the engine reads it, every key and index worked out once per schedule (a lowered
+    schedule is simulated many times with other prices: predict's four rungs, a tune's hundreds of layouts):
+      (_RECV, channel, index)                      its message's slot; channel -1: no send delivers it
+      (_SEND, key, channel, index)                 the tensor it waits for, its slot (the index-th send on it)
+      (_ONE or _PAIR, n1, n2, n3, m1, m2, price, grad, action, kind name, partner)
+    for a compute action: the keys it waits for (-1: none; a pair's forward input n1, its backward's n2, n3) and
+    publishes, its price slot (kind and stage, a pair's two stages), the stage whose gradients it writes (-1:
+    none) and what its span records."""
+    S = schedule.num_stages
+    f_need, b_need = derived(schedule, "engine stage needs", lambda: _stage_needs(schedule, C, F_, G_, XF_, XG_))
+    channel_of, _, _, message_slot = derived(schedule, "engine channels",
+                                             lambda: _channels(schedule, C, XF_, XG_))
+    price_base = {Kind.F: 0, Kind.W: S, Kind.I: 2 * S, Kind.B: 3 * S}
+    out: list[list[tuple]] = []
+    for r, acts in enumerate(schedule.actions):
+        prog: list[tuple] = []
+        sent: dict[int, int] = {}
+        for a in acts:
+            kind, st, mb = a[0], a[1], a[2]
+            if kind is Kind.RECV_F or kind is Kind.RECV_B:
+                slot = message_slot.get((XF_ if kind is Kind.RECV_F else XG_) + st * C + mb, (-1, -1))
+                prog.append((_RECV, slot[0], slot[1]))
+                continue
+            if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                ch = channel_of[(r, a[5])]
+                index = sent.get(ch, 0)
+                sent[ch] = index + 1
+                prog.append((_SEND, (F_ if kind is Kind.SEND_F else G_) + st * C + mb, ch, index))
+                continue
+            k = st * C + mb
+            n2 = n3 = m2 = -1
+            if kind is Kind.F:
+                off = f_need[st]
+                n1, m1, grad = (off + mb if off >= 0 else -1), F_ + k, -1
+            elif kind is Kind.W:
+                n1, m1, grad = I_ + k, -1, st
+            elif kind is Kind.FB:
+                bs, bm = a[3], a[4]
+                off, boff = f_need[st], b_need[bs]
+                n1 = off + mb if off >= 0 else -1
+                n2 = F_ + bs * C + bm
+                n3 = boff + bm if boff >= 0 else -1
+                m1, m2, grad = F_ + k, G_ + bs * C + bm, bs
+                prog.append((_PAIR, n1, n2, n3, m1, m2, 4 * S + st * S + bs, grad, a, kind._value_, (bs, bm)))
+                continue
+            else:  # I or B
+                off = b_need[st]
+                n1, n2, m1, grad = F_ + k, (off + mb if off >= 0 else -1), G_ + k, st
+                if kind is Kind.I:
+                    m2 = I_ + k
+            prog.append((_ONE, n1, n2, n3, m1, m2, price_base[kind] + st, grad, a, kind._value_, None))
+        out.append(prog)
+    return out
+
+
 def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                transfer_time: Callable[[Action], float], record: bool = True, *,
                fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
@@ -93,8 +152,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     `compute_time` is called once per distinct (kind, stage[, backward stage]), `transfer_time` once per
     message kind and `fb_timing` with no lag once per (stage, backward stage): costs may depend on those (and an
     F&B pair's on its lags), not on the micro-batch. The dependency keys of deps.py are
-    encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per stage
-    below; tests check this engine against the explicit graph built from deps.py.
+    encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per action once per
+    schedule (`_programs`); tests check this engine against the explicit graph built from deps.py.
     """
     if p2p not in P2P_MODES:
         raise ValueError(f"p2p {p2p!r}: choose one of {', '.join(P2P_MODES)}")
@@ -104,22 +163,18 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     C = max(1, schedule.microbatches_per_pipeline)
     SC = S * C
     F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
-    f_need, b_need = derived(schedule, "engine stage needs", lambda: _stage_needs(schedule, C, F_, G_, XF_, XG_))
-
-    KF, KI, KW, KFB = Kind.F, Kind.I, Kind.W, Kind.FB
-    KSF, KSB, KRF, KRB = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
-    channel_of, channel_ends, channel_msgs, message_slot = derived(schedule, "engine channels",
-                                                                   lambda: _channels(schedule, C, XF_, XG_))
+    with collector_paused():  # a tuple per action and no cycles: the collector's passes would double the build
+        programs = derived(schedule, "engine programs", lambda: _programs(schedule, C, F_, G_, I_, XF_, XG_))
+    KRF = Kind.RECV_F
+    _, channel_ends, channel_msgs, _ = derived(schedule, "engine channels", lambda: _channels(schedule, C, XF_, XG_))
     num_channels = len(channel_ends)
     send_ready = [[None] * len(m) for m in channel_msgs]
     recv_post = [[None] * len(m) for m in channel_msgs]
     chan_next = [0] * num_channels
     chan_end = [0.0] * num_channels
-    send_count = [0] * num_channels
     xfer_time: dict[Kind, float] = {}
 
-    dur_f, dur_i, dur_w, dur_b = ([None] * S for _ in range(4))  # per-stage costs, filled on first use
-    dur_fb: dict[int, float] = {}
+    dur: list[float | None] = [None] * (4 * S + S * S)  # per price slot (_programs), filled on first use
     fb_on_time: dict[int, tuple[float, float, float]] = {}  # an F&B pair's fb_timing with both inputs on time
     done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
@@ -167,66 +222,35 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     while ready:
         r = ready.popleft()
         queued[r] = False
-        acts = schedule.actions[r]
-        i, n, t_free = ptr[r], len(acts), free[r]
+        prog = programs[r]
+        i, n, t_free = ptr[r], len(prog), free[r]
         while i < n:
-            a = acts[i]
-            kind, st, mb = a[0], a[1], a[2]
-            if kind is KRF or kind is KRB:  # post the receive and move on
-                slot = message_slot.get((XF_ if kind is KRF else XG_) + st * C + mb)
-                if slot is None:
+            op = prog[i]
+            code = op[0]
+            if code == _RECV:  # post the receive and move on
+                ch, index = op[1], op[2]
+                if ch < 0:
                     ptr[r], free[r] = i, t_free
-                    return EngineResult(False, spans, {r: a})
-                ch, index = slot
+                    return EngineResult(False, spans, {r: schedule.actions[r][i]})
                 recv_post[ch][index] = 0.0 if always_posted else t_free
                 # only the channel's head message can start a transfer, and only once its send is posted too
                 if index == chan_next[ch] and send_ready[ch][index] is not None:
                     resolve(ch)
                 i += 1
                 continue
-            if kind is KSF or kind is KSB:
-                key = (F_ if kind is KSF else G_) + st * C + mb
+            if code == _SEND:
+                key, ch, index = op[1], op[2], op[3]
                 v = done[key]
                 if v is None:
                     waiters.setdefault(key, []).append(r)
                     break
-                ch = channel_of[(r, a[5])]
-                index = send_count[ch]
                 send_ready[ch][index] = v if (post_when_produced or v > t_free) else t_free
-                send_count[ch] = index + 1
                 if index == chan_next[ch] and recv_post[ch][index] is not None:
                     resolve(ch)
                 i += 1
                 continue
-            # up to three keys to wait for (n1..n3, -1 = none) and two to publish (m1, m2); scalars, not
-            # tuples: this loop runs once per action
-            k = st * C + mb
-            n2 = n3 = m2 = -1
-            if kind is KF:
-                off = f_need[st]
-                n1 = off + mb if off >= 0 else -1
-                m1 = F_ + k
-                table = dur_f
-            elif kind is KW:
-                n1, m1, table = I_ + k, -1, dur_w
-            elif kind is KFB:
-                bs, bm = a[3], a[4]
-                off, boff = f_need[st], b_need[bs]
-                n1 = off + mb if off >= 0 else -1
-                n2 = F_ + bs * C + bm
-                n3 = boff + bm if boff >= 0 else -1
-                m1, m2 = F_ + k, G_ + bs * C + bm
-                table = None
-            else:  # I or B
-                off = b_need[st]
-                n1 = F_ + k
-                n2 = off + mb if off >= 0 else -1
-                m1 = G_ + k
-                if kind is KI:
-                    m2 = I_ + k
-                    table = dur_i
-                else:
-                    table = dur_b
+            # up to three keys to wait for (n1..n3, -1 = none) and two to publish (m1, m2)
+            _, n1, n2, n3, m1, m2, slot, g, a, name, partner = op
             t = t_free
             v1 = v3 = 0.0
             if n1 >= 0:
@@ -255,33 +279,27 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                 if v > v3:
                     v3 = v
             r1 = r2 = None  # when the outputs are ready, from the action's start (None: at its end)
-            if table is None:
-                if fb_timing is not None:  # start with the first input there; each half waits for its own
-                    t = max(t_free, min(v1, v3))
-                    if v1 > t or v3 > t:
-                        d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
-                    else:  # both inputs on time (most pairs): one call per pair of stages, like compute_time
-                        got = fb_on_time.get(st * S + a[3])
-                        if got is None:
-                            got = fb_on_time[st * S + a[3]] = fb_timing(a, 0.0, 0.0)
-                        d, r1, r2 = got
-                else:
-                    d = dur_fb.get(st * S + a[3])
-                    if d is None:
-                        d = dur_fb[st * S + a[3]] = compute_time(a)
+            if code == _PAIR and fb_timing is not None:  # start with the first input there; each half waits for its own
+                t = max(t_free, min(v1, v3))
+                if v1 > t or v3 > t:
+                    d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
+                else:  # both inputs on time (most pairs): one call per pair of stages, like compute_time
+                    got = fb_on_time.get(slot)
+                    if got is None:
+                        got = fb_on_time[slot] = fb_timing(a, 0.0, 0.0)
+                    d, r1, r2 = got
             else:
-                d = table[st]
+                d = dur[slot]
                 if d is None:
-                    d = table[st] = compute_time(a)
+                    d = dur[slot] = compute_time(a)
             t_free = t + d
             busy[r] += d
-            g = a[3] if table is None else st if table is not dur_f else -1  # the stage whose gradients it writes
-            if g >= 0:
+            if g >= 0:  # the stage whose gradients it writes
                 v = grad_done[g]
                 if v is None or t_free > v:
                     grad_done[g] = t_free
             if record:
-                spans.append(span(r, "compute", kind._value_, st, mb, t, d, (a[3], a[4]) if table is None else None))
+                spans.append(span(r, "compute", name, a[1], a[2], t, d, partner))
             if m1 >= 0:
                 done[m1] = t_free if r1 is None else t + r1
                 if m1 in waiters:
