@@ -41,7 +41,8 @@ whose stages hold the same blocks (SharedPricer).
 
 Computed once and reused (Tuner): each schedule built per (kind, P, M), its programs as chunk events for memory,
 checked and lowered only when one of its layouts is simulated; a layout's memory once for it and its hp twin (the
-stream weighs nothing); the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its
+stream weighs nothing), from its stages' memory terms without a pricer (most layouts are over the budget: only
+bounded and simulated ones build one), the terms once per (shape, recompute choice, dense and MoE blocks, ends); the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its
 exact bound's; a simulation once per set of prices the engine reads (Tuner._simulate_key: an optimizer-sharding
 twin, or an hp twin of a schedule without F&B pairs whose prices the stream leaves alone, reuses the run).
 """
@@ -53,10 +54,10 @@ from dataclasses import dataclass, field, replace
 
 from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
-from costmodel.physics.memory import activation_peak, program_events, rank_memories
+from costmodel.physics.memory import StageMemory, activation_peak, program_events, rank_memories
 from costmodel.physics.ops import Shape
 from costmodel.pricing.pricer import resolve_layout
-from costmodel.pricing.shared_pricer import SharedPricer
+from costmodel.pricing.shared_pricer import SharedPricer, shared_stage_memories
 from costmodel.pricing.options import Options
 from costmodel.pricing.stage_split import balanced_split, piece_costs
 from costmodel.answers.predict import residual_spec_of
@@ -140,7 +141,8 @@ class Tuner:
         self._cuts: dict[tuple, list[int]] = {}  # (kind, P, b, EP) -> blocks per stage of the balanced split
         self._pieces: dict[Shape, tuple] = {}  # the per-op shape -> stage_split.piece_costs
         self._prices: dict[tuple, tuple] = {}  # SharedPricer's
-        self._prepared: dict[Candidate, tuple] = {}
+        self._staged: dict[Candidate, tuple] = {}  # cand -> its replica config, layout and stages' memory
+        self._prepared: dict[Candidate, tuple] = {}  # cand -> its replica config, layout and pricer
         self._hp: dict[Candidate, Candidate] = {}  # cand -> its hp twin (memory and L_r do not depend on the stream)
         self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
         self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
@@ -156,7 +158,7 @@ class Tuner:
         data = merged(self.data, cand.overrides())
         if cand.split == "balanced":
             schedule, _ = self._schedule(cand)
-            layout = self._prep(cand)[1]
+            layout = self._stages(cand)[1]
             data["parallel"]["stage_split"] = [len(layout[st][0]) for st in schedule.pipelines[0]]
         else:
             data["parallel"].pop("stage_split", None)
@@ -196,9 +198,30 @@ class Tuner:
             got = self._lowered[key] = check_structure(self._schedule(cand)[0])
         return got
 
-    def _pricer(self, cand: Candidate, schedule: Schedule, cfg: RunConfig):
-        cfg = replica_config(cfg)
-        opts = options_of(cand, self.hw, self.base_opts)
+    def _stages(self, cand: Candidate) -> tuple[RunConfig, dict, dict[int, StageMemory]]:
+        """The candidate's replica config (_replica), its layout and its stages' memory terms: what its memory and
+        its recompute key need, no pricer built (most layouts of a search are over the budget and never priced).
+        Cached per candidate; an optimizer-sharding twin takes its twin's layout and stages."""
+        got = self._staged.get(cand)
+        if got is None:
+            twin = cand.distributed_optimizer and self._staged.get(replace(cand, distributed_optimizer=False))
+            if twin:  # the optimizer's sharding weighs model states only: memory reads it from the config
+                cfg, layout, mems = twin
+                got = (cfg.model_copy(update={"train": cfg.train.model_copy(update={"distributed_optimizer": True})}),
+                       layout, mems)
+            else:
+                schedule, _ = self._schedule(cand)
+                cfg = self._replica(cand, schedule)
+                layout = resolve_layout(cfg, schedule, cand.uneven)
+                mems = shared_stage_memories(self._prices, cfg, self.spec, layout, self.base_opts.recompute)
+                got = (cfg, layout, mems)
+            self._staged[cand] = got
+        return got
+
+    def _replica(self, cand: Candidate, schedule: Schedule) -> RunConfig:
+        """One replica's config of the candidate (replica_config), unvalidated (candidates() applied the rules), its
+        balanced cut as parallel.stage_split."""
+        cfg = replica_config(self._fast_config(cand))
         if cand.split == "balanced":  # the cut by cost, priced once per shape: it depends on T and EP, not recompute
             key = (cand.schedule, cand.pp, cand.microbatch_size, cand.ep)
             if key not in self._cuts:
@@ -208,21 +231,17 @@ class Tuner:
                     pieces = self._pieces[shape] = piece_costs(cfg, self.hw)
                 self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule, pieces)]
             cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"stage_split": self._cuts[key]})})
-        layout = resolve_layout(cfg, schedule, opts.allow_uneven)
-        return cfg, layout, SharedPricer(cfg, self.hw, self.spec, layout, opts, shared=self._prices)
+        return cfg
 
-    def _prep(self, cand: Candidate):
+    def _prep(self, cand: Candidate) -> tuple[RunConfig, dict, SharedPricer]:
+        """The candidate's replica config, layout and pricer (_stages'; an optimizer-sharding twin's pricer)."""
         got = self._prepared.get(cand)
         if got is None:
+            cfg, layout, _ = self._stages(cand)
             twin = cand.distributed_optimizer and self._prepared.get(replace(cand, distributed_optimizer=False))
-            if twin:  # the optimizer's sharding weighs model states only: the twin's pricer and layout,
-                cfg, layout, pr = twin  # this candidate's config (memory reads its train.distributed_optimizer)
-                got = (cfg.model_copy(update={"train": cfg.train.model_copy(update={"distributed_optimizer": True})}),
-                       layout, pr)
-            else:
-                schedule, _ = self._schedule(cand)
-                got = self._pricer(cand, schedule, self._fast_config(cand))
-            self._prepared[cand] = got
+            pr = twin[2] if twin else SharedPricer(cfg, self.hw, self.spec, layout,
+                                                   options_of(cand, self.hw, self.base_opts), shared=self._prices)
+            got = self._prepared[cand] = (cfg, layout, pr)
         return got
 
     def memory(self, cand: Candidate) -> Evaluated:
@@ -231,17 +250,19 @@ class Tuner:
         peak = self._memory.get(twin)
         if peak is None:  # a layout and its hp twin need the same memory: computed once for both
             schedule, _ = self._schedule(twin)
-            cfg, _, pr = self._prep(twin)
-            peak = self._memory[twin] = self._peak_memory(twin, cfg, schedule, pr, self._program_events(twin))
+            cfg, _, mems = self._stages(twin)
+            per_node = fewest_ep_ranks_per_node(twin.pp, twin.dp, twin.ep, self.hw.gpus_per_node)  # options_of's
+            peak = self._memory[twin] = self._peak_memory(twin, cfg, schedule, mems, per_node,
+                                                          self._program_events(twin))
         return Evaluated(cand, peak)
 
-    def _peak_memory(self, cand: Candidate, cfg: RunConfig, schedule: Schedule, pr: SharedPricer,
-                     events: list) -> float:
+    def _peak_memory(self, cand: Candidate, cfg: RunConfig, schedule: Schedule, mems: dict[int, StageMemory],
+                     ep_per_node: int, events: list) -> float:
         """The largest rank's memory (memory.rank_memories, predict's model) of the candidate's program."""
         ranks = derived(schedule, "rank stages", lambda: {r: schedule.stages_of(r) for r in range(schedule.num_ranks)})
-        peaks = self._peaks(events, pr.stage_mem)
-        return max(m.total_bytes for m in rank_memories(cfg, self.spec, pr.stage_mem, ranks, dict(enumerate(events)),
-                                                        hw=self.hw, dp=cand.dp, ep_per_node=pr.opt.ep_per_node,
+        peaks = self._peaks(events, mems)
+        return max(m.total_bytes for m in rank_memories(cfg, self.spec, mems, ranks, dict(enumerate(events)),
+                                                        hw=self.hw, dp=cand.dp, ep_per_node=ep_per_node,
                                                         peaks=dict(enumerate(peaks))))
 
     def _hp_twin(self, cand: Candidate) -> Candidate:
@@ -262,8 +283,8 @@ class Tuner:
 
     def recompute_key(self, cand: Candidate) -> tuple:
         """What a recompute choice does to the stages: their L_r (choices with the same L_r are one layout)."""
-        _, _, pr = self._prep(self._hp_twin(cand))
-        return tuple(pr.stage_mem[s].recompute_block for s in sorted(pr.stage_mem))
+        mems = self._stages(self._hp_twin(cand))[2]
+        return tuple(mems[s].recompute_block for s in sorted(mems))
 
     def bound(self, ev: Evaluated, exact: bool = True) -> float:
         """A lower bound on the step: per rank, the upstream forwards its first action waits for, its summed action
@@ -341,7 +362,7 @@ class Tuner:
                 sim = self._sims[key] = pr.simulate(lowered, validate=False, record=False)
         else:
             sim = pr.simulate(schedule)
-        ev.memory_bytes = self._peak_memory(cand, cfg, schedule, pr, events)
+        ev.memory_bytes = self._peak_memory(cand, cfg, schedule, pr.stage_mem, pr.opt.ep_per_node, events)
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
         return ev

@@ -11,10 +11,46 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodel.physics.memory import StageMemory
+from configs import RunConfig
+from costmodel.physics.memory import StageMemory, stage_memory
+from costmodel.physics.mhc_cost import ResidualSpec
 from costmodel.pricing.pricer import Pricer
 from costmodel.pricing.fb_overlap import TimedOp
 from schedules.ir import Action, Kind
+
+
+def _memory_prefix(cfg: RunConfig, recompute: bool) -> tuple:
+    """What of a config a stage's memory depends on (memory.stage_memory), besides the blocks it holds; its last
+    entry is the first MoE block's index."""
+    p, r, t, moe = cfg.parallel, cfg.recompute, cfg.train, cfg.model.moe
+    return ("stage memory", p.microbatch_size, p.seq_len, p.expert_parallel, r.mode, r.block_size, t.dtype, t.fp8,
+            t.fp8_storage, recompute, cfg.model.num_blocks if moe is None else moe.first_dense_blocks)
+
+
+def _shared_stage_memory(shared: dict, prefix: tuple, cfg: RunConfig, spec: ResidualSpec, stage: int, blocks: range,
+                         first: bool, last: bool, recompute: bool) -> StageMemory:
+    # a block's terms depend only on whether it is dense (memory.stage_memory), and dense blocks come first: the
+    # stage's dense and MoE counts say what it holds, wherever it sits in the pipeline
+    dense = sum(1 for b in blocks if b < prefix[-1])
+    key = prefix + (dense, len(blocks), first, last)
+    mine = shared.get((key, stage))
+    if mine is None:
+        got = shared.get(key)
+        if got is None:
+            got = shared[key] = stage_memory(cfg, spec, stage, blocks, first, last, recompute)
+        mine = shared[(key, stage)] = replace(got, stage=stage)
+    return mine
+
+
+def shared_stage_memories(shared: dict, cfg: RunConfig, spec: ResidualSpec, layout: dict[int, tuple[range, bool, bool]],
+                          recompute: bool) -> dict[int, StageMemory]:
+    """Each stage's memory terms (memory.stage_memory, what a Pricer's stage_mem holds) from `shared`: they depend on
+    the shape, the recompute choice and which blocks the stage holds, not on its index, so they are computed once
+    per such key for every candidate of a search (a copy per stage index: dataclasses.replace costs more than the
+    lookup). The tuner weighs most layouts' memory with these alone, no pricer built."""
+    prefix = _memory_prefix(cfg, recompute)
+    return {st: _shared_stage_memory(shared, prefix, cfg, spec, st, blocks, first, last, recompute)
+            for st, (blocks, first, last) in layout.items()}
 
 
 class SharedPricer(Pricer):
@@ -34,23 +70,12 @@ class SharedPricer(Pricer):
         self._blocks = self.shared.setdefault(("blocks",) + self.common, {})
 
     def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
-        """A stage's memory terms depend on the shape, the recompute choice and which blocks it holds, not on its
-        index: computed once per such key for every candidate (a copy per stage index: candidates share them, and
-        dataclasses.replace costs more than the lookup)."""
+        """From the search's shared table (shared_stage_memories)."""
         prefix = self.__dict__.get("_memory_key")
         if prefix is None:  # the config's part, once per pricer (its stages all ask)
-            c = self.cfg
-            prefix = self._memory_key = ("stage memory", c.parallel.microbatch_size, c.parallel.seq_len,
-                                         c.parallel.expert_parallel, c.recompute.mode, c.recompute.block_size,
-                                         c.train.dtype, c.train.fp8, c.train.fp8_storage, self.recompute)
-        key = prefix + (blocks[0] if len(blocks) else -1, len(blocks), first, last)
-        mine = self.shared.get((key, stage))
-        if mine is None:
-            got = self.shared.get(key)
-            if got is None:
-                got = self.shared[key] = super()._stage_memory(stage, blocks, first, last)
-            mine = self.shared[(key, stage)] = replace(got, stage=stage)
-        return mine
+            prefix = self._memory_key = _memory_prefix(self.cfg, self.recompute)
+        return _shared_stage_memory(self.shared, prefix, self.cfg, self.spec, stage, blocks, first, last,
+                                    self.recompute)
 
     def _chain(self, kind: Kind, stage: int) -> list[TimedOp]:
         """A chain is timed by what a price depends on (`common` and the stage key): built once for every candidate

@@ -303,3 +303,25 @@ def test_layouts_share_a_simulation_only_when_the_engine_reads_the_same_prices(p
         twin = replace(c, hp=not c.hp)
         differ += c.schedule != "dualpipev" and twin in got and got[twin].pipeline_us != ev.pipeline_us
     assert differ  # an hp twin without pairs that prices differently: a key without the prices would fail
+
+
+def test_shared_stage_memory_is_each_stages_own():
+    """shared_stage_memories keys a stage's memory on what it holds (its dense and MoE blocks, first or last), not
+    on where it sits: one table filled by layouts that cut DeepSeek-V3's 61 blocks (the first 3 dense) differently
+    gives every stage what memory.stage_memory computes for it alone."""
+    from costmodel.answers.predict import residual_spec_of
+    from costmodel.physics.memory import stage_memory
+    from costmodel.pricing.shared_pricer import shared_stage_memories
+
+    cfg = load_config("deepseek-v3")
+    spec = residual_spec_of(cfg)
+    shared: dict = {}
+    for sizes in ([1, 2, 2, 56], [2, 2, 2, 55], [4, 2, 2, 53], [57, 2, 2]):  # middle stages dense, mixed, MoE
+        edges = [0]
+        for n in sizes:
+            edges.append(edges[-1] + n)
+        layout = {st: (range(edges[st], edges[st + 1]), st == 0, st == len(sizes) - 1) for st in range(len(sizes))}
+        for recompute in (True, False):
+            got = shared_stage_memories(shared, cfg, spec, layout, recompute)
+            for st, (blocks, first, last) in layout.items():
+                assert got[st] == stage_memory(cfg, spec, st, blocks, first, last, recompute), (sizes, st)
