@@ -43,8 +43,9 @@ Computed once and reused (Tuner): each schedule built per (kind, P, M), its prog
 checked and lowered only when one of its layouts is simulated; a layout's memory once for it and its hp twin (the
 stream weighs nothing), from its stages' memory terms without a pricer (most layouts are over the budget: only
 bounded and simulated ones build one), the terms once per (shape, recompute choice, dense and MoE blocks, ends);
-the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its exact bound's; a simulation once per set of prices the engine reads (Tuner._simulate_key: an optimizer-sharding
-twin, or an hp twin of a schedule without F&B pairs whose prices the stream leaves alone, reuses the run).
+the balanced split's piece costs once per per-op shape; a simulated layout's pricer is its exact bound's; a
+simulation once per set of prices the engine reads (Tuner._simulate_key: an optimizer-sharding twin, or an hp twin
+of a schedule without F&B pairs whose prices the stream leaves alone, reuses the run).
 """
 from __future__ import annotations
 
