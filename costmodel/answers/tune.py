@@ -148,6 +148,7 @@ class Tuner:
         self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
         self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
         self._sims: dict[tuple, SimResult] = {}  # simulate_key -> the simulation (record=False)
+        self._bounds: dict[Candidate, float] = {}  # the candidate whose pricer a bound used -> the bound
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -293,9 +294,14 @@ class Tuner:
         the all-reduce its last action posts (data_parallel.sync_floor) and the upstream backwards waiting for
         that action's input gradient; the largest over the ranks. `exact=False`: the actions priced without
         recompute (it only adds kernels to the backward chains), which candidates differing only in their
-        recompute choice share: a weaker bound, priced once for all of them."""
+        recompute choice share: a weaker bound, computed once for all of them."""
+        priced = ev.cand if exact else replace(ev.cand, recompute="off")  # whose pricer: all the bound depends on
+        got = self._bounds.get(priced)
+        if got is not None:
+            ev.bound_us = got
+            return got
         schedule, per_rank = self._schedule(ev.cand)
-        cfg, layout, pr = self._prep(ev.cand if exact else replace(ev.cand, recompute="off"))
+        cfg, layout, pr = self._prep(priced)
         par = self._fast_config(ev.cand).parallel
         params = {s: m.params for s, m in pr.stage_mem.items()}
         # the all-reduces follow from these alone (the model, hardware and dtype are the search's): layouts that
@@ -329,8 +335,8 @@ class Tuner:
                 t += (hop if dst != up else 0.0) + price((kind, st, -1))
                 up = dst
             tail.append(max(t, floor[r]))
-        ev.bound_us = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + tail[r]
-                          for r, counts in enumerate(per_rank))
+        ev.bound_us = self._bounds[priced] = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + tail[r]
+                                                 for r, counts in enumerate(per_rank))
         return ev.bound_us
 
     def _simulate_key(self, cand: Candidate, lowered: Schedule, pr: SharedPricer) -> tuple:

@@ -68,6 +68,7 @@ class SharedPricer(Pricer):
         # share, the stream): one table of each for every candidate's pricer with them, filled as chains are built
         self._timed = self.shared.setdefault(("timed",) + self.common, {})
         self._blocks = self.shared.setdefault(("blocks",) + self.common, {})
+        self._lagged = self.shared.setdefault(("lagged",) + self.common, {})  # keyed by shape keys and lags too
 
     def _stage_memory(self, stage: int, blocks: range, first: bool, last: bool) -> StageMemory:
         """From the search's shared table (shared_stage_memories)."""
