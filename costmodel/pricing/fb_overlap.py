@@ -111,15 +111,15 @@ def _group_time(chains: list[list[TimedOp]]) -> dict[str, float]:
     return out
 
 
-def _segments(chain: list[TimedOp], base: int, pair: bool) -> tuple[list[list[int]], list[int]]:
-    """(program segments of op indices, deferred W indices)."""
+def _segments(chain: list[TimedOp], pair: bool) -> tuple[list[list[int]], list[int]]:
+    """(program segments of op indices, deferred W indices), indices within the chain."""
     segs: list[list[int]] = [[]]
     deferred: list[int] = []
     for i, op in enumerate(chain):
         if pair and op.deferrable:
-            deferred.append(base + i)
+            deferred.append(i)
             continue
-        segs[-1].append(base + i)
+        segs[-1].append(i)
         if op.switch or op.stream == "comm":
             segs.append([])
     return [s for s in segs if s], deferred
@@ -128,41 +128,95 @@ def _segments(chain: list[TimedOp], base: int, pair: bool) -> tuple[list[list[in
 WFILL = ("end", "program")
 
 
-def _flatten(chains: list[list[TimedOp]]):
-    """The chains' ops in one list (op i of chain c at base[c] + i), each op's chain, and the in-chain dependency
-    graph: successors and the count of predecessors not yet done."""
-    ops: list[TimedOp] = []
-    chain_of: list[int] = []
-    base: list[int] = []
-    for c, chain in enumerate(chains):
-        base.append(len(ops))
-        ops.extend(chain)
-        chain_of.extend([c] * len(chain))
-    succ: list[list[int]] = [[] for _ in ops]
-    missing = [0] * len(ops)
-    for c, chain in enumerate(chains):
-        b, n = base[c], len(chain)
+class Chain(list):
+    """A chain of TimedOps that keeps what run_streams derives from it alone (_Prepared), made on its first run:
+    a pricer runs each of its chains many times (alone, in pairs, with lags) and never changes them."""
+
+    __slots__ = ("prepared",)
+
+    def __init__(self, ops=()):
+        super().__init__(ops)
+        self.prepared: _Prepared | None = None
+
+
+class _Prepared:
+    """One chain's per-op values, its dependency graph (successors, predecessors to wait for), its segments alone
+    and inside a pair, its output ops and its time per group."""
+
+    __slots__ = ("n", "succ", "missing", "dur", "sm", "hbm", "pinned", "stream", "segments", "marked", "group",
+                 "_alone")
+
+    def __init__(self, chain: list[TimedOp]):
+        n = self.n = len(chain)
+        succ: list[list[int]] = [[] for _ in chain]
+        missing = [0] * n
         for i, op in enumerate(chain):
             for off in op.deps:
                 j = i + off
                 if off < 0 and 0 <= j < n:
-                    succ[b + j].append(b + i)
-                    missing[b + i] += 1
-    return ops, chain_of, base, succ, missing
+                    succ[j].append(i)
+                    missing[i] += 1
+        self.succ, self.missing = succ, missing
+        self.dur = [op.duration for op in chain]
+        self.sm = [op.sm for op in chain]
+        self.hbm = [op.hbm for op in chain]
+        self.pinned = [not op.preemptible for op in chain]
+        self.stream = [op.stream for op in chain]
+        self.segments = {pair: _segments(chain, pair) for pair in (False, True)}
+        self.marked = [i for i, op in enumerate(chain) if op.output] or list(range(n))
+        self.group = _group_time([chain])
+        self._alone: dict[bool, tuple[list[int], list[list[int]]]] = {}
+
+    def alone(self, hp: bool) -> tuple[list[int], list[list[int]]]:
+        """The chain run alone: each op's stream slot and the slots' queues in issue order (_issue_order of it)."""
+        got = self._alone.get(hp)
+        if got is None:
+            slot = _slots(self.stream, hp)
+            order = [i for seg in self.segments[False][0] for i in seg]
+            got = self._alone[hp] = (slot, _queues(order, slot))
+        return got
 
 
-def _issue_order(chains: list[list[TimedOp]], base: list[int], pair: bool, b_first: bool = False) -> list[int]:
-    """The order ops are issued in: the halves' segments alternate, F first (B first with `b_first`); with
+def _slots(streams: list[str], hp: bool) -> list[int]:
+    """Each op's stream slot: hp kernels on the compute stream without the hp stream."""
+    return [_SLOT["compute" if (s == "hp" and not hp) else s] for s in streams]
+
+
+def _queues(order: list[int], slot: list[int]) -> list[list[int]]:
+    """Each slot's ops in issue order."""
+    queues: list[list[int]] = [[], [], []]
+    for i in order:
+        queues[slot[i]].append(i)
+    return queues
+
+
+def _prepared(chain: list[TimedOp]) -> _Prepared:
+    got = getattr(chain, "prepared", None)
+    if got is None:
+        got = _Prepared(chain)
+        if isinstance(chain, Chain):
+            chain.prepared = got
+    return got
+
+
+def _issue_order(chains: list[list[TimedOp]], pair: bool, b_first: bool = False) -> list[int]:
+    """The order ops are issued in, as indices into the chains' ops in one list (chain c's op i at the summed
+    lengths of the chains before it, + i): the halves' segments alternate, F first (B first with `b_first`); with
     `pair`, deferred W kernels are issued after both halves, in their order."""
-    parts = [_segments(chain, base[c], pair) for c, chain in enumerate(chains)]
+    parts = []
+    base = 0
+    for chain in chains:
+        segs, deferred = _prepared(chain).segments[pair]
+        parts.append((segs, deferred, base))
+        base += len(chain)
     if b_first:
         parts.reverse()
     order: list[int] = []
     for k in range(max((len(p[0]) for p in parts), default=0)):
-        for segs, _ in parts:
+        for segs, _, b in parts:
             if k < len(segs):
-                order.extend(segs[k])
-    return order + [i for _, d in parts for i in d]
+                order.extend([b + i for i in segs[k]] if b else segs[k])
+    return order + [b + i for _, d, b in parts for i in d]
 
 
 def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True, *, corun: bool = True,
@@ -170,21 +224,35 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                 b_first: bool = False) -> OverlapResult:
     if wfill not in WFILL:
         raise ValueError(f"wfill {wfill!r}: choose one of {', '.join(WFILL)}")
-    ops, chain_of, base, succ, missing = _flatten(chains)
-    N = len(ops)
     lag = [0.0] * len(chains) if lags is None else [max(0.0, float(x)) for x in lags]
-    order = _issue_order(chains, base, pair=len(chains) > 1 and wfill == "end", b_first=b_first)
-    # per op, precomputed, and the streams as list slots (COMM, HP, COMPUTE: the order kernels are started in):
-    # this loop runs ~100 events per pair and the tuner prices ~10^3 pairs
-    slot = [_SLOT["compute" if (op.stream == "hp" and not hp) else op.stream] for op in ops]
-    op_lag = [lag[c] for c in chain_of]
-    dur = [op.duration for op in ops]
-    sm = [op.sm for op in ops]
-    hbm = [op.hbm for op in ops]
-    pinned = [not op.preemptible for op in ops]
-    queues: list[list[int]] = [[], [], []]
-    for i in order:
-        queues[slot[i]].append(i)
+    # per op, and the streams as list slots (COMM, HP, COMPUTE: the order kernels are started in), from each chain's
+    # _Prepared: this loop runs ~100 events per pair and the tuner prices ~10^3 pairs
+    preps = [_prepared(chain) for chain in chains]
+    base: list[int] = []
+    chain_of: list[int] | None = None  # None: one chain
+    if len(preps) == 1:
+        p = preps[0]
+        base.append(0)
+        succ, missing, dur, sm, hbm, pinned = p.succ, p.missing[:], p.dur, p.sm, p.hbm, p.pinned
+        slot, queues = p.alone(hp)
+        op_lag = [lag[0]] * p.n
+    else:
+        succ, missing, dur, sm, hbm, pinned, streams, chain_of = [], [], [], [], [], [], [], []
+        for c, p in enumerate(preps):
+            b = len(dur)
+            base.append(b)
+            succ += [[b + j for j in s] for s in p.succ] if b else p.succ
+            missing += p.missing
+            dur += p.dur
+            sm += p.sm
+            hbm += p.hbm
+            pinned += p.pinned
+            streams += p.stream
+            chain_of += [c] * p.n
+        slot = _slots(streams, hp)
+        op_lag = [lag[c] for c in chain_of]
+        queues = _queues(_issue_order(chains, pair=wfill == "end", b_first=b_first), slot)
+    N = len(dur)
     head = [0, 0, 0]
     running: list[list | None] = [None, None, None]  # per slot: [op, remaining full-rate work, start, start order]
     n_running = 0
@@ -261,14 +329,12 @@ def run_streams(chains: list[list[TimedOp]], sigma: float = 0.0, hp: bool = True
                 done += 1
                 for j in succ[i]:
                     missing[j] -= 1
-    release = []
-    for c, chain in enumerate(chains):
-        marked = [base[c] + i for i, op in enumerate(chain) if op.output]
-        idx = marked or range(base[c], base[c] + len(chain))
-        release.append(max((end_at[i] for i in idx), default=0.0))
-    return OverlapResult(t, busy_c, busy_m, exposed, _group_time(chains), tuple(release),
-                         lambda: [(chain_of[i], ops[i].name, _STREAMS[slot[i]], start_at[i], end_at[i])
-                                  for i in range(N)])
+    release = tuple(max((end_at[base[c] + i] for i in p.marked), default=0.0) for c, p in enumerate(preps))
+    group = dict(preps[0].group) if len(preps) == 1 else _group_time(chains)  # summed in _group_time's order
+    return OverlapResult(t, busy_c, busy_m, exposed, group, release,
+                         lambda: [(0 if chain_of is None else chain_of[i], op.name, _STREAMS[slot[i]], start_at[i],
+                                   end_at[i])
+                                  for i, op in enumerate(op for chain in chains for op in chain)])
 
 
 def _rates(sm: list[float], hbm: list[float], pinned: list[bool], running: list, sigma: float, corun: bool,

@@ -25,7 +25,7 @@ from costmodel.physics.hardware import CurveLookups, HardwareSpec
 from costmodel.physics.memory import StageMemory, stage_memory
 from costmodel.physics.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
 from costmodel.physics.ops import Kernel, Shape, block_work, embedding, head, mtp_prelude
-from costmodel.pricing.fb_overlap import OverlapResult, TimedOp, overlap
+from costmodel.pricing.fb_overlap import Chain, OverlapResult, TimedOp, overlap
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import profile_for
 from configs import RunConfig, config_stage_blocks, stage_blocks
@@ -368,7 +368,7 @@ class Pricer:
         key = (kind.value, self.chain_key[kind][stage])
         chain = self._chain_cache.get(key)
         if chain is None:
-            chain = self._chain_cache[key] = self._build_chain(kind, stage)
+            chain = self._chain_cache[key] = Chain(self._build_chain(kind, stage))
         return chain
 
     def _build_chain(self, kind: Kind, stage: int) -> list[TimedOp]:

@@ -15,7 +15,7 @@ from configs import RunConfig
 from costmodel.physics.memory import StageMemory, stage_memory
 from costmodel.physics.mhc_cost import ResidualSpec
 from costmodel.pricing.pricer import Pricer
-from costmodel.pricing.fb_overlap import TimedOp
+from costmodel.pricing.fb_overlap import Chain, TimedOp
 from schedules.ir import Action, Kind
 
 
@@ -84,7 +84,7 @@ class SharedPricer(Pricer):
         key = ("chain",) + self.common + (kind.value, self.chain_key[kind][stage])
         chain = self.shared.get(key)
         if chain is None:
-            chain = self.shared[key] = self._build_chain(kind, stage)
+            chain = self.shared[key] = Chain(self._build_chain(kind, stage))
         return chain
 
     def compute_time(self, a: Action) -> float:

@@ -193,3 +193,26 @@ def test_a_weight_grad_of_any_length_never_delays_the_other_half():
         when = {name: (s, e) for _, name, _, s, e in res.timeline}
         assert when["f.experts"][0] == pytest.approx(7.0) and when["b.wgrad"][0] >= when["f.experts"][1]
         assert res.release[0] == pytest.approx(32.0)
+
+
+def test_a_chain_runs_alike_every_time_it_is_run():
+    """A Chain keeps what run_streams derives from it alone: its runs, alone, in pairs (both orders, both streams
+    settings) and with late inputs, in any order and again, equal a run of a fresh plain list of the same ops."""
+    from costmodel.pricing.fb_overlap import Chain
+
+    f = [TimedOp("f.attn", "model", "compute", 3.0, (), True, 1.0, 0.2, switch=True),
+         TimedOp("f.post", "model", "hp", 1.0, (-1,), True, 0.3, 0.8),
+         TimedOp("f.dispatch", "a2a", "comm", 2.0), TimedOp("f.mlp", "model", "compute", 4.0, output=True)]
+    b = [TimedOp("b.combine", "a2a", "comm", 2.0), TimedOp("b.mlp", "model", "compute", 5.0, output=True),
+         TimedOp("b.mlp.w", "model", "compute", 2.0, (-1,), deferrable=True, switch=True),
+         TimedOp("b.post", "model", "hp", 1.0, (-2,), True, 0.3, 0.8), TimedOp("b.attn", "model", "compute", 3.0)]
+    cf, cb = Chain(f), Chain(b)
+    runs = [((0,), {}), ((0, 1), {}), ((1, 0), {}), ((0, 1), {"lags": (1.5, 0.0)}), ((0, 1), {"b_first": True}),
+            ((0,), {"hp": False}), ((1,), {}), ((0, 1), {"hp": False, "lags": (0.0, 2.5)})]
+    for _ in range(2):
+        for which, kw in runs:
+            kw = {"comm_share": 0.1, **kw}
+            got = overlap([(cf, cb)[i] for i in which], "streams", **kw)
+            want = overlap([list((f, b)[i]) for i in which], "streams", **kw)
+            assert (got.makespan, got.release, got.group_time, got.timeline) == \
+                (want.makespan, want.release, want.group_time, want.timeline), (which, kw)
