@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-out", metavar="FILE.json", help="write the predicted mHC trace (baseline next to it)")
     p.add_argument("--sweep", help="plot overhead curves over one input: n=1..8 (streams), bw= (PP link GB/s), "
                    "hbm= (TB/s), intra= / inter= (GB/s), sms= (all-to-all SMs), gap= (launch us)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="split mHC's overhead into kernel traffic, recompute, n-fold boundary traffic and gradient "
+                        "sync (two more simulations, each adding one mechanism)")
     p.add_argument("--explain", action="store_true",
                    help="mHC's overhead from naive eager kernels to this prediction, one mechanism at a time, and "
                         "which stated assumptions reproduce the paper's 6.7%% (-o waterfall.png, --json)")
@@ -263,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         return _sweep(cfg, hw, spec, opts, args)
     if args.explain or args.sensitivity is not None:
         return _report(cfg, hw, spec, opts, args)
-    pred = predict(cfg, hw, spec, opts, profile_pricing=HostPricing())
+    pred = predict(cfg, hw, spec, opts, ladder=args.breakdown, profile_pricing=HostPricing())
     print(format_table(pred))
     if args.json:
         print(f"wrote {write_json(pred, args.json)}")
@@ -361,7 +364,7 @@ def _sweep(cfg, hw, spec, opts, args) -> int:
     rows = []
     times = []  # per point: the times more of a physical resource must never raise (monotone_warnings)
     for v, s, o, h in points:
-        pred = predict(cfg, h, s, o, profile_pricing=HostPricing())
+        pred = predict(cfg, h, s, o, ladder=True, profile_pricing=HostPricing())  # the curves are the split
         b = pred.summary["breakdown_pp"]
         rows.append((v, pred.summary["step_overhead_pct"], b["kernel_traffic"], b["recompute"], b["exposed_comm"],
                      b["gradient_sync"], pred.summary["memory_gib"]["mhc"]))

@@ -7,10 +7,11 @@ Steps:
    the action's kernels, or a runtime profile's prices through the ProfilePricing the caller passes).
 3. Simulate (schedules.simulate, or the ProfilePricing's simulation): compute spans per rank, transfers on
    their own channel; exposed communication and bubbles come out of the simulation.
-4. Attribute the overhead by a ladder of counterfactual simulations that adds one mechanism at a time:
-   baseline -> + mHC kernels (no recompute, boundary at baseline width) -> + recompute -> + n-fold boundary
-   traffic (the full mHC run). The steps sum exactly to the overhead. The change of the mean idle time per rank
-   (bubble) is reported alongside; it is part of those steps, not an extra term.
+4. When asked (`ladder=True`, `mhcpipe predict --breakdown`): attribute the overhead by a ladder of
+   counterfactual simulations that adds one mechanism at a time: baseline -> + mHC kernels (no recompute, boundary
+   at baseline width) -> + recompute -> + n-fold boundary traffic (the full mHC run). The steps sum exactly to the
+   overhead. The change of the mean idle time per rank (bubble) is reported alongside; it is part of those steps,
+   not an extra term. Two more simulations, a quarter of DeepSeek-V3's predict: not by default.
 5. Memory per rank (memory.py) and a summary dict (what `mhcpipe predict` prints and writes as JSON).
 """
 from __future__ import annotations
@@ -85,11 +86,12 @@ def residual_spec_of(cfg: RunConfig, variant: str | None = None, n: int | None =
 
 
 def predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | None = None,
-            options: Options | None = None, *, ladder: bool = True,
+            options: Options | None = None, *, ladder: bool = False,
             profile_pricing: ProfilePricing | None = None) -> Prediction:
     """Baseline and mHC (`spec`, default the config's residual) on `hardware` (see the module docstring).
-    `profile_pricing` prices a hardware spec that carries a runtime profile for this config (required then;
-    costmodel.local.host_pricing.HostPricing for `local`)."""
+    `ladder`: also split the overhead (summary["breakdown_pp"]; None without it). `profile_pricing` prices a
+    hardware spec that carries a runtime profile for this config (required then; costmodel.local.host_pricing.
+    HostPricing for `local`)."""
     # ~10^5 short-lived objects (spans, kernel chains, records), no cycles a collection would free: without the
     # collector's passes over them (and over everything imported) DeepSeek-V3's predict takes 0.21 instead of 0.24 s
     # in-process (bench/results/costmodel_speed_collector.json; the CLI raises its threshold for the same reason)
@@ -117,7 +119,7 @@ def _predict(cfg: RunConfig, hardware: str | HardwareSpec, spec: ResidualSpec | 
             pr = Pricer(cfg, hw, spec, layout, options, profile_pricing=profile_pricing, **kw)
             pricers[name] = pr
             steps[name] = pr.simulate(schedule, record=False).makespan  # a rung is its step time: no spans
-    else:
+    elif ladder:  # mHC is the baseline here: nothing to split
         steps["kernels"] = steps["recompute"] = T_mhc
     steps["mhc"] = T_mhc
     memory = {}
@@ -262,10 +264,11 @@ def summarize(pred: Prediction) -> dict[str, Any]:
         "fb_pair_us": {name: fb_pair_bounds(pr) for name, pr in (("baseline", pb), ("mhc", pm))},
         "fb_order": pb.opt.fb_order,
         "fb_pairs": [row.to_json() for row in pairs],
+        # the ladder's split of the overhead (predict(ladder=True), --breakdown); None when it was not simulated
         "breakdown_pp": {"kernel_traffic": pct(st["kernels"] - st["baseline"]),
                          "recompute": pct(st["recompute"] - st["kernels"]),
                          "exposed_comm": pct(st["mhc"] - st["recompute"]),
-                         "gradient_sync": pct(exposed["mhc"] - exposed["baseline"])},
+                         "gradient_sync": pct(exposed["mhc"] - exposed["baseline"])} if "kernels" in st else None,
         "bubble": {"baseline_pct": 100 * base.bubble_fraction, "mhc_pct": 100 * mhc.bubble_fraction,
                    "change_pp": pct(mean_idle(mhc) - mean_idle(base))},
         "exposed_comm_us": {"baseline": paths["baseline"].exposed_comm_us, "mhc": paths["mhc"].exposed_comm_us},

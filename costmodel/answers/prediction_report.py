@@ -115,11 +115,15 @@ def format_table(pred: Prediction) -> str:
         lines.append(f"  mHC overhead: {s['step_overhead_pct']:.2f}% of the step (no overlapped F&B stage in "
                      f"{s['schedule']['kind']})")
     b = s["breakdown_pp"]
-    lines.append(f"    = kernel traffic {b['kernel_traffic']:+.2f} pp + recompute {b['recompute']:+.2f} pp "
-                 f"+ n-fold boundary traffic {b['exposed_comm']:+.2f} pp"
-                 + (f" + gradient sync {b['gradient_sync']:+.2f} pp" if gs.get("mhc") is not None else "")
-                 + " of the step")
-    lines.append(f"    (bubble change {bub['change_pp']:+.2f} pp of the step is part of these terms)")
+    if b is None:
+        lines.append("    split into kernel traffic, recompute and n-fold boundary traffic: add --breakdown (two more "
+                     "simulations)")
+    else:
+        lines.append(f"    = kernel traffic {b['kernel_traffic']:+.2f} pp + recompute {b['recompute']:+.2f} pp "
+                     f"+ n-fold boundary traffic {b['exposed_comm']:+.2f} pp"
+                     + (f" + gradient sync {b['gradient_sync']:+.2f} pp" if gs.get("mhc") is not None else "")
+                     + " of the step")
+        lines.append(f"    (bubble change {bub['change_pp']:+.2f} pp of the step is part of these terms)")
     for w in s["warnings"]:
         lines.append(f"  WARNING: {w}")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """Bad input, the CLI, hardware specs, calibration, overlap mechanics and trace naming."""
 import json
+import math
 import statistics
 
 import pytest
@@ -114,9 +115,9 @@ def test_cli_table_json_trace_and_sweep(tmp_path, capsys):
     assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--json", str(out),
                  "--trace-out", str(trace)]) == 0
     text = capsys.readouterr().out
-    assert "mHC overhead" in text and "kernel traffic" in text and "recompute block" in text
+    assert "mHC overhead" in text and "add --breakdown" in text and "recompute block" in text
     data = json.loads(out.read_text())
-    assert data["step_overhead_pct"] > 0 and "memory_per_rank" in data
+    assert data["step_overhead_pct"] > 0 and "memory_per_rank" in data and data["breakdown_pp"] is None
     assert trace.exists() and (tmp_path / "t.baseline.json").exists()
     png = tmp_path / "s.png"
     assert main(["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64", "--sweep", "n=1..3",
@@ -228,3 +229,24 @@ def test_sweeps_over_the_hardware_inputs(capsys, tmp_path):
         assert len(rows(sweep)) == 2, sweep
     assert main([*base, "--sweep", "sms=500"]) == 2
     assert "fewer than the h800's 132" in capsys.readouterr().err
+
+
+def test_the_overhead_is_split_only_when_asked(capsys, monkeypatch):
+    """The ladder (two more simulations) runs with --breakdown / predict(ladder=True) only: without it predict
+    simulates the baseline and mHC runs alone, prints where the split is and writes breakdown_pp as null; with it
+    the table prints the terms, which sum to the step overhead."""
+    import costmodel.answers.predict as pm
+
+    runs = []
+    real = pm.Pricer.simulate
+    monkeypatch.setattr(pm.Pricer, "simulate", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    argv = ["predict", "--preset", "paper-3b", "--pp", "4", "--microbatches", "64"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert len(runs) == 2 and "add --breakdown" in plain and "= kernel traffic" not in plain
+    assert main(argv + ["--breakdown"]) == 0
+    split = capsys.readouterr().out
+    assert len(runs) == 6 and "= kernel traffic" in split and "add --breakdown" not in split
+    assert plain.replace("\n    split into", "\n    =").split("\n    =")[0] == split.split("\n    =")[0]
+    s = predict(load_config("paper-3b"), "h800", ladder=True).summary
+    assert math.isclose(sum(s["breakdown_pp"].values()), s["step_overhead_pct"], rel_tol=1e-9, abs_tol=1e-9)

@@ -40,7 +40,7 @@ def test_full_backward_costs_at_least_its_parts(preset, overrides, variant):
 
 
 def test_mhc_costs_time_and_traffic(small_cfg):
-    s = predict(small_cfg, "h800").summary
+    s = predict(small_cfg, "h800", ladder=True).summary
     assert s["step_overhead_pct"] > 0
     assert s["boundary"]["bytes_mhc"] == 4 * s["boundary"]["bytes_baseline"]
     b = s["breakdown_pp"]
@@ -50,7 +50,7 @@ def test_mhc_costs_time_and_traffic(small_cfg):
 def test_more_p2p_bandwidth_less_exposed_comm(small_cfg):
     exposed, boundary = [], []
     for gbs in (2, 10, 50, 400):
-        s = predict(small_cfg, "h800", options=Options(pp_bandwidth=gbs * 1e9)).summary
+        s = predict(small_cfg, "h800", options=Options(pp_bandwidth=gbs * 1e9), ladder=True).summary
         exposed.append(s["exposed_comm_us"]["mhc"])
         boundary.append(s["breakdown_pp"]["exposed_comm"])
     assert exposed == sorted(exposed, reverse=True) and exposed[0] > exposed[-1]
@@ -61,8 +61,8 @@ def test_recompute_saves_memory_and_costs_time(small_cfg):
     def with_recompute(mode: str):
         return small_cfg.model_copy(update={"recompute": small_cfg.recompute.model_copy(update={"mode": mode})})
 
-    on = predict(with_recompute("auto"), "h800")
-    off = predict(with_recompute("off"), "h800")
+    on = predict(with_recompute("auto"), "h800", ladder=True)
+    off = predict(with_recompute("off"), "h800", ladder=True)
     assert on.summary["memory_gib"]["mhc"] < off.summary["memory_gib"]["mhc"]
     assert on.mhc.makespan > off.mhc.makespan
     assert on.summary["breakdown_pp"]["recompute"] > 0 and off.summary["breakdown_pp"]["recompute"] == 0

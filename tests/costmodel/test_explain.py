@@ -60,7 +60,7 @@ def test_last_rung_is_the_plain_prediction(small_cfg, ex):
     assert abs(ex.share_pct(ex.rungs[-1]) - plain["fb_stage_overhead_pct"]) < 0.01
     assert abs(ex.step_share_pct(ex.rungs[-1]) - plain["step_overhead_pct"]) < 0.01
     # one decomposition: the last rung's split of the step overhead is predict's own, term by term, and adds up
-    full = predict(small_cfg, H800, residual_spec_of(small_cfg), Options()).summary["breakdown_pp"]
+    full = predict(small_cfg, H800, residual_spec_of(small_cfg), Options(), ladder=True).summary["breakdown_pp"]
     assert last["breakdown_pp"] == full
     assert abs(sum(full.values()) - plain["step_overhead_pct"]) < 1e-9
     assert to_json(ex)["headline_breakdown_pp"] == full
