@@ -89,7 +89,9 @@ _RECV, _SEND, _ONE, _PAIR = 0, 1, 2, 3  # program entry codes
 
 def _programs(schedule: Schedule, C: int, F_: int, G_: int, I_: int, XF_: int, XG_: int) -> list[list[tuple]]:
     """Each rank's program as the engine reads it, every key and index worked out once per schedule (a lowered
-    schedule is simulated many times with other prices: predict's four rungs, a tune's hundreds of layouts):
+    schedule is simulated many times with other prices: predict's runs, a tune's hundreds of layouts). Measured on a
+    ZB1P of 10^6 actions: ~300 bytes an action while the schedule lives, and a one-off simulation as fast as when
+    each run decoded the actions itself (7.1 against 7.2 s):
       (_RECV, channel, index)                      its message's slot; channel -1: no send delivers it
       (_SEND, key, channel, index)                 the tensor it waits for, its slot (the index-th send on it)
       (_ONE or _PAIR, n1, n2, n3, m1, m2, price, grad, action, kind name, partner)
