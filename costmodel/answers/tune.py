@@ -135,7 +135,8 @@ class Tuner:
                              "calibrated shape); the tuner compares layouts of GPUs: use a GPU spec such as h800")
         self.cfg, self.data, self.hw, self.base_opts = cfg, data, hw, options or Options()
         self.spec = residual_spec_of(cfg)
-        self._schedules: dict[tuple, tuple[Schedule, dict, list[Counter]]] = {}
+        self.built: dict[tuple, Schedule] = {}  # (kind, P, M) -> a schedule candidates() built, not yet used
+        self._schedules: dict[tuple, tuple[Schedule, list[Counter]]] = {}
         self._events: dict[tuple, list] = {}  # (kind, P, M) -> each rank's program as chunk events
         self._lowered: dict[tuple, Schedule] = {}  # (kind, P, M) -> the schedule checked and lowered
         self._peak_cache: dict[tuple, list] = {}  # (program, stage weights) -> activation peak per rank
@@ -177,7 +178,7 @@ class Tuner:
     def _schedule(self, cand: Candidate):
         key = (cand.schedule, cand.pp, cand.per_replica)
         if key not in self._schedules:
-            s = build(*key)
+            s = self.built.pop(key, None) or build(*key)
             per_rank = [Counter((a.kind, a.stage, a.b_stage) for a in acts) for acts in s.actions]
             self._schedules[key] = (s, per_rank)
         return self._schedules[key]
@@ -398,7 +399,7 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
     Nothing fitting the budget gives a result with an empty front and `smallest` set."""
     counts: Counter = Counter()
     tuner = Tuner(cfg, data, hw)
-    cands = candidates(cfg, gpus, global_batch, counts=counts, **space)
+    cands = candidates(cfg, gpus, global_batch, counts=counts, built=tuner.built, **space)
     counts["layouts"] = len(cands)
     ref = reference_candidate(cfg, gpus, global_batch)
     seen: dict[tuple, Evaluated] = {}

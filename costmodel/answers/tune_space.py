@@ -57,8 +57,10 @@ def divisors(n: int) -> list[int]:
 
 def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, microbatch_sizes=(1, 2, 4),
                recompute=("off", "auto", "1", "2", "4", "8"), hp=(True, False), allow_uneven: bool = True,
-               distributed_optimizer=(False, True), splits=("even",), counts: Counter | None = None) -> list[Candidate]:
-    """Every valid layout (the schedule's own M/P rules decide, through schedules.build)."""
+               distributed_optimizer=(False, True), splits=("even",), counts: Counter | None = None,
+               built: dict | None = None) -> list[Candidate]:
+    """Every valid layout (the schedule's own M/P rules decide, through schedules.build). `built`: receives each
+    schedule built to decide, by (kind, P, M per replica), for the caller to price (the tuner: not built twice)."""
     schedules = names() if schedules is None else schedules  # every registered kind (schedules.registry)
     counts = counts if counts is not None else Counter()
     nb, moe = cfg.model.num_blocks, cfg.model.moe
@@ -80,10 +82,12 @@ def candidates(cfg: RunConfig, gpus: int, global_batch: int, schedules=None, mic
                     continue
                 M = global_batch // b
                 try:
-                    build(kind, pp, M // dp)
+                    schedule = build(kind, pp, M // dp)
                 except ValueError:
                     counts["schedule rules (M/P)"] += 1
                     continue
+                if built is not None:
+                    built[(kind, pp, M // dp)] = schedule
                 eps = [e for e in divisors(dp) if moe is not None and moe.num_experts % e == 0] or [1]
                 for ep in eps:
                     for rc in recompute:
