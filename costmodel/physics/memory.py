@@ -248,15 +248,23 @@ def _events(actions) -> tuple[list[int], list[float]]:
     """The program's chunk events (ProgramEvents) as two lists."""
     from schedules.ir import Kind
 
-    stage, sign = [], []
-    for a in actions:
-        if a.kind is Kind.F or a.kind is Kind.FB:
-            stage.append(a.stage)
-            sign.append(1.0)
-        freed = a.b_stage if a.kind is Kind.FB else a.stage if a.kind in (Kind.B, Kind.I) else None
-        if freed is not None:
-            stage.append(freed)
-            sign.append(-1.0)
+    KF, KFB, KB, KI = Kind.F, Kind.FB, Kind.B, Kind.I
+    stage: list[int] = []
+    sign: list[float] = []
+    put, sgn = stage.append, sign.append
+    for a in actions:  # by position (Action's fields: kind, stage, mb, b_stage): the tuner walks ~10^6 actions
+        k = a[0]
+        if k is KF:
+            put(a[1])
+            sgn(1.0)
+        elif k is KFB:  # its forward's chunk alive before its backward's is freed
+            put(a[1])
+            sgn(1.0)
+            put(a[3])
+            sgn(-1.0)
+        elif k is KB or k is KI:
+            put(a[1])
+            sgn(-1.0)
     return stage, sign
 
 
