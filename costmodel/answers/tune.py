@@ -35,9 +35,10 @@ action posts and the upstream backwards (and sends) waiting for its input gradie
 last_backward_chains: 1F1B's drain), the largest over the ranks.
 Candidates are visited in increasing bound; one is simulated only if no simulated layout with at most its memory
 is at least as fast as its bound (first the bound priced without recompute, which adds kernels only and is shared
-by the recompute choices, then the exact one). hp-off layouts never
-bound out hp layouts, so the best runnable layout is exact too. Action prices are shared between candidates
-whose stages hold the same blocks (SharedPricer).
+by the recompute choices, then the exact one; before both, the same bound with each action's floor, fb_overlap.
+floor, which runs no streams: a layout it prunes is never priced, and the visits stay in cheap-bound order, see
+tune()). hp-off layouts never bound out hp layouts, so the best runnable layout is exact too. Action prices are
+shared between candidates whose stages hold the same blocks (SharedPricer).
 
 Computed once and reused (Tuner): each schedule built per (kind, P, M), its programs as chunk events for memory,
 checked and lowered only when one of its layouts is simulated; a layout's memory once for it and its hp twin (the
@@ -49,6 +50,7 @@ of a schedule without F&B pairs whose prices the stream leaves alone, reuses the
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -149,7 +151,7 @@ class Tuner:
         self._memory: dict[Candidate, float] = {}  # hp twin -> its peak memory per GPU (bytes)
         self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
         self._sims: dict[tuple, SimResult] = {}  # simulate_key -> the simulation (record=False)
-        self._bounds: dict[Candidate, float] = {}  # the candidate whose pricer a bound used -> the bound
+        self._bounds: dict[tuple, float] = {}  # (the candidate whose pricer a bound used, floors?) -> the bound
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -297,12 +299,21 @@ class Tuner:
         recompute (it only adds kernels to the backward chains), which candidates differing only in their
         recompute choice share: a weaker bound, computed once for all of them."""
         priced = ev.cand if exact else replace(ev.cand, recompute="off")  # whose pricer: all the bound depends on
-        got = self._bounds.get(priced)
+        return self._bound(ev, priced, False)
+
+    def floor_bound(self, ev: Evaluated) -> float:
+        """bound(ev, exact=False) with each action's floor (fb_overlap.floor: no stream run) for its price: weaker
+        still, and cheap, so that a layout it prunes never prices its actions."""
+        return self._bound(ev, replace(ev.cand, recompute="off"), True)
+
+    def _bound(self, ev: Evaluated, priced: Candidate, floors: bool) -> float:
+        got = self._bounds.get((priced, floors))
         if got is not None:
             ev.bound_us = got
             return got
         schedule, per_rank = self._schedule(ev.cand)
         cfg, layout, pr = self._prep(priced)
+        ask = pr.floor_time if floors else pr.compute_time
         par = self._fast_config(ev.cand).parallel
         params = {s: m.params for s, m in pr.stage_mem.items()}
         # the all-reduces follow from these alone (the model, hardware and dtype are the search's): layouts that
@@ -319,7 +330,7 @@ class Tuner:
         def price(key: tuple) -> float:
             got = prices.get(key)
             if got is None:
-                got = prices[key] = pr.compute_time(_action(key))
+                got = prices[key] = ask(_action(key))
             return got
 
         fill = []  # per rank: the upstream forwards (and sends) before its first action can start
@@ -336,8 +347,8 @@ class Tuner:
                 t += (hop if dst != up else 0.0) + price((kind, st, -1))
                 up = dst
             tail.append(max(t, floor[r]))
-        ev.bound_us = self._bounds[priced] = max(fill[r] + sum(n * price(key) for key, n in counts.items()) + tail[r]
-                                                 for r, counts in enumerate(per_rank))
+        ev.bound_us = self._bounds[(priced, floors)] = max(
+            fill[r] + sum(n * price(key) for key, n in counts.items()) + tail[r] for r, counts in enumerate(per_rank))
         return ev.bound_us
 
     def _simulate_key(self, cand: Candidate, lowered: Schedule, pr: SharedPricer) -> tuple:
@@ -422,8 +433,6 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
             counts["over the memory budget"] += 1
             continue
         fits.append(ev)
-    for ev in fits:
-        tuner.bound(ev, exact=False)
     done: list[Evaluated] = []
 
     def dominated(ev: Evaluated) -> bool:
@@ -431,7 +440,22 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
         return ev is not reference and any(d.memory_bytes <= ev.memory_bytes and d.step_us <= ev.bound_us
                                            for d in done if d.cand.hp or not ev.cand.hp)
 
-    for ev in sorted(fits, key=lambda e: (e.bound_us, e.memory_bytes)):
+    # visited in increasing cheap bound (then memory, then order), each cheap bound computed only for a layout its
+    # floor bound does not prune: a heap holds each layout once, first under its floor bound, then under its cheap
+    # one; a layout leaves under its cheap bound only when every other's entry, whose key is at most its cheap bound,
+    # is at least as large, so the visits, the simulations and the counts are those of a sort by cheap bound
+    heap = [(tuner.floor_bound(ev), ev.memory_bytes, i, False) for i, ev in enumerate(fits)]
+    heapq.heapify(heap)
+    while heap:
+        key, _, i, cheap = heapq.heappop(heap)
+        ev = fits[i]
+        ev.bound_us = key
+        if not cheap:
+            if dominated(ev):  # by the floor bound, never priced
+                counts["bounded out"] += 1
+            else:
+                heapq.heappush(heap, (tuner.bound(ev, exact=False), ev.memory_bytes, i, True))
+            continue
         pruned = dominated(ev)  # by the cheap bound
         if not pruned:
             tuner.bound(ev)  # the exact one, only now

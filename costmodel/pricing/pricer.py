@@ -25,7 +25,7 @@ from costmodel.physics.hardware import CurveLookups, HardwareSpec
 from costmodel.physics.memory import StageMemory, stage_memory
 from costmodel.physics.mhc_cost import ResidualSpec, recompute_kernels, residual_kernels, stack_ends, stage_entry
 from costmodel.physics.ops import Kernel, Shape, block_work, embedding, head, mtp_prelude
-from costmodel.pricing.fb_overlap import Chain, OverlapResult, TimedOp, overlap
+from costmodel.pricing.fb_overlap import Chain, OverlapResult, TimedOp, floor, overlap
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import profile_for
 from configs import RunConfig, config_stage_blocks, stage_blocks
@@ -405,6 +405,14 @@ class Pricer:
             res = self._runs[skey] = self._run(self._chains(a), k is Kind.FB)
         self.results[self._key(a)] = res
         return res.makespan * self.slowdown
+
+    def floor_time(self, a: Action) -> float:
+        """A lower bound on compute_time(a) without its stream simulation (fb_overlap.floor); compute_time itself
+        where the price is not a stream run (unit costs, a runtime profile)."""
+        if self.opt.unit_costs or self.profile_pricing is not None:
+            return self.compute_time(a)
+        mode = self.opt.fb_mode if a.kind is Kind.FB else self.opt.single_action_mode
+        return floor(self._chains(a), mode, self.opt.hp_stream) * self.slowdown
 
     def fb_timing(self, a: Action, lag_f: float, lag_b: float) -> tuple[float, float, float]:
         """An F&B pair started while its halves' inputs arrive `lag_f` / `lag_b` later: (duration, when the

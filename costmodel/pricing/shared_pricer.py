@@ -87,6 +87,13 @@ class SharedPricer(Pricer):
             chain = self.shared[key] = Chain(self._build_chain(kind, stage))
         return chain
 
+    def floor_time(self, a: Action) -> float:
+        key = ("floor",) + self.common + self._shape_key(a)
+        got = self.shared.get(key)
+        if got is None:
+            got = self.shared[key] = super().floor_time(a)
+        return got
+
     def compute_time(self, a: Action) -> float:
         key = self.common + self._shape_key(a)
         hit = self.shared.get(key)

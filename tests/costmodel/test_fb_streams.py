@@ -216,3 +216,27 @@ def test_a_chain_runs_alike_every_time_it_is_run():
             want = overlap([list((f, b)[i]) for i in which], "streams", **kw)
             assert (got.makespan, got.release, got.group_time, got.timeline) == \
                 (want.makespan, want.release, want.group_time, want.timeline), (which, kw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), mode=st.sampled_from(["streams", "serial", "max"]), hp=st.booleans(),
+       sigma=st.floats(0, 1), share=st.floats(0, 0.5), corun=st.booleans())
+def test_the_floor_never_exceeds_the_run(data, mode, hp, sigma, share, corun):
+    """fb_overlap.floor (what the tuner prunes with before it runs any streams) is at most the makespan the streams
+    give, for one chain or a pair, any streams, dependencies, demands, interference and carve-out."""
+    from costmodel.pricing.fb_overlap import floor
+
+    def chain(tag: str) -> list[TimedOp]:
+        n = data.draw(st.integers(1, 8))
+        ops = []
+        for i in range(n):
+            deps = tuple(sorted(set(data.draw(st.lists(st.integers(-i, -1), max_size=2))))) if i else ()
+            ops.append(TimedOp(f"{tag}{i}", "model", data.draw(st.sampled_from(["compute", "hp", "comm"])),
+                               data.draw(st.floats(0.1, 50)), deps, data.draw(st.booleans()),
+                               data.draw(st.floats(0, 1)), data.draw(st.floats(0, 1)),
+                               switch=data.draw(st.booleans())))  # deferred W: nothing may wait for them
+        return ops
+
+    chains = [chain("f")] + ([chain("b")] if data.draw(st.booleans()) else [])
+    got = overlap(chains, mode, sigma, hp, corun=corun, comm_share=share)
+    assert floor(chains, mode, hp) <= got.makespan * (1 + 1e-9)
