@@ -152,8 +152,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at.
 
     `compute_time` is called once per distinct (kind, stage[, backward stage]), `transfer_time` once per
-    message kind and `fb_timing` with no lag once per (stage, backward stage): costs may depend on those (and an
-    F&B pair's on its lags), not on the micro-batch. The dependency keys of deps.py are
+    message kind and `fb_timing` once per (stage, backward stage, lags): costs may depend on those, not on the
+    micro-batch. The dependency keys of deps.py are
     encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per action once per
     schedule (`_programs`); tests check this engine against the explicit graph built from deps.py.
     """
@@ -178,6 +178,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
 
     dur: list[float | None] = [None] * (4 * S + S * S)  # per price slot (_programs), filled on first use
     fb_on_time: dict[int, tuple[float, float, float]] = {}  # an F&B pair's fb_timing with both inputs on time
+    fb_late: dict[tuple, tuple[float, float, float]] = {}  # (price slot, lags) -> its fb_timing
     done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
     ptr = [0] * P
@@ -283,8 +284,12 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             r1 = r2 = None  # when the outputs are ready, from the action's start (None: at its end)
             if code == _PAIR and fb_timing is not None:  # start with the first input there; each half waits for its own
                 t = max(t_free, min(v1, v3))
-                if v1 > t or v3 > t:
-                    d, r1, r2 = fb_timing(a, max(0.0, v1 - t), max(0.0, v3 - t))
+                if v1 > t or v3 > t:  # lags recur in a periodic schedule: one call per pair of stages and lags
+                    lags = (slot, max(0.0, v1 - t), max(0.0, v3 - t))
+                    got = fb_late.get(lags)
+                    if got is None:
+                        got = fb_late[lags] = fb_timing(a, lags[1], lags[2])
+                    d, r1, r2 = got
                 else:  # both inputs on time (most pairs): one call per pair of stages, like compute_time
                     got = fb_on_time.get(slot)
                     if got is None:
