@@ -143,7 +143,8 @@ def predict_rank(cfg, rank: int, hardware: str, rc_block: int | None) -> dict:
     plus one device copy (read + write) per received boundary tensor."""
     from costmodel.physics.hardware import get_hardware
     from costmodel.answers.predict import residual_spec_of
-    from costmodel.pricing.pricer import Pricer, resolve_layout
+    from costmodel.pricing.pricer import Pricer
+    from costmodel.pricing.stage_split import resolve_layout
     from costmodel.pricing.options import Options
     from schedules import build, lower_comms
     from schedules.ir import COMM_KINDS, Kind

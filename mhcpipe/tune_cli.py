@@ -204,7 +204,7 @@ def format_result(result, cfg, hw, gpus: int, memory: float, G: int, seconds: fl
     lines.append(f"best: {b.cand.label()}: step {b.step_us / 1e3:,.1f} ms = pipeline {b.pipeline_us / 1e3:,.1f} + "
                  f"exposed gradient all-reduce {b.sync.exposed_us / 1e3:,.1f} ms (of {b.sync.busiest_us / 1e3:,.1f} "
                  f"ms on the busiest rank); {b.memory_gib:.1f} GiB per GPU")
-    from costmodel.answers.tune import TIE_PCT
+    from costmodel.answers.tune_front import TIE_PCT
 
     ties = [e for e in result.ties if e is not b]
     if ties:
@@ -260,7 +260,7 @@ def write_json(result, path: str, memory: float) -> Path:
     """The front (fastest first), the best runnable layout and the ties (tune.TIE_PCT, most headroom first)."""
     import json
 
-    from costmodel.answers.tune import TIE_PCT
+    from costmodel.answers.tune_front import TIE_PCT
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

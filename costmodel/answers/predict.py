@@ -26,7 +26,8 @@ from costmodel.pricing.data_parallel import GradSync, grad_sync
 from costmodel.physics.memory import RankMemory, rank_memory, stage_memory
 from costmodel.physics.mhc_cost import ResidualSpec
 from costmodel.physics.ops import forward_flops_per_token
-from costmodel.pricing.pricer import Pricer, ProfilePricing, resolve_layout
+from costmodel.pricing.pricer import Pricer, ProfilePricing
+from costmodel.pricing.stage_split import resolve_layout
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import runtime_key
 from configs import RunConfig

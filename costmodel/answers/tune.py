@@ -51,19 +51,18 @@ of a schedule without F&B pairs whose prices the stream leaves alone, reuses the
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from costmodel.pricing.data_parallel import GradSync, fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
+from costmodel.pricing.data_parallel import fewest_ep_ranks_per_node, grad_sync, reductions, sync_floor
 from costmodel.physics.hardware import HardwareSpec
 from costmodel.physics.memory import StageMemory, activation_peak, program_events, rank_memories
 from costmodel.physics.ops import Shape
-from costmodel.pricing.pricer import resolve_layout
 from costmodel.pricing.shared_pricer import SharedPricer, shared_stage_memories
 from costmodel.pricing.options import Options
-from costmodel.pricing.stage_split import balanced_split, piece_costs
+from costmodel.pricing.stage_split import balanced_split, piece_costs, resolve_layout
 from costmodel.answers.predict import residual_spec_of
+from costmodel.answers.tune_front import GIB, Evaluated, pareto, ties_of
 from costmodel.answers.tune_space import Candidate, candidates, reference_candidate
 from configs import RecomputeConfig, RunConfig, parse_config
 from schedules.build import build
@@ -72,27 +71,6 @@ from schedules.ir import Action, Kind, Schedule
 from schedules.memo import derived
 from schedules.simulate import SimResult
 from schedules.validate import check_structure
-
-GIB = 2 ** 30
-TIE_PCT = 2.0  # the model's +-2% error band (costmodel.md §1 anchors: 2-8% average error)
-
-
-@dataclass
-class Evaluated:
-    cand: Candidate
-    memory_bytes: float
-    bound_us: float = 0.0
-    pipeline_us: float | None = None  # simulated makespan of one replica
-    sync: GradSync | None = None
-
-    @property
-    def step_us(self) -> float:
-        return self.sync.end_us if self.sync is not None else math.inf
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / GIB
-
 
 @dataclass
 class TuneResult:
@@ -394,15 +372,6 @@ def _action(key: tuple) -> Action:
     return Action(k, st, 0, b, 0 if b >= 0 else -1)
 
 
-def pareto(evals: list[Evaluated]) -> list[Evaluated]:
-    """Non-dominated (step time, memory) points, fastest first; ties keep the first seen."""
-    front: list[Evaluated] = []
-    for e in sorted(evals, key=lambda e: (e.step_us, e.memory_bytes)):
-        if not front or e.memory_bytes < front[-1].memory_bytes:
-            front.append(e)
-    return front
-
-
 def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: float, global_batch: int,
          **space) -> TuneResult:
     """Search the layouts of `cfg` (its raw mapping `data`, for the written configs) on `gpus` GPUs of `hw`
@@ -472,12 +441,3 @@ def tune(cfg: RunConfig, data: dict, hw: HardwareSpec, gpus: int, memory_gib: fl
     runnable = [d for d in done if d.cand.hp]
     best = min(runnable, key=lambda d: (d.step_us, d.memory_bytes)) if runnable else None
     return TuneResult(pareto(done), best, reference, counts, smallest, tuner, ties_of(runnable, best))
-
-
-def ties_of(runnable: list[Evaluated], best: Evaluated | None, pct: float = TIE_PCT) -> list[Evaluated]:
-    """The runnable Pareto front's layouts whose step is within `pct`% of the best's, least memory (most
-    headroom under any budget) first; the best is one of them."""
-    if best is None:
-        return []
-    limit = best.step_us * (1 + pct / 100)
-    return sorted((e for e in pareto(runnable) if e.step_us <= limit), key=lambda e: (e.memory_bytes, e.step_us))

@@ -18,7 +18,8 @@ import math
 import statistics
 
 from costmodel.physics.hardware import Curve, HardwareSpec
-from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.pricer import Pricer
+from costmodel.pricing.stage_split import resolve_layout
 from costmodel.pricing.options import Options
 from costmodel.answers.predict import residual_spec_of
 from costmodel.fitting.trace_fit import TraceFit, measured_action_us

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from costmodel.physics.hardware import HardwareSpec
 from costmodel.local.host_pricing import HostPricing
 from costmodel.physics.mhc_cost import ResidualSpec
-from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.pricer import Pricer
+from costmodel.pricing.stage_split import resolve_layout
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import RuntimeProfile, runtime_key
 from costmodel.fitting.trace_fit import RUNTIME_KINDS, TraceFit, action_key, check_baseline_trace, nested_in_fb

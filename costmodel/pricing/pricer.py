@@ -1,7 +1,7 @@
 """Per-action pricing for `predict`: the durations of a schedule's F, I, W, B and F&B actions and of its
 stage-boundary messages, for one residual variant.
 
-* Layout: every pipeline chain splits the L_b blocks into consecutive stages (configs.stage_blocks); the chain's
+* Layout (stage_split.resolve_layout): every pipeline chain splits the L_b blocks into consecutive stages; the chain's
   first stage adds the embedding (and the mHC expand), its last the head, loss (and the contract). Uneven
   splits are an error unless allowed.
 * An action is priced as a small stream simulation of its kernels (overlap.py): per-op roofline with
@@ -28,50 +28,9 @@ from costmodel.physics.ops import Kernel, Shape, block_work, embedding, head, mt
 from costmodel.pricing.fb_overlap import Chain, OverlapResult, TimedOp, floor, overlap
 from costmodel.pricing.options import Options
 from costmodel.physics.runtime_profile import profile_for
-from configs import RunConfig, config_stage_blocks, stage_blocks
+from configs import RunConfig
 from schedules.ir import Action, Kind, Schedule
 from schedules.simulate import SimResult, simulate
-
-
-def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, split: str = "even",
-                   hw: HardwareSpec | None = None) -> dict[int, tuple[range, bool, bool]]:
-    """stage -> (blocks, is first of its pipeline, is last). `split` 'balanced' (with `hw`): the blocks cut by cost
-    (costmodel.pricing.stage_split), uneven by design."""
-    nb = cfg.model.num_blocks
-    if split == "balanced":
-        from costmodel.pricing.stage_split import balanced_split
-
-        if hw is None:
-            raise ValueError("a balanced stage split prices the blocks: give the hardware")
-        if nb < len(schedule.pipelines[0]):
-            raise ValueError(f"{nb} blocks cannot fill {len(schedule.pipelines[0])} pipeline stages "
-                             f"({schedule.kind}, {schedule.num_ranks} ranks); use fewer ranks")
-        return _place(schedule, balanced_split(cfg, hw, schedule))
-    if split != "even":
-        raise ValueError(f"stage split {split!r}: 'even' or 'balanced'")
-    if cfg.parallel.stage_split is not None:  # the config's own cut (checked against num_stages by RunConfig)
-        return _place(schedule, config_stage_blocks(cfg))
-    for chain in schedule.pipelines:
-        S = len(chain)
-        if nb < S:
-            raise ValueError(f"{nb} blocks cannot fill {S} pipeline stages ({schedule.kind}, {schedule.num_ranks} "
-                             "ranks); use fewer ranks")
-        if nb % S and not (allow_uneven or cfg.parallel.uneven_stages):
-            sizes = [len(r) for r in stage_blocks(nb, S)]
-            divisors = [p for p in range(1, nb + 1) if nb % p == 0]
-            raise ValueError(f"{nb} blocks do not divide evenly into {S} stages (would be {sizes}); choose a layout "
-                             f"whose stage count divides {nb} (stages per pipeline: {divisors}) or allow uneven "
-                             "stages (--uneven, or parallel.uneven_stages: true in the config)")
-    return _place(schedule, stage_blocks(nb, len(schedule.pipelines[0])))
-
-
-def _place(schedule: Schedule, cut: list[range]) -> dict[int, tuple[range, bool, bool]]:
-    """Every pipeline's stages given the blocks of `cut` in chain order: stage -> (blocks, first, last)."""
-    out: dict[int, tuple[range, bool, bool]] = {}
-    for chain in schedule.pipelines:
-        for pos, (st, blocks) in enumerate(zip(chain, cut)):
-            out[st] = (blocks, pos == 0, pos == len(chain) - 1)
-    return out
 
 
 MHC_GROUPS = ("mhc", "recompute")  # kernels priced at the hardware's mhc_memory_eff when it has one

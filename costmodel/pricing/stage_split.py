@@ -1,5 +1,6 @@
-"""Stages balanced by cost (parallel.stage_split 'balanced', `predict --split balanced`): the blocks of a pipeline cut
-so that the busiest rank's work is as small as the blocks allow.
+"""Which blocks each stage holds (`resolve_layout`: the runtime's even split, the config's own parallel.stage_split, or
+cut by cost) and the cut by cost (parallel.stage_split 'balanced', `predict --split balanced`): the blocks of a
+pipeline cut so that the busiest rank's work is as small as the blocks allow.
 
 Why: the even split (configs.stage_blocks) gives every stage the same number of blocks, but the ends carry more:
 the first stage the embedding, the last the head, its loss and the MTP module (a block, its prelude and a second
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from costmodel.physics.hardware import HardwareSpec
 from costmodel.physics.ops import Shape, block_work, embedding, head, mtp_prelude
-from configs import RunConfig, stage_blocks
+from configs import RunConfig, config_stage_blocks, stage_blocks
 from schedules.ir import Schedule
 
 
@@ -110,3 +111,42 @@ def rank_loads(cfg: RunConfig, hw: HardwareSpec, schedule: Schedule, split: list
     chunk[0] += first
     chunk[-1] += last
     return [sum(chunk[p] for p in ps) for ps in rank_positions(schedule)]
+
+
+def resolve_layout(cfg: RunConfig, schedule: Schedule, allow_uneven: bool, *, split: str = "even",
+                   hw: HardwareSpec | None = None) -> dict[int, tuple[range, bool, bool]]:
+    """stage -> (blocks, is first of its pipeline, is last). `split` 'balanced' (with `hw`): the blocks cut by cost
+    (balanced_split below), uneven by design."""
+    nb = cfg.model.num_blocks
+    if split == "balanced":
+        if hw is None:
+            raise ValueError("a balanced stage split prices the blocks: give the hardware")
+        if nb < len(schedule.pipelines[0]):
+            raise ValueError(f"{nb} blocks cannot fill {len(schedule.pipelines[0])} pipeline stages "
+                             f"({schedule.kind}, {schedule.num_ranks} ranks); use fewer ranks")
+        return _place(schedule, balanced_split(cfg, hw, schedule))
+    if split != "even":
+        raise ValueError(f"stage split {split!r}: 'even' or 'balanced'")
+    if cfg.parallel.stage_split is not None:  # the config's own cut (checked against num_stages by RunConfig)
+        return _place(schedule, config_stage_blocks(cfg))
+    for chain in schedule.pipelines:
+        S = len(chain)
+        if nb < S:
+            raise ValueError(f"{nb} blocks cannot fill {S} pipeline stages ({schedule.kind}, {schedule.num_ranks} "
+                             "ranks); use fewer ranks")
+        if nb % S and not (allow_uneven or cfg.parallel.uneven_stages):
+            sizes = [len(r) for r in stage_blocks(nb, S)]
+            divisors = [p for p in range(1, nb + 1) if nb % p == 0]
+            raise ValueError(f"{nb} blocks do not divide evenly into {S} stages (would be {sizes}); choose a layout "
+                             f"whose stage count divides {nb} (stages per pipeline: {divisors}) or allow uneven "
+                             "stages (--uneven, or parallel.uneven_stages: true in the config)")
+    return _place(schedule, stage_blocks(nb, len(schedule.pipelines[0])))
+
+
+def _place(schedule: Schedule, cut: list[range]) -> dict[int, tuple[range, bool, bool]]:
+    """Every pipeline's stages given the blocks of `cut` in chain order: stage -> (blocks, first, last)."""
+    out: dict[int, tuple[range, bool, bool]] = {}
+    for chain in schedule.pipelines:
+        for pos, (st, blocks) in enumerate(zip(chain, cut)):
+            out[st] = (blocks, pos == 0, pos == len(chain) - 1)
+    return out

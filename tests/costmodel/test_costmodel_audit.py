@@ -12,7 +12,8 @@ from costmodel.physics.mhc_cost import (ResidualSpec, recompute_kernel, recomput
                                 residual_activation_elems, residual_kernels, stack_ends, stage_entry)
 from costmodel.physics.ops import Shape
 from costmodel.answers.predict import predict, residual_spec_of
-from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.pricer import Pricer
+from costmodel.pricing.stage_split import resolve_layout
 from costmodel.pricing.options import Options
 from mhcpipe.cli import main
 from schedules.build import build

@@ -14,7 +14,8 @@ from costmodel.physics.memory import stage_memory
 from costmodel.physics.mhc_cost import ResidualSpec, mhc_params_per_sublayer
 from costmodel.physics.ops import FP8_SCALE_BYTES, Shape, attention_params, block_params, linear, mtp_params
 from costmodel.answers.predict import predict
-from costmodel.pricing.pricer import Pricer, resolve_layout
+from costmodel.pricing.pricer import Pricer
+from costmodel.pricing.stage_split import resolve_layout
 from costmodel.pricing.options import Options
 from mhcpipe.cli import main
 from schedules.build import build

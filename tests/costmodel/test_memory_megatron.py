@@ -15,7 +15,8 @@ from costmodel.physics import memory as M
 from costmodel.pricing.data_parallel import GradSync
 from costmodel.physics.hardware import get_hardware
 from costmodel.answers.predict import predict
-from costmodel.answers.tune import TIE_PCT, Evaluated, Tuner, ties_of, tune
+from costmodel.answers.tune import Tuner, tune
+from costmodel.answers.tune_front import TIE_PCT, Evaluated, ties_of
 from costmodel.answers.tune_space import Candidate, candidates
 from mhcpipe.cli import main
 from schedules.build import build

@@ -16,7 +16,8 @@ from configs import load_config, load_config_data
 from costmodel.pricing.data_parallel import fewest_ep_ranks_per_node, grad_sync, reductions, ring_allreduce_us
 from costmodel.physics.hardware import Link, get_hardware
 from costmodel.answers.predict import predict
-from costmodel.answers.tune import GIB, Tuner, options_of, pareto, tune
+from costmodel.answers.tune import Tuner, options_of, tune
+from costmodel.answers.tune_front import GIB, pareto
 from costmodel.answers.tune_space import Candidate, candidates
 from mhcpipe.cli import main
 
@@ -220,7 +221,8 @@ def test_allreduce_links_are_the_nodes_their_members_span(gpus_per_node):
     set for dense and per-expert-rank groups on layouts whose groups straddle nodes (3 GPUs per node)."""
     from costmodel.answers.predict import residual_spec_of
     from costmodel.pricing.options import Options
-    from costmodel.pricing.pricer import Pricer, resolve_layout
+    from costmodel.pricing.pricer import Pricer
+    from costmodel.pricing.stage_split import resolve_layout
     from schedules.build import build
 
     hw = HW.model_copy(update={"gpus_per_node": gpus_per_node})
