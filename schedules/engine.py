@@ -177,8 +177,7 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     xfer_time: dict[Kind, float] = {}
 
     dur: list[float | None] = [None] * (4 * S + S * S)  # per price slot (_programs), filled on first use
-    fb_on_time: dict[int, tuple[float, float, float]] = {}  # an F&B pair's fb_timing with both inputs on time
-    fb_late: dict[tuple, tuple[float, float, float]] = {}  # (price slot, lags) -> its fb_timing
+    fb_timed: dict[tuple, tuple[float, float, float]] = {}  # (price slot, lags) -> the pair's fb_timing
     done: list[float | None] = [None] * (5 * SC)
     waiters: dict[int, list[int]] = {}
     ptr = [0] * P
@@ -284,17 +283,13 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             r1 = r2 = None  # when the outputs are ready, from the action's start (None: at its end)
             if code == _PAIR and fb_timing is not None:  # start with the first input there; each half waits for its own
                 t = max(t_free, min(v1, v3))
-                if v1 > t or v3 > t:  # lags recur in a periodic schedule: one call per pair of stages and lags
-                    lags = (slot, max(0.0, v1 - t), max(0.0, v3 - t))
-                    got = fb_late.get(lags)
-                    if got is None:
-                        got = fb_late[lags] = fb_timing(a, lags[1], lags[2])
-                    d, r1, r2 = got
-                else:  # both inputs on time (most pairs): one call per pair of stages, like compute_time
-                    got = fb_on_time.get(slot)
-                    if got is None:
-                        got = fb_on_time[slot] = fb_timing(a, 0.0, 0.0)
-                    d, r1, r2 = got
+                # most pairs have both inputs on time, and lags recur in a periodic schedule: one call per pair of
+                # stages and lags, like compute_time's per stage
+                lags = (slot, max(0.0, v1 - t), max(0.0, v3 - t))
+                got = fb_timed.get(lags)
+                if got is None:
+                    got = fb_timed[lags] = fb_timing(a, lags[1], lags[2])
+                d, r1, r2 = got
             else:
                 d = dur[slot]
                 if d is None:
