@@ -145,10 +145,34 @@ def _programs(schedule: Schedule, C: int, F_: int, G_: int, I_: int, XF_: int, X
     return out
 
 
+@dataclass(frozen=True)
+class Tables:
+    """What the engine reads of a lowered schedule, worked out once per object (_programs, _channels): the
+    micro-batches per stage C, the key offsets of delivered activations and gradients, each rank's program, each
+    channel's (src, dst) and its messages in the sender's order."""
+
+    C: int
+    XF: int
+    XG: int
+    programs: list[list[tuple]]
+    channel_ends: list[tuple[int, int]]
+    channel_msgs: list[list[tuple[Kind, int, int]]]
+
+
+def tables(schedule: Schedule) -> Tables:
+    C = max(1, schedule.microbatches_per_pipeline)
+    SC = schedule.num_stages * C
+    F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
+    with collector_paused():  # a tuple per action and no cycles: the collector's passes would double the build
+        programs = derived(schedule, "engine programs", lambda: _programs(schedule, C, F_, G_, I_, XF_, XG_))
+    _, ends, msgs, _ = derived(schedule, "engine channels", lambda: _channels(schedule, C, XF_, XG_))
+    return Tables(C, XF_, XG_, programs, ends, msgs)
+
+
 def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                transfer_time: Callable[[Action], float], record: bool = True, *,
                fb_timing: Callable[[Action, float, float], tuple[float, float, float]] | None = None,
-               p2p: str = "commit") -> EngineResult:
+               p2p: str = "commit", order: list[tuple[int, int, int]] | None = None) -> EngineResult:
     """Execute a lowered schedule. Returns spans (when `record`) or the actions ranks are stuck at.
 
     `compute_time` is called once per distinct (kind, stage[, backward stage]), `transfer_time` once per
@@ -156,19 +180,19 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
     micro-batch. The dependency keys of deps.py are
     encoded as integers code*S*C + stage*C + mb (codes F, G, I, XF, XG = 0..4) and specialised per action once per
     schedule (`_programs`); tests check this engine against the explicit graph built from deps.py.
+    `order`: a list the run appends what it handled to, in the order it did, (0, rank, index) for a compute
+    action and (1, channel, index) for a transfer (schedules.replay compiles a rerun from it).
     """
     if p2p not in P2P_MODES:
         raise ValueError(f"p2p {p2p!r}: choose one of {', '.join(P2P_MODES)}")
     post_when_produced = p2p != "commit"
     always_posted = p2p == "dataflow"
     P, S = schedule.num_ranks, schedule.num_stages
-    C = max(1, schedule.microbatches_per_pipeline)
+    tab = tables(schedule)
+    C, XF_, XG_, programs, channel_ends, channel_msgs = (tab.C, tab.XF, tab.XG, tab.programs, tab.channel_ends,
+                                                        tab.channel_msgs)
     SC = S * C
-    F_, G_, I_, XF_, XG_ = 0, SC, 2 * SC, 3 * SC, 4 * SC
-    with collector_paused():  # a tuple per action and no cycles: the collector's passes would double the build
-        programs = derived(schedule, "engine programs", lambda: _programs(schedule, C, F_, G_, I_, XF_, XG_))
     KRF = Kind.RECV_F
-    _, channel_ends, channel_msgs, _ = derived(schedule, "engine channels", lambda: _channels(schedule, C, XF_, XG_))
     num_channels = len(channel_ends)
     send_ready = [[None] * len(m) for m in channel_msgs]
     recv_post = [[None] * len(m) for m in channel_msgs]
@@ -210,6 +234,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
             if d is None:
                 d = xfer_time[kind] = transfer_time(Action(kind, st, mb, -1, -1, channel_ends[ch][0]))
             prev_end = start + d
+            if order is not None:
+                order.append((1, ch, i))
             if record:
                 src, dst = channel_ends[ch]
                 spans.append(span(src, "comm", "SEND_F" if kind is KRF else "SEND_B", st, mb, start, d, None, dst))
@@ -296,6 +322,8 @@ def run_engine(schedule: Schedule, compute_time: Callable[[Action], float],
                     d = dur[slot] = compute_time(a)
             t_free = t + d
             busy[r] += d
+            if order is not None:
+                order.append((0, r, i))
             if g >= 0:  # the stage whose gradients it writes
                 v = grad_done[g]
                 if v is None or t_free > v:

@@ -26,3 +26,9 @@ def derived(schedule: Schedule, name: str, make: Callable[[], Any]) -> Any:
     value = _VALUES[key] = make()
     weakref.finalize(schedule, _VALUES.pop, key, None)
     return value
+
+
+def recalled(schedule: Schedule, name: str) -> Any:
+    """What `derived` holds for `schedule` under `name`, None when nothing yet (a value made only once something
+    else has happened: schedules.replay's plan, after a run that completed)."""
+    return _VALUES.get((id(schedule), name))

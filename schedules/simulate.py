@@ -15,6 +15,7 @@ from schedules.ir import Action, Kind, Schedule
 from schedules.lowering import lower_comms
 from schedules.memo import derived
 from schedules.registry import trace_meta
+from schedules.replay import run_without_spans
 from schedules.validate import check_structure, raise_deadlock
 from traces.trace import Trace
 
@@ -82,8 +83,11 @@ def simulate(schedule: Schedule, durations: Durations | None = None, *,
         lowered = derived(schedule, "checked and lowered", lambda: check_structure(schedule))
     else:
         lowered = schedule if schedule.lowered else lower_comms(schedule)
-    result = run_engine(lowered, compute_time or durations.compute, transfer_time or durations.transfer,
-                        fb_timing=fb_timing, p2p=p2p, record=record)
+    compute_time, transfer_time = compute_time or durations.compute, transfer_time or durations.transfer
+    if record:
+        result = run_engine(lowered, compute_time, transfer_time, fb_timing=fb_timing, p2p=p2p)
+    else:  # no spans: from its second run on, a schedule's rerun replays the engine's order (schedules.replay)
+        result = run_without_spans(lowered, compute_time, transfer_time, fb_timing=fb_timing, p2p=p2p)
     if not result.completed:
         raise_deadlock(lowered, result.blocked)
     meta = {"source": "simulated", "time_unit": time_unit, "pipelines": [list(p) for p in schedule.pipelines],
