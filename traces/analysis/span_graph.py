@@ -88,6 +88,15 @@ def _nx(n: int, edges: dict[tuple[int, int], list]) -> nx.DiGraph:
 def _topological(nodes: list[Node], edges: dict[tuple[int, int], list]) -> list[int] | None:
     """Kahn's order, the ready node with the smallest (start, id) first (networkx's
     lexicographical_topological_sort with that key); None if the edges make a cycle."""
+    by_start = sorted(range(len(nodes)), key=lambda i: (nodes[i].start, i))
+    pos = [0] * len(nodes)
+    for k, i in enumerate(by_start):
+        pos[i] = k
+    for u, v in edges:
+        if pos[u] > pos[v]:
+            break
+    else:  # most steps: every edge goes forward in start order, which is then Kahn's order itself (the smallest
+        return by_start  # remaining node is always ready)
     succ: list[list[int]] = [[] for _ in nodes]
     indeg = [0] * len(nodes)
     for u, v in edges:
@@ -217,14 +226,18 @@ class _Builder:
         members: dict[int, list[int]] = defaultdict(list)
         for p, owner in part_of.items():
             members[owner].append(p)
+        nodes, spans, halves, thread = self.nodes, self.spans, self.halves, self.thread
         for i in idx:
-            s = self.spans[i]
-            n = self._add(Node(len(self.nodes), s.rank, "compute", op_of(s), s.label, s.start, s.end, (i,),
-                               s.stage, s.mb, s.partner, ts=s.start))
-            add_parts(n, self.spans, members.get(i, []))
+            s = spans[i]
+            start = s.start
+            n = Node(len(nodes), s.rank, "compute", op_of(s), s.label, start, start + s.duration, (i,), s.stage, s.mb,
+                     s.partner, ts=start)
+            nodes.append(n)
+            if i in members:  # most ops have no recorded kernel parts
+                add_parts(n, spans, members[i])
             for half, st, mb in n.halves():
-                self.halves[(n.rank, half, st, mb)].append(n.id)
-            self.thread[n.rank].append(n.id)
+                halves[(n.rank, half, st, mb)].append(n.id)
+            thread[n.rank].append(n.id)
         self._index()
 
     def comm_nodes(self) -> None:
@@ -286,17 +299,23 @@ class _Builder:
         return self.nodes[before].end if before is not None else s.start
 
     def wait_nodes(self) -> None:
+        tol, nodes = self.tol, self.nodes
         for (rank, target), idx in self.waits.items():
+            posted = self.comm_by_name.get((rank, target), ())
             for i in idx:
                 w = self.spans[i]
-                host = self._inside(rank, w.start, w.end)
+                w_start, w_end = w.start, w.end
+                host = self._inside(rank, w_start, w_end)
                 if host is not None:  # blocked inside an op (on an exchange posted inside it): part of the op
-                    self.nodes[host].parts["wait"] = self.nodes[host].parts.get("wait", 0.0) + w.duration
+                    nodes[host].parts["wait"] = nodes[host].parts.get("wait", 0.0) + w.duration
                     continue
-                # the instance of that op this rank posted last before the wait began
-                cands = [(t, c) for c, t in self.comm_by_name.get((rank, target), ()) if t <= w.start + self.tol]
-                c = max(cands)[1] if cands else None
-                if c is not None and self.nodes[c].end > w.end + self.tol:
+                # the instance of that op this rank posted last before the wait began: the largest (post time,
+                # node) of those posted by then (one or two a wait: a loop, not max over a generator)
+                c = last = None
+                for node, t in posted:
+                    if t <= w_start + tol and (last is None or (t, node) > (last, c)):
+                        last, c = t, node
+                if c is not None and nodes[c].end > w_end + tol:
                     # a wait that returned before the op completed: an F&B half gave the turn to the other half
                     # (or a send completed at the sender, buffered, before the receiver saw it arrive)
                     c = None
@@ -326,6 +345,8 @@ class _Builder:
         ids = self.halves.get((rank, half, stage, mb))
         if not ids:
             return None
+        if len(ids) == 1:  # most ops: one node, the answer whether it ended by `before` or not
+            return ids[0]
         if before is not None:
             done = [n for n in ids if self.nodes[n].end <= before + self.tol]
             if done:
@@ -341,7 +362,7 @@ class _Builder:
         for (rank, half, st, mb) in self.halves:
             where[(half, st, mb)].append(rank)
         for (rank, half, st, mb), ids in self.halves.items():
-            first = min(ids, key=lambda n: (self.nodes[n].start, n))
+            first = ids[0] if len(ids) == 1 else min(ids, key=lambda n: (self.nodes[n].start, n))
             begin = self.nodes[first].start
             needs: list[tuple[str, int, str]] = []  # (producing half, stage, what it is)
             if half == "F" and prev.get(st) is not None:

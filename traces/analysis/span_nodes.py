@@ -117,14 +117,15 @@ def compute_roles(spans: list[Span], tol: float) -> tuple[list[int], dict[int, i
             hp.append(i)
     role: dict[int, str] = {}
     part_of: dict[int, int] = {}
+    end = {i: spans[i].end for idx in by_rank.values() for i in idx}
     for idx in by_rank.values():
         idx.sort(key=lambda i: (spans[i].start, -spans[i].duration, i))
         stack: list[int] = []
         for i in idx:
             s = spans[i]
-            while stack and spans[stack[-1]].end <= s.start + tol:
+            while stack and end[stack[-1]] <= s.start + tol:
                 stack.pop()
-            parent = stack[-1] if stack and s.end <= spans[stack[-1]].end + tol else None
+            parent = stack[-1] if stack and end[i] <= end[stack[-1]] + tol else None
             if parent is None:
                 role[i] = "node"
             elif _is_half(spans[parent], s) and role[parent] in ("node", "frame"):

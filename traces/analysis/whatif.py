@@ -212,6 +212,9 @@ def fb_half_shares(g: SpanGraph) -> dict[int, float]:
     lone ops - median F of the forward's stage / (that + median backward of the backward's stage, B or I + W) -
     as the simulator prices a pair (schedules.Durations: FB = F + B). Pairs without lone ops of both stages are
     left out (only `FB` scales them)."""
+    pairs = [n for n in g.nodes if n.kind == "FB" and n.partner is not None]
+    if not pairs:  # most traces record a pair's halves, or run no pairs
+        return {}
     lone: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     for n in g.nodes:
         if n.kind in ("F", "B", "I", "W") and n.stage is not None and len(n.spans) == 1 and \
@@ -219,9 +222,7 @@ def fb_half_shares(g: SpanGraph) -> dict[int, float]:
             lone[(n.rank, n.kind, n.stage)].append(n.duration)
     med = {k: statistics.median(v) for k, v in lone.items()}  # numpy's median costs 30 us a call, on 2-20 values
     out = {}
-    for n in g.nodes:
-        if n.kind != "FB" or n.partner is None:
-            continue
+    for n in pairs:
         f = med.get((n.rank, "F", n.stage))
         b = med.get((n.rank, "B", n.partner[0]))
         if b is None and (n.rank, "I", n.partner[0]) in med:
