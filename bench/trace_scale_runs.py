@@ -68,9 +68,16 @@ def tiled(trace: Trace, spans: int) -> Trace:
     return Trace(spans=out, meta=meta)
 
 
+# Reading a process's smaps_rollup walks its page tables under its memory-map lock: sampled every 50 ms, the
+# readings slowed a whatif whose forked workers fault in copied pages by 0.3-0.7 s of ~5 s (measured: plain run
+# 5.31 / 4.78 s, timed() 5.59 / 5.46 s). A command's memory grows with what it reads and stays: a reading every
+# 250 ms still sees its peak.
+SAMPLE_S = 0.25
+
+
 def timed(argv: list[str], tree: Path = ROOT) -> dict:
     """Wall seconds and peak memory (GB) of one command run from `tree`; its exit code. Memory: the larger of GNU
-    time's peak RSS (of the largest process) and the peak, sampled every 50 ms, of the proportional set sizes
+    time's peak RSS (of the largest process) and the peak, sampled every SAMPLE_S, of the proportional set sizes
     summed over the command's process tree (whatif and compare fork workers that share the parent's pages:
     their RSS would count the shared pages twice, GNU time's only the largest process)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
@@ -88,7 +95,7 @@ def timed(argv: list[str], tree: Path = ROOT) -> dict:
                 return {"wall_s": float(CAP_S), "peak_rss_gb": float("nan"), "rc": -1,
                         "error": f"stopped after {CAP_S} s"}
             tree_peak = max(tree_peak, sum(_pss(p) for p in _process_tree(proc.pid)))
-            time.sleep(0.05)
+            time.sleep(SAMPLE_S)
         reader.join()
         err = "".join(err_chunks)
         wall, kb = f.read().split()[-2:]
