@@ -150,15 +150,20 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
         raise TraceError(f"critical path impossible: the recorded times of step {k} make the dependencies circular "
                          f"({' -> '.join(cyc)}); the span names do not follow the schedule")
     nodes = b.nodes
-    top: list[tuple | None] = [None] * len(nodes)
+    # per node its binding start-edge: the largest (end + lag, finish-to-start, u) - ties: a finish-to-start input,
+    # then the later node - kept as three lists (no tuple per edge: ~10^3 edges a step, 10^3 steps a run)
+    at: list[float | None] = [None] * len(nodes)
+    fs_in = [False] * len(nodes)
+    bind = [-1] * len(nodes)
     for (u, v), (kind, lag) in edges.items():
         if kind == "ff":
             continue
-        cand = ((nodes[u].end if kind == "fs" else nodes[u].start) + lag, kind == "fs", u)
-        if top[v] is None or cand > top[v]:  # ties: a finish-to-start input, then the later node
-            top[v] = cand
-    lat = [nd.start - (t[0] if t else t0) for nd, t in zip(nodes, top)]
-    bind = [t[2] if t else -1 for t in top]
+        fs = kind == "fs"
+        t = (nodes[u].end if fs else nodes[u].start) + lag
+        cur = at[v]
+        if cur is None or t > cur or (t == cur and (fs, u) > (fs_in[v], bind[v])):
+            at[v], fs_in[v], bind[v] = t, fs, u
+    lat = [nd.start - (t0 if t is None else t) for nd, t in zip(nodes, at)]
     return SpanGraph(st, k, nodes, edges, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
 
 

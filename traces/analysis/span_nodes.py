@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from traces.analysis.matching import logical_stream
 from traces.names import A2A_KINDS, COMM_KINDS, WAIT_KIND, parse_name
@@ -182,10 +183,17 @@ def add_parts(node: Node, spans: list[Span], members: list[int]) -> None:
 
 def wait_target(s: Span) -> str | None:
     """The name of the op a WAIT span waited for (`WAIT/RECV_F/s0/mb1` -> `RECV_F/s0/mb1`)."""
-    if s.kind != WAIT_KIND or not s.label.startswith("WAIT/"):
+    if s.kind != WAIT_KIND:
         return None
-    parsed = parse_name(s.label)
-    return None if parsed is None else s.label[5:]
+    return _waited_for(s.label)
+
+
+@lru_cache(maxsize=1 << 14)
+def _waited_for(label: str) -> str | None:
+    """wait_target of a WAIT span's label: every step of a run waits on the same few hundred ops."""
+    if not label.startswith("WAIT/"):
+        return None
+    return None if parse_name(label) is None else label[5:]
 
 
 def comm_name(s: Span) -> str:
