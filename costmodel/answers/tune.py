@@ -130,6 +130,9 @@ class Tuner:
         self._floors: dict[tuple, dict[int, float]] = {}  # bound's sync_floor per (schedule, D, EP, layout, params)
         self._sims: dict[tuple, SimResult] = {}  # simulate_key -> the simulation (record=False)
         self._bounds: dict[tuple, float] = {}  # (the candidate whose pricer a bound used, floors?) -> the bound
+        self._sections: dict[tuple, tuple] = {}  # (recompute, optimizer sharding) -> those config sections
+        self._pars: dict[tuple, tuple] = {}  # parallel layout -> (its parallel section, its replica's)
+        self._split_pars: dict[tuple, object] = {}  # (parallel layout, cut key) -> the replica's with that cut
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -150,10 +153,27 @@ class Tuner:
     def _fast_config(self, cand: Candidate) -> RunConfig:
         """The same config without validation (candidates() applied the rules; validating builds the schedule
         again, which thousands of candidates cannot afford)."""
+        return self._with(cand, self._parallels(cand)[0])
+
+    def _with(self, cand: Candidate, parallel) -> RunConfig:
+        """The base config with `parallel` and the candidate's recompute choice and optimizer sharding (each of
+        those sections made once per value: a search copies the config ~10^4 times)."""
         over = cand.overrides()
-        return self.cfg.model_copy(update={"parallel": self.cfg.parallel.model_copy(update=over["parallel"]),
-                                           "recompute": RecomputeConfig(**over["recompute"]),
-                                           "train": self.cfg.train.model_copy(update=over["train"])})
+        key = (cand.recompute, cand.distributed_optimizer)
+        sections = self._sections.get(key)
+        if sections is None:
+            sections = self._sections[key] = (RecomputeConfig(**over["recompute"]),
+                                              self.cfg.train.model_copy(update=over["train"]))
+        return self.cfg.model_copy(update={"parallel": parallel, "recompute": sections[0], "train": sections[1]})
+
+    def _parallels(self, cand: Candidate) -> tuple:
+        """(the candidate's parallel section, its replica's: replica_config's), once per parallel layout."""
+        key = _parallel_key(cand)
+        got = self._pars.get(key)
+        if got is None:
+            full = self.cfg.parallel.model_copy(update=cand.overrides()["parallel"])
+            got = self._pars[key] = (full, replica_config(self.cfg.model_copy(update={"parallel": full})).parallel)
+        return got
 
     def _schedule(self, cand: Candidate):
         key = (cand.schedule, cand.pp, cand.per_replica)
@@ -204,7 +224,7 @@ class Tuner:
     def _replica(self, cand: Candidate, schedule: Schedule) -> RunConfig:
         """One replica's config of the candidate (replica_config), unvalidated (candidates() applied the rules), its
         balanced cut as parallel.stage_split."""
-        cfg = replica_config(self._fast_config(cand))
+        cfg = self._with(cand, self._parallels(cand)[1])  # = replica_config(self._fast_config(cand))
         if cand.split == "balanced":  # the cut by cost, priced once per shape: it depends on T and EP, not recompute
             key = (cand.schedule, cand.pp, cand.microbatch_size, cand.ep)
             if key not in self._cuts:
@@ -213,7 +233,11 @@ class Tuner:
                 if pieces is None:
                     pieces = self._pieces[shape] = piece_costs(cfg, self.hw)
                 self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule, pieces)]
-            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"stage_split": self._cuts[key]})})
+            par = self._split_pars.get((_parallel_key(cand), key))
+            if par is None:
+                par = self._split_pars[(_parallel_key(cand), key)] = cfg.parallel.model_copy(
+                    update={"stage_split": self._cuts[key]})
+            cfg = self._with(cand, par)
         return cfg
 
     def _prep(self, cand: Candidate) -> tuple[RunConfig, dict, SharedPricer]:
@@ -363,6 +387,11 @@ class Tuner:
         ev.pipeline_us = sim.makespan
         ev.sync = grad_sync(full, self.hw, schedule, sim, layout, {s: m.params for s, m in pr.stage_mem.items()})
         return ev
+
+
+def _parallel_key(cand: Candidate) -> tuple:
+    """What a candidate's parallel section holds (Candidate.overrides()'s parallel)."""
+    return cand.schedule, cand.pp, cand.dp, cand.ep, cand.microbatches, cand.microbatch_size, cand.uneven
 
 
 def _action(key: tuple) -> Action:
