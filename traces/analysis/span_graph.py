@@ -123,10 +123,16 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     builds the graphs of many steps (computed here otherwise: each is a pass over the whole trace)."""
     trace = one_replica(trace)  # D > 1: one pipeline, the slowest (traces/analysis/replicas.py)
     k, st = step_trace(trace, step, info)
-    spans = st.spans
-    sched = [s for s in spans if s.stage is not None and _is_schedule(s)]
-    t0 = min(s.start for s in sched)
-    t_end = max(s.end for s in sched)
+    t0, t_end = float("inf"), float("-inf")  # the step's schedule spans' first start and last end
+    for s in st.spans:
+        if s.stage is not None and _is_schedule(s):
+            start = s.start
+            if start < t0:
+                t0 = start
+            if start + s.duration > t_end:
+                t_end = start + s.duration
+    if t0 > t_end:
+        raise TraceError(f"critical path impossible: step {k} holds no schedule op (F, B, I, W, FB with a stage)")
     tol = 1e-9 * max(1.0, abs(t_end), abs(t_end - t0))
     b = _Builder(st, tol)
     b.compute_nodes()
@@ -167,8 +173,14 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     return SpanGraph(st, k, nodes, edges, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
 
 
+_SCHEDULE_KIND: dict[str, bool] = {}  # kind -> is_schedule_span for a span with a stage: a few dozen kinds
+
+
 def _is_schedule(s) -> bool:
-    return is_schedule_span(s.kind, s.stage)
+    got = _SCHEDULE_KIND.get(s.kind)
+    if got is None:
+        got = _SCHEDULE_KIND[s.kind] = is_schedule_span(s.kind, 0)
+    return got and s.stage is not None
 
 
 class _Builder:
@@ -183,6 +195,15 @@ class _Builder:
         self.transfers: list[Transfer] = []
         self.wire: dict[str, float] = {}
         self.thread: dict[int, list[int]] = defaultdict(list)  # rank -> compute-lane nodes
+        # the step's spans by kind_role, and its stages and ranks, in one pass (each phase reads its own)
+        self.by_role: dict[str, list[int]] = defaultdict(list)
+        self.stages: set[int] = set()
+        self.ranks: set[int] = set()
+        for i, s in enumerate(self.spans):
+            self.by_role[kind_role(s.kind)].append(i)
+            self.ranks.add(s.rank)
+            if s.stage is not None:
+                self.stages.add(s.stage)
         # measured SEND/RECV spans start at their post; predicted ones at the transfer (traces.analysis.receive_wait)
         self.posted_spans = comm_span_meaning(trace) == POST_TO_COMPLETION
         # (rank, op name) -> (comm node, when this rank posted it)
@@ -226,7 +247,7 @@ class _Builder:
 
     # ---- nodes ---------------------------------------------------------------------------------------------
     def compute_nodes(self) -> None:
-        idx, part_of, notes = compute_roles(self.spans, self.tol)
+        idx, part_of, notes = compute_roles(self.spans, self.tol, self.by_role["compute"])
         self.notes.extend(notes)
         members: dict[int, list[int]] = defaultdict(list)
         for p, owner in part_of.items():
@@ -247,17 +268,15 @@ class _Builder:
 
     def comm_nodes(self) -> None:
         self.waits: dict[tuple[int, str], list[int]] = defaultdict(list)
-        collectives = []
-        for i, s in enumerate(self.spans):
-            role = kind_role(s.kind)
-            if role == "wait":
-                target = wait_target(s)
-                if target is not None:
-                    self.waits[(s.rank, target)].append(i)
-            elif role == "collective" and s.stage is not None:  # posted between ops, or inside one
-                collectives.append(i)
+        spans = self.spans
+        for i in self.by_role["wait"]:
+            target = wait_target(spans[i])
+            if target is not None:
+                self.waits[(spans[i].rank, target)].append(i)
+        # all-to-alls and all-reduces of an op (with a stage): posted between ops, or inside one
+        collectives = [i for i in self.by_role["collective"] if spans[i].stage is not None]
         nodes, self.transfers, self.wire, notes = build_transfers(self.trace, self.waits, len(self.nodes), self.tol,
-                                                                  self._send_posted)
+                                                                  self._send_posted, self.by_role["p2p"])
         self.notes.extend(notes)
         for n, t in zip(nodes, self.transfers):
             self._add(n)
@@ -333,15 +352,16 @@ class _Builder:
 
     # ---- edges ---------------------------------------------------------------------------------------------
     def program_order(self) -> None:
+        nodes, tol, inf = self.nodes, self.tol, float("inf")
         for ids in self.thread.values():
-            ids.sort(key=lambda n: (self.nodes[n].ts, n))
+            ids.sort(key=lambda n: (nodes[n].ts, n))
             ends: list[tuple[float, int]] = []
             for v in ids:
-                nv = self.nodes[v]
-                j = bisect.bisect_right(ends, (nv.ts + self.tol, float("inf"))) - 1
+                nv = nodes[v]
+                j = bisect.bisect_right(ends, (nv.ts + tol, inf)) - 1
                 if j >= 0:
                     u = ends[j][1]
-                    self.edge(u, v, lag=max(0.0, nv.ts - self.nodes[u].end) if nv.kind == "WAIT" else 0.0,
+                    self.edge(u, v, lag=max(0.0, nv.ts - nodes[u].end) if nv.kind == "WAIT" else 0.0,
                               why="program order")
                 bisect.insort(ends, (nv.end, v))
 
@@ -359,7 +379,7 @@ class _Builder:
         return max(ids, key=lambda n: self.nodes[n].end)
 
     def data_edges(self, prev: dict[int, int | None], nxt: dict[int, int | None]) -> None:
-        stages = {s.stage for s in self.spans if s.stage is not None}
+        stages = self.stages
         recv: dict[tuple[int, str, int, int], int] = {}
         for t in self.transfers:
             recv[(t.dst, t.direction, t.stage, t.mb)] = t.node
@@ -407,7 +427,7 @@ class _Builder:
     def transfer_edges(self, schedule: Any) -> None:
         posts = receive_posts(schedule, self.halves, self.nodes) if schedule is not None else None
         channel: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        ranks = {s.rank for s in self.spans}
+        ranks = self.ranks
         for t in self.transfers:
             n = self.nodes[t.node]
             u = self.producer(t.src, "F" if t.direction == "F" else "B", t.stage, t.mb, before=t.send_start)

@@ -97,8 +97,10 @@ def part_name(s: Span) -> str:
     return s.kind.split(".", 1)[1] if "." in s.kind else s.kind
 
 
-def compute_roles(spans: list[Span], tol: float) -> tuple[list[int], dict[int, int], list[str]]:
-    """(indices of the spans that are compute nodes, part span -> the node span it is inside, notes).
+def compute_roles(spans: list[Span], tol: float, candidates: list[int] | None = None
+                  ) -> tuple[list[int], dict[int, int], list[str]]:
+    """(indices of the spans that are compute nodes, part span -> the node span it is inside, notes). `candidates`:
+    the indices of the spans whose kind_role is "compute", when the caller has them (else found here).
 
     Candidates: schedule spans (with a stage) of a compute op on a rank's compute stream. Per rank, in start
     order, a candidate inside an open one is a part of it, unless the open one is an FB frame and the candidate
@@ -107,9 +109,11 @@ def compute_roles(spans: list[Span], tol: float) -> tuple[list[int], dict[int, i
     notes: list[str] = []
     by_rank: dict[int, list[int]] = defaultdict(list)
     hp: list[int] = []
-    roles = _ROLES
-    for i, s in enumerate(spans):
-        if s.stage is None or (roles.get(s.kind) or kind_role(s.kind)) != "compute":
+    if candidates is None:
+        candidates = [i for i, s in enumerate(spans) if kind_role(s.kind) == "compute"]
+    for i in candidates:
+        s = spans[i]
+        if s.stage is None:
             continue
         ls = logical_stream(s)
         if ls == "compute":

@@ -48,20 +48,22 @@ def at_the_wait(trace: Trace) -> bool:
 
 
 def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first_id: int, tol: float,
-                    send_posted: Callable[[int], float]) -> tuple[list[Node], list[Transfer], dict[str, float],
-                                                                 list[str]]:
+                    send_posted: Callable[[int], float], p2p: list[int] | None = None
+                    ) -> tuple[list[Node], list[Transfer], dict[str, float], list[str]]:
     """(transfer nodes, their transfers, wire time used per direction in 'at the wait' traces, unmatched notes).
     `waits`: (rank, waited-for op name) -> WAIT span indices; `send_posted`: SEND span index -> when the sender
-    began posting it."""
+    began posting it; `p2p`: the indices of the SEND/RECV spans (kind_role "p2p"), when the caller has them."""
     spans = trace.spans
     sends: dict[tuple[str, int | None, int | None, int, int | None], list[int]] = defaultdict(list)
     recvs: list[int] = []
-    for i, s in enumerate(spans):
-        if kind_role(s.kind) == "p2p":
-            if s.kind.startswith("SEND"):
-                sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
-            elif s.kind.startswith("RECV") and s.stage is not None and s.mb is not None:
-                recvs.append(i)
+    if p2p is None:
+        p2p = [i for i, s in enumerate(spans) if kind_role(s.kind) == "p2p"]
+    for i in p2p:
+        s = spans[i]
+        if s.kind.startswith("SEND"):
+            sends[(s.kind[-1], s.stage, s.mb, s.rank, s.peer)].append(i)
+        elif s.kind.startswith("RECV") and s.stage is not None and s.mb is not None:
+            recvs.append(i)
     late = at_the_wait(trace)
     rows = []
     notes: list[str] = []
@@ -75,11 +77,15 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
         cands = [i for i in sends.get((r.kind[-1], r.stage, r.mb, src, r.rank), ()) if i not in used_sends]
         send = (cands[0] if len(cands) == 1 else min(cands, key=lambda i: abs(spans[i].start - r.start))
                 if cands else None)
+        send_start = r.start  # when the sender posted it (the RECV's start without a SEND)
+        posted = r.start
         if send is not None:
             used_sends.add(send)
-        posted = max(r.start, send_posted(send)) if send is not None else r.start
+            send_start = send_posted(send)
+            if send_start > posted:
+                posted = send_start
         w = _wait_for(spans, waits.get((r.rank, comm_name(r)), ()), r.start, r.end, tol)
-        rows.append((j, send, posted, w, src))
+        rows.append((j, send, posted, w, src, send_start))
     for (d, st, mb, src, dst), idx in sends.items():
         for i in idx:
             if i not in used_sends:
@@ -88,7 +94,7 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
     nodes: list[Node] = []
     transfers: list[Transfer] = []
     arrivals: list[float] = []
-    for j, send, posted, w, _src in rows:
+    for j, send, posted, w, _src, _ in rows:
         r = spans[j]
         arrival = r.end
         if late and w is not None:
@@ -102,14 +108,13 @@ def build_transfers(trace: Trace, waits: dict[tuple[int, str], list[int]], first
         arrivals.append(arrival)
     if late:
         _fifo_arrivals(spans, rows, arrivals)
-    for (j, send, posted, w, src), arrival in zip(rows, arrivals):
+    for (j, send, posted, w, src, send_start), arrival in zip(rows, arrivals):
         r = spans[j]
         nid = first_id + len(nodes)
         label = f"P2P_{r.kind[-1]}/s{r.stage}/mb{r.mb} r{src}->r{r.rank}"
         nodes.append(Node(nid, r.rank, "comm", P2P_NODE, label, posted, arrival,
                           ((send,) if send is not None else ()) + (j,), r.stage, r.mb, ts=posted))
-        transfers.append(Transfer(nid, src, r.rank, r.kind[-1], r.stage, r.mb, send, j,
-                                  send_posted(send) if send is not None else r.start))
+        transfers.append(Transfer(nid, src, r.rank, r.kind[-1], r.stage, r.mb, send, j, send_start))
     return nodes, transfers, wire, notes
 
 
@@ -118,13 +123,13 @@ def _fifo_arrivals(spans: list[Span], rows, arrivals: list[float]) -> None:
     posting order): a message arrives no earlier than the one posted before it on its channel, and never after
     the wait that saw it complete."""
     channels: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for k, (j, _send, posted, _w, src) in enumerate(rows):
+    for k, (j, _send, posted, _w, src, _) in enumerate(rows):
         channels[(src, spans[j].rank)].append(k)
     for ks in channels.values():
         ks.sort(key=lambda k: rows[k][2])
         prev = float("-inf")
         for k in ks:
-            j, _send, _posted, w, _src = rows[k]
+            j, _send, _posted, w, _src, _ = rows[k]
             bound = spans[w].end if w is not None else spans[j].end
             arrivals[k] = min(max(arrivals[k], prev), max(bound, arrivals[k]))
             prev = arrivals[k]
@@ -144,7 +149,7 @@ def _wire_times(spans: list[Span], rows, tol: float) -> dict[str, float]:
     """Per direction, the median of (wait end - posted) over the messages whose receiver was already waiting
     when the message was posted (it was blocked on the whole transfer)."""
     seen: dict[str, list[float]] = defaultdict(list)
-    for j, _send, posted, w, _src in rows:
+    for j, _send, posted, w, _src, _ in rows:
         if w is not None and posted >= spans[w].start - tol:
             seen[spans[j].kind[-1]].append(spans[w].end - posted)
     return {d: float(statistics.median(v)) for d, v in seen.items()}  # numpy's costs 30 us a call, the same value
