@@ -114,11 +114,12 @@ def whatif(trace: Trace, scales: dict[str, float], baseline: Trace | None = None
         # one step's graph at a time: 10^3 steps of a long run do not sit in memory together
         g = build_span_graph(rep, step=k, schedule=schedule, info=rep_info, chains=chains)
         base = replay(g)
-        dur, parts = scaled_durations(g, scales, share)
+        median = g.step == median_k  # the one step whose critical path is reported, with its parts
+        dur, parts = scaled_durations(g, scales, share, with_parts=median)
         tm = replay(g, dur, gap_scale=scales.get("gap", 1.0))
         row = {"step": g.step, "measured_us": g.makespan, "replay_us": base.makespan, "predicted_us": tm.makespan}
         ends = {}
-        if g.step == median_k:
+        if median:
             ends = {"before": from_timing(base, steps), "after": from_timing(tm, steps, critical_chain(tm), parts)}
         return row, {p for n in g.nodes for p in n.parts}, ends
 
@@ -174,9 +175,10 @@ def part_factor(part: str, scales: dict[str, float], ab_mhc: bool) -> float:
     return f
 
 
-def scaled_durations(g: SpanGraph, scales: dict[str, float],
-                     share: dict[tuple, float] | None = None) -> tuple[np.ndarray, list[dict[str, float]]]:
-    """Per node the scaled duration and its scaled parts. `share`: span key -> mHC's A/B share of that op."""
+def scaled_durations(g: SpanGraph, scales: dict[str, float], share: dict[tuple, float] | None = None,
+                     with_parts: bool = True) -> tuple[np.ndarray, list[dict[str, float]]]:
+    """Per node the scaled duration and its scaled parts (`with_parts=False`: durations only, the parts list
+    empty). `share`: span key -> mHC's A/B share of that op."""
     dur = [0.0] * len(g.nodes)
     parts_out: list[dict[str, float]] = []
     f_mhc = scales.get("mhc", 1.0)
@@ -188,7 +190,8 @@ def scaled_durations(g: SpanGraph, scales: dict[str, float],
             f = factors[(n.kind, n.lane)] = node_factor(n.kind, n.lane, scales)
         if not n.parts and share is None and n.id not in halves:  # most nodes: the rule below without parts or
             dur[n.id] = f * (max(n.duration, 0.0) + f_mhc * 0.0)  # A/B share, the same floats
-            parts_out.append({})
+            if with_parts:
+                parts_out.append({})
             continue
         if n.id in halves:  # an F&B pair recorded as one span: its halves' shares take F's and B's factors
             sf = halves[n.id]
@@ -203,7 +206,8 @@ def scaled_durations(g: SpanGraph, scales: dict[str, float],
         dur[n.id] = f * (max(rest, 0.0) + f_mhc * m) + sum(parts.values())
         if m:
             parts["mhc (A/B)"] = f * f_mhc * m
-        parts_out.append(parts)
+        if with_parts:
+            parts_out.append(parts)
     return np.asarray(dur), parts_out
 
 
