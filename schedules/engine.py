@@ -19,7 +19,8 @@ that).
 Without it a pair waits for both inputs and publishes both outputs at its end.
 
 The engine walks every rank's program with a pointer and parks a rank on the first missing input, so each
-action is handled once: 10^5-10^6 actions simulate in about a second.
+action is handled once: 10^5-10^6 actions simulate in about a second. A schedule rerun without spans replays the
+order a completed run handled its actions in (schedules.replay), without the parking and waking.
 """
 from __future__ import annotations
 
