@@ -123,3 +123,20 @@ def test_an_edge_added_twice_keeps_the_stronger_constraint():
     assert b.edges[(1, 2)] == ["fs", 0.0]
     b.edge(2, 0)  # 0 starts 40 before 2 ends: contradicted
     assert (2, 0) not in b.edges and len(b.violations) == 1
+
+
+def test_a_wait_binds_to_the_last_instance_of_its_op_posted_before_it():
+    """The same all-to-all posted twice between ops (a name that repeats within a step): a wait on it waited
+    for the instance posted last before the wait began, not an earlier one that had long completed."""
+    name = "A2A_DISPATCH/s0/mb0/L1"
+    spans = [Span(0, "compute", "F", 0, 0, 0.0, 5.0),
+             Span(0, "comm", "A2A_DISPATCH", 0, 0, 5.0, 1.0, name=f"{name}~comm"),
+             Span(0, "compute", "F", 0, 1, 6.0, 2.0),
+             Span(0, "comm", "A2A_DISPATCH", 0, 0, 8.0, 4.0, name=f"{name}~comm"),
+             Span(0, "compute", "WAIT", 0, 0, 8.5, 3.5, name=f"WAIT/{name}")]
+    t = Trace(spans, {**META, "schedule": {"kind": "1f1b", "ranks": 1, "microbatches": 2}})
+    g = build_span_graph(t)
+    first, second = sorted((n for n in g.nodes if n.kind == "A2A_DISPATCH"), key=lambda n: n.start)
+    (wait,) = [n for n in g.nodes if n.kind == "WAIT"]
+    assert (wait.start, wait.end) == (12.0, 12.0)  # blocked until the second exchange completed
+    assert (second.id, wait.id) in g.edges and (first.id, wait.id) not in g.edges
