@@ -3,7 +3,8 @@
 Modules: `ir` (Action, Kind, Schedule), `registry` (every kind's generator and facts: the one list of schedule
 names), `build`, the generators (`gpipe`, `one_f_one_b`, `zb1p`, `dualpipe`, `dualpipev`, with `_eight_steps`
 shared by the DualPipes and `_checks`), `lowering` (P2P actions), `deps` (the dependency semantics), `graph`
-(networkx), `validate`, `engine` (the event engine), `memo` (what is derived from one schedule object, once),
+(networkx), `validate`, `engine` (the event engine), `replay` (a completed schedule rerun with new prices from
+the engine's order), `memo` (what is derived from one schedule object, once),
 `simulate`, `durations`, `formulas` (closed-form bubbles and peaks), `torch_csv` (torch.distributed.pipelining's
 CSV), `ir_json`.
 """
