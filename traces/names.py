@@ -142,7 +142,13 @@ def kernel_part(label: str) -> str | None:
 
 def is_schedule_span(kind: str, stage: int | None) -> bool:
     """Spans that take part in matching: a schedule op (or an mHC kernel part of one) with a stage."""
-    return stage is not None and kind.split(".", 1)[0] in SCHEDULE_KINDS
+    return stage is not None and _schedule_kind(kind)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _schedule_kind(kind: str) -> bool:
+    """Whether `kind` is a schedule op's or a part of one: a trace has a few dozen kinds, asked per span per step."""
+    return kind.split(".", 1)[0] in SCHEDULE_KINDS
 
 
 def range_span(rank: int, stream: str, parsed: RangeName | None, text: str, start: float, duration: float) -> Span:

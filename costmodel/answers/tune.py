@@ -134,7 +134,6 @@ class Tuner:
         self._bounds: dict[tuple, float] = {}  # (the candidate whose pricer a bound used, floors?) -> the bound
         self._sections: dict[tuple, tuple] = {}  # (recompute, optimizer sharding) -> those config sections
         self._pars: dict[tuple, tuple] = {}  # parallel layout -> (its parallel section, its replica's)
-        self._split_pars: dict[tuple, object] = {}  # (parallel layout, cut key) -> the replica's with that cut
 
     def config(self, cand: Candidate) -> RunConfig:
         """The full run config of a candidate, validated (what the YAML holds)."""
@@ -235,11 +234,7 @@ class Tuner:
                 if pieces is None:
                     pieces = self._pieces[shape] = piece_costs(cfg, self.hw)
                 self._cuts[key] = [len(r) for r in balanced_split(cfg, self.hw, schedule, pieces)]
-            par = self._split_pars.get((_parallel_key(cand), key))
-            if par is None:
-                par = self._split_pars[(_parallel_key(cand), key)] = cfg.parallel.model_copy(
-                    update={"stage_split": self._cuts[key]})
-            cfg = self._with(cand, par)
+            cfg = self._with(cand, cfg.parallel.model_copy(update={"stage_split": self._cuts[key]}))
         return cfg
 
     def _prep(self, cand: Candidate) -> tuple[RunConfig, dict, SharedPricer]:

@@ -125,7 +125,7 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
     k, st = step_trace(trace, step, info)
     t0, t_end = float("inf"), float("-inf")  # the step's schedule spans' first start and last end
     for s in st.spans:
-        if s.stage is not None and _is_schedule(s):
+        if is_schedule_span(s.kind, s.stage):
             start = s.start
             if start < t0:
                 t0 = start
@@ -171,16 +171,6 @@ def build_span_graph(trace: Trace, step: int | None = None, schedule: Any = None
             at[v], fs_in[v], bind[v] = t, fs, u
     lat = [nd.start - (t0 if t is None else t) for nd, t in zip(nodes, at)]
     return SpanGraph(st, k, nodes, edges, t0, t_end, lat, bind, order, b.transfers, b.wire, b.violations, b.notes)
-
-
-_SCHEDULE_KIND: dict[str, bool] = {}  # kind -> is_schedule_span for a span with a stage: a few dozen kinds
-
-
-def _is_schedule(s) -> bool:
-    got = _SCHEDULE_KIND.get(s.kind)
-    if got is None:
-        got = _SCHEDULE_KIND[s.kind] = is_schedule_span(s.kind, 0)
-    return got and s.stage is not None
 
 
 class _Builder:
